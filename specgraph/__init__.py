@@ -1,0 +1,5 @@
+"""specgraph: graph-compiled speculative decoding of large language models."""
+
+from specgraph.recipe import Recipe
+
+__all__ = ["Recipe"]

@@ -1,0 +1,13 @@
+"""User-facing errors: the CLI prints them as one line and exits non-zero, without a traceback."""
+
+
+class SpecgraphError(Exception):
+    """A mistake in what the user gave us (recipe, checkpoint, device, prompt)."""
+
+
+class RecipeError(SpecgraphError):
+    """The recipe is malformed or describes an impossible topology."""
+
+
+class CheckpointError(SpecgraphError):
+    """A checkpoint folder cannot be used (missing files, unsupported architecture, pickles)."""

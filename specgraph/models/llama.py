@@ -1,0 +1,146 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) for static caches and tree masks.
+
+Parameter names follow the Hugging Face checkpoints (minus the `model.` prefix),
+so a checkpoint loads with a plain `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specgraph.cache import KVCache
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """What our module needs from a Hugging Face config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, as the reference does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, K]; cos, sin [B, 1, T, K]."""
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: LlamaShape):
+        super().__init__()
+        h, kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
+        self.q_proj = nn.Linear(shape.hidden_size, h * d, bias=shape.qkv_bias)
+        self.k_proj = nn.Linear(shape.hidden_size, kv * d, bias=shape.qkv_bias)
+        self.v_proj = nn.Linear(shape.hidden_size, kv * d, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(h * d, shape.hidden_size, bias=shape.o_bias)
+        if shape.qk_norm:
+            self.q_norm = RMSNorm(d, shape.rms_norm_eps)
+            self.k_norm = RMSNorm(d, shape.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+                slot: int, mask: torch.Tensor | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)  # [B, T, H, K]
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, K]
+        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, K]
+        keys, values = cache.write(layer, slot, k, v.transpose(1, 2))  # [B, Hkv, slot + T, K]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: LlamaShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=shape.mlp_bias)
+        self.up_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=shape.mlp_bias)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: LlamaShape):
+        super().__init__()
+        self.self_attn = Attention(shape)
+        self.mlp = MLP(shape)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, layer, slot, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slot, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Decoder with logits head. `inv_freq` and `rope_scale` come from the checkpoint's rope config."""
+
+    def __init__(self, shape: LlamaShape):
+        super().__init__()
+        self.shape = shape
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.register_buffer("inv_freq", torch.ones(shape.head_dim // 2), persistent=False)
+        self.rope_scale = 1.0
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        s = self.shape
+        return KVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
+                       self.embed_tokens.weight.dtype, self.embed_tokens.weight.device)
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, 1, T, K], computed in fp32 like the reference."""
+        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, T, K/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slot: int,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """tokens, positions [B, T]; writes K/V at slots [slot, slot + T) and attends over
+        [0, slot + T) where mask [T, slot + T] (bool, True = visible) allows; None = all visible.
+        Returns logits [B, T, V] in fp32."""
+        x = self.embed_tokens(tokens)  # [B, T, hidden]
+        cos, sin = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, slot, mask)
+        return self.lm_head(self.norm(x)).float()

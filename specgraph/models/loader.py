@@ -1,0 +1,131 @@
+"""Read Hugging Face checkpoint folders: config.json + safetensors (sharded or not).
+
+Pickle checkpoints (*.bin, *.pt) are never loaded and remote code is never run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from specgraph.errors import CheckpointError
+from specgraph.models.llama import LlamaModel, LlamaShape
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_config(path: Path) -> PretrainedConfig:
+    """The checkpoint's config, after checking that the folder holds a model we can run."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint folder does not exist")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json (a Hugging Face checkpoint folder has config.json + *.safetensors)")
+    safetensor_files(path)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (ValueError, KeyError, OSError) as exc:
+        raise CheckpointError(f"{path}/config.json: cannot be read ({str(exc).splitlines()[0]})") from None
+    arch = (getattr(config, "architectures", None) or ["?"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(f"{path}: unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return config
+
+
+def safetensor_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{path}: shard {missing[0]} named in model.safetensors.index.json is missing")
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        hint = f" (found {pickles[0]}: pickle checkpoints are never loaded; convert it to safetensors)" if pickles else ""
+        raise CheckpointError(f"{path}: no *.safetensors weights{hint}")
+    return files
+
+
+def tokenizer_fingerprint(path: Path) -> str | None:
+    """A hash of the tokenizer files, or None where the folder carries none."""
+    digest = hashlib.sha256()
+    found = False
+    for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model"):
+        if (path / name).is_file():
+            digest.update(name.encode() + (path / name).read_bytes())
+            found = True
+    return digest.hexdigest() if found else None
+
+
+def llama_shape(config: PretrainedConfig) -> LlamaShape:
+    arch = config.architectures[0]
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    return LlamaShape(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        rms_norm_eps=config.rms_norm_eps,
+        qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
+        o_bias=False if arch == "Qwen2ForCausalLM" else attention_bias,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+    )
+
+
+def rope_tables(config: PretrainedConfig, head_dim: int, device: torch.device) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [K/2] and cos/sin scale for the checkpoint's rope type."""
+    params = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv_freq.to(device), 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise CheckpointError(f"rope_type {rope_type!r} is not supported; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+    return inv_freq, float(scale)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return DTYPES[name]
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:
+    """Build our module for the checkpoint at `path` and load its safetensors weights onto `device`."""
+    path, device = Path(path), torch.device(device)
+    config = read_config(path)
+    with torch.device("meta"):
+        model = LlamaModel(llama_shape(config))
+    model.to_empty(device=device)
+    state = {}
+    for file in safetensor_files(path):
+        for name, tensor in load_file(file, device=str(device)).items():
+            state[name.removeprefix("model.")] = tensor.to(dtype)
+    if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False):
+        state["lm_head.weight"] = state.get("embed_tokens.weight")
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing or unexpected:
+        what = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
+        raise CheckpointError(f"{path}: weights do not match the {config.architectures[0]} layout ({what})")
+    model.load_state_dict(state, strict=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq, model.rope_scale = rope_tables(config, model.shape.head_dim, device)
+    model.to(dtype)
+    model.inv_freq = model.inv_freq.float()
+    return model.eval().requires_grad_(False)

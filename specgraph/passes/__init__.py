@@ -1,0 +1,27 @@
+"""The pass pipeline, read top to bottom. Each pass is a pure function SpecGraph -> SpecGraph."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from specgraph.graph import SpecGraph
+from specgraph.passes.place import place
+from specgraph.passes.plan_memory import plan_memory
+from specgraph.passes.plan_tree import plan_tree
+from specgraph.passes.validate import validate
+
+PIPELINE = [
+    validate,     # checkpoints readable, tokenizers shared, rules consistent, execution runnable
+    place,        # devices and dtypes resolved
+    plan_tree,    # draft-tree topology and node budget per drafter
+    plan_memory,  # cache slots and byte counts per stage
+]
+
+
+def run_pipeline(graph: SpecGraph, after_each: Callable[[str, SpecGraph], None] | None = None) -> SpecGraph:
+    """Run every pass in order; `after_each(pass_name, graph)` sees the graph after each one."""
+    for graph_pass in PIPELINE:
+        graph = graph_pass(graph)
+        if after_each is not None:
+            after_each(graph_pass.__name__, graph)
+    return graph

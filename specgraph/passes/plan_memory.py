@@ -1,0 +1,32 @@
+"""plan_memory: size every stage's static buffers.
+
+Before: stages carry `config`, `dtype` and the tree plan.
+After:  + `cache_slots`: KV slots = max_seq_len + the largest number of tokens one step writes
+        past the committed prefix (the verified tree of the stage's drafter, or the drafter's own
+        catch-up and tree); `kv_bytes` and `weight_bytes`, for the report and for placement checks.
+"""
+
+from __future__ import annotations
+
+from specgraph.graph import SpecGraph
+from specgraph.models.loader import llama_shape
+from specgraph.passes.base import graph_pass
+
+
+@graph_pass(requires=("config", "dtype", "tree_nodes"), provides=("cache_slots", "kv_bytes", "weight_bytes"))
+def plan_memory(graph: SpecGraph) -> SpecGraph:
+    max_seq_len = graph.recipe.max_seq_len
+    for name in graph.stages():
+        node = graph.node(name)
+        drafter = graph.drafter_of(name)
+        # A target writes its drafter's tree (+ root); a drafter writes its own tree (+ one catch-up token).
+        step_tokens = 1 + (graph.node(drafter)["tree_nodes"] if drafter else node["tree_nodes"] + 1)
+        shape = llama_shape(node["config"])
+        itemsize = node["dtype"].itemsize
+        node["cache_slots"] = max_seq_len + step_tokens
+        node["kv_bytes"] = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * node["cache_slots"] * itemsize
+        per_layer = (shape.hidden_size * shape.head_dim * (2 * shape.num_heads + 2 * shape.num_kv_heads)
+                     + 3 * shape.hidden_size * shape.intermediate_size + 2 * shape.hidden_size)
+        embeddings = shape.vocab_size * shape.hidden_size * (1 if node["config"].tie_word_embeddings else 2)
+        node["weight_bytes"] = (shape.num_layers * per_layer + embeddings + shape.hidden_size) * itemsize
+    return graph

@@ -1,0 +1,104 @@
+"""validate: check that the recipe describes a topology this build can run, and read each
+stage's checkpoint config.
+
+Before: stages carry `spec` and `model`.
+After:  + `config` (the Hugging Face config), `tokenizer` (fingerprint of its files),
+        `eos_ids` (token ids that end generation), `rule` (the verification rule in force).
+"""
+
+from __future__ import annotations
+
+import json
+
+from specgraph.errors import CheckpointError, RecipeError
+from specgraph.graph import SpecGraph
+from specgraph.models.loader import read_config, tokenizer_fingerprint
+from specgraph.passes.base import graph_pass
+from specgraph.recipe import DynamicTree
+
+RUNNABLE_EXECUTIONS = ("serial",)
+
+
+@graph_pass(provides=("config", "tokenizer", "eos_ids", "rule"))
+def validate(graph: SpecGraph) -> SpecGraph:
+    recipe = graph.recipe
+    if recipe.execution not in RUNNABLE_EXECUTIONS:
+        raise RecipeError(f"execution: {recipe.execution!r} is not implemented yet; valid now: "
+                          f"{', '.join(RUNNABLE_EXECUTIONS)}")
+    stages = graph.stages()
+    if len(stages) > 2:
+        raise RecipeError(f"stages: {len(stages)} stages form a hierarchy, which needs execution: pipeline "
+                          "(not implemented yet); the serial executor runs one target with at most one drafter")
+    target = stages[-1]
+    for name in stages:
+        node = graph.node(name)
+        spec, index = node["spec"], node["index"]
+        try:
+            node["config"] = read_config(node["model"].path)
+        except CheckpointError as exc:
+            raise CheckpointError(f"models.{spec.model}.path: {exc}") from None
+        node["tokenizer"] = tokenizer_fingerprint(node["model"].path)
+        node["eos_ids"] = _eos_ids(node)
+        node["rule"] = _rule(spec.verify.rule, recipe.sampling.temperature, index)
+        _check_window(node, recipe.max_seq_len)
+        if spec.tree is not None and name == target:
+            raise RecipeError(f"stages.{index}.tree: the last stage drafts for no one; "
+                              "put the tree on the stage it verifies")
+        if isinstance(spec.tree, DynamicTree):
+            _check_dynamic(spec.tree, index)
+    _check_same_vocabulary(graph, target)
+    return graph
+
+
+def _rule(rule: str | None, temperature: float, index: int) -> str:
+    if rule is None:
+        return "greedy" if temperature == 0 else "sampling"
+    if rule == "greedy" and temperature > 0:
+        raise RecipeError(f"stages.{index}.verify.rule: 'greedy' needs sampling.temperature 0 "
+                          f"(got {temperature}); use 'sampling' to keep the target distribution")
+    if rule == "sampling" and temperature == 0:
+        raise RecipeError(f"stages.{index}.verify.rule: 'sampling' needs sampling.temperature > 0; "
+                          "use 'greedy' at temperature 0")
+    return rule
+
+
+def _eos_ids(node: dict) -> tuple[int, ...]:
+    eos = node["config"].eos_token_id
+    generation = node["model"].path / "generation_config.json"
+    if generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id", eos)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def _check_window(node: dict, max_seq_len: int) -> None:
+    config, spec = node["config"], node["spec"]
+    window = getattr(config, "sliding_window", None)
+    if window and window < max_seq_len:
+        raise RecipeError(f"max_seq_len: {max_seq_len} exceeds models.{spec.model}'s sliding window {window}, "
+                          f"which is not supported yet; set max_seq_len <= {window}")
+    if config.max_position_embeddings < max_seq_len:
+        raise RecipeError(f"max_seq_len: {max_seq_len} exceeds models.{spec.model}'s max_position_embeddings "
+                          f"{config.max_position_embeddings}")
+
+
+def _check_dynamic(tree: DynamicTree, index: int) -> None:
+    grown = tree.width + (tree.depth - 1) * tree.width ** 2
+    if tree.nodes > grown:
+        raise RecipeError(f"stages.{index}.tree.nodes: {tree.nodes} exceeds the {grown} nodes that width "
+                          f"{tree.width} and depth {tree.depth} grow; valid: 1..{grown}")
+
+
+def _check_same_vocabulary(graph: SpecGraph, target: str) -> None:
+    ref = graph.node(target)
+    for name in graph.stages()[:-1]:
+        node = graph.node(name)
+        model = node["spec"].model
+        if node["config"].vocab_size != ref["config"].vocab_size:
+            raise CheckpointError(f"models.{model}: vocab_size {node['config'].vocab_size} differs from "
+                                  f"models.{ref['spec'].model}'s {ref['config'].vocab_size}; a draft must share "
+                                  "the target's vocabulary")
+        if None not in (node["tokenizer"], ref["tokenizer"]) and node["tokenizer"] != ref["tokenizer"]:
+            raise CheckpointError(f"models.{model}: tokenizer differs from models.{ref['spec'].model}'s; "
+                                  "a draft must share the target's tokenizer")

@@ -1,0 +1,52 @@
+"""Lowering: a planned SpecGraph becomes a Program — loaded stages wired to an executor."""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer
+
+from specgraph.draft import Drafter
+from specgraph.graph import SpecGraph
+from specgraph.models.loader import load_model
+from specgraph.passes import run_pipeline
+from specgraph.recipe import Recipe
+from specgraph.runtime.serial import Generation, SerialExecutor, Verifier
+from specgraph.runtime.stage import Stage
+
+
+def plan(recipe: Recipe) -> SpecGraph:
+    """Recipe -> graph -> every pass of PIPELINE."""
+    return run_pipeline(SpecGraph.from_recipe(recipe))
+
+
+def _stage(graph: SpecGraph, name: str) -> Stage:
+    node = graph.node(name)
+    model = load_model(node["model"].path, node["dtype"], node["device"])
+    return Stage(name, model, node["cache_slots"], node["device"])
+
+
+class Program:
+    def __init__(self, graph: SpecGraph):
+        self.graph = graph
+        self.recipe = graph.recipe
+        target = graph.node(graph.target)
+        self.tokenizer = AutoTokenizer.from_pretrained(target["model"].path, trust_remote_code=False)
+        verifier = Verifier(_stage(graph, graph.target), target["spec"].verify, target["rule"], self.recipe.sampling)
+        drafter = None
+        if (draft_name := graph.drafter_of(graph.target)) is not None:
+            drafter = Drafter(_stage(graph, draft_name), graph.node(draft_name)["tree"], target["rule"],
+                              self.recipe.sampling)
+        self.executor = SerialExecutor(verifier, drafter, target["eos_ids"], self.recipe.max_seq_len)
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe) -> Program:
+        return cls(plan(recipe))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None, seed: int | None = None) -> Generation:
+        return self.executor.generate(prompt_ids, max_new_tokens or self.recipe.max_new_tokens,
+                                      self.recipe.sampling.seed if seed is None else seed)

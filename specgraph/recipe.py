@@ -1,0 +1,208 @@
+"""The recipe: a typed, validated description of a decoding topology.
+
+A recipe is read once (from YAML, a dict or Python keyword arguments) into the
+pydantic objects below; everything after this module works on typed objects.
+Relative model paths resolve against the recipe's folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from specgraph.errors import RecipeError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    """A Hugging Face checkpoint folder (config.json + *.safetensors)."""
+
+    path: Path = Field(description="checkpoint folder; relative paths resolve against the recipe's folder")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weight and activation dtype; auto = float32 on cpu, bfloat16 on cuda"
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _resolve(cls, path: Path, info: ValidationInfo) -> Path:
+        base = (info.context or {}).get("base_dir")
+        return path if path.is_absolute() or base is None else Path(base) / path
+
+
+class ChainTree(_Strict):
+    """A single sequence of `length` draft tokens."""
+
+    shape: Literal["chain"] = "chain"
+    length: PositiveInt = Field(4, description="draft tokens per step")
+
+
+class StaticTree(_Strict):
+    """A fixed tree: `branching` (children per depth) or explicit `paths` of child ranks."""
+
+    shape: Literal["static"] = "static"
+    branching: list[PositiveInt] | None = Field(None, description="children of every node at each depth")
+    paths: list[list[NonNegativeInt]] | None = Field(
+        None, description="each path a sequence of child ranks from the root (Medusa-style)"
+    )
+
+    @model_validator(mode="after")
+    def _one_form(self) -> StaticTree:
+        if (self.branching is None) == (self.paths is None):
+            raise ValueError("give exactly one of 'branching' or 'paths'")
+        if self.branching is not None and not self.branching:
+            raise ValueError("'branching' needs at least one depth, e.g. [4, 2, 1]")
+        if self.paths is not None:
+            if not self.paths or any(not p for p in self.paths):
+                raise ValueError("'paths' needs at least one non-empty path, e.g. [[0], [1], [0, 0]]")
+            given = {tuple(p) for p in self.paths}
+            for p in given:
+                if len(p) > 1 and p[:-1] not in given:
+                    raise ValueError(f"path {list(p)} has no parent path {list(p[:-1])}")
+                if p[-1] > 0 and (*p[:-1], p[-1] - 1) not in given:
+                    raise ValueError(f"path {list(p)} skips its elder sibling {[*p[:-1], p[-1] - 1]}")
+        return self
+
+
+class DynamicTree(_Strict):
+    """Maximum-likelihood expansion: grow the `width` most likely leaves per step for `depth`
+    steps, then verify the `nodes` most likely nodes by cumulative log-probability."""
+
+    shape: Literal["dynamic"] = "dynamic"
+    width: PositiveInt = Field(4, description="leaves expanded per step, and children per expanded leaf")
+    depth: PositiveInt = Field(4, description="expansion steps (maximum tree depth)")
+    nodes: PositiveInt = Field(16, description="draft nodes verified per step (the root not counted)")
+
+
+TreeSpec = Annotated[Union[ChainTree, StaticTree, DynamicTree], Field(discriminator="shape")]
+
+
+class VerifySpec(_Strict):
+    """How a stage accepts the drafts of the stage it verifies."""
+
+    rule: Literal["greedy", "sampling", "typical"] | None = Field(
+        None,
+        description="greedy (exact, temperature 0), sampling (lossless speculative sampling, temperature > 0), "
+        "typical (lossy typical acceptance, opt-in); default: greedy at temperature 0, else sampling",
+    )
+    typical_threshold: float = Field(0.09, gt=0, le=1, description="typical: hard probability floor epsilon")
+    typical_alpha: float = Field(0.3, gt=0, le=1, description="typical: entropy-scaled floor delta")
+
+
+class StageSpec(_Strict):
+    """A node of the graph: one model on one device partition."""
+
+    name: str = Field(min_length=1)
+    model: str = Field(description="key into `models`")
+    devices: list[str] = Field(["auto"], min_length=1, description="cpu, cuda:N or auto; TP over the list")
+    tree: TreeSpec | None = Field(None, description="draft-tree shape, for a stage that others verify")
+    verifies: str | None = Field(None, description="name of the stage whose drafts this stage verifies")
+    verify: VerifySpec = VerifySpec()
+
+
+class SamplingSpec(_Strict):
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: NonNegativeInt = Field(0, description="0 = no top-k filter")
+    seed: int = 0
+
+
+class Recipe(_Strict):
+    """A decoding topology. See DESIGN.md for the format."""
+
+    name: str = Field(min_length=1)
+    models: dict[str, ModelSpec] = Field(min_length=1)
+    stages: list[StageSpec] = Field(min_length=1, description="smallest model first")
+    execution: Literal["serial", "disaggregated", "pipeline"] = "serial"
+    sampling: SamplingSpec = SamplingSpec()
+    max_new_tokens: PositiveInt = 256
+    max_seq_len: PositiveInt = Field(2048, description="prompt + generated tokens that the caches hold")
+    prompt: str | None = Field(None, description="prompt used when the command line gives none")
+
+    @classmethod
+    def from_dict(cls, data: Any, base_dir: Path | str | None = None) -> Recipe:
+        try:
+            return cls.model_validate(data, context={"base_dir": base_dir})
+        except ValidationError as exc:
+            raise RecipeError(describe_validation_error(exc)) from None
+
+    @classmethod
+    def from_yaml(cls, path: Path | str, overrides: list[str] = ()) -> Recipe:
+        path = Path(path)
+        if not path.is_file():
+            raise RecipeError(f"recipe file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise RecipeError(f"{path}: a recipe is a YAML mapping with keys name, models, stages, ...")
+        for override in overrides:
+            apply_override(data, override)
+        return cls.from_dict(data, base_dir=path.parent)
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Apply one `dotted.path=value` override (value parsed as YAML) to raw recipe data in place."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"--set {override!r}: expected KEY=VALUE, e.g. stages.0.devices=[cpu]")
+    value = yaml.safe_load(raw)
+    parts = key.split(".")
+    node: Any = data
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        where = ".".join(parts[: depth + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise RecipeError(f"--set {key}: {where} is not an index of a list of {len(node)}")
+            part = int(part)
+        elif not isinstance(node, dict):
+            raise RecipeError(f"--set {key}: {'.'.join(parts[:depth])} is not a mapping or list")
+        if last:
+            node[part] = value
+        else:
+            if isinstance(node, dict) and part not in node:
+                node[part] = {}
+            node = node[part]
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line: the first error's field path and what would be valid."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err["loc"] if p not in ("chain", "static", "dynamic")]
+    where = ".".join(loc) or "recipe"
+    if err["type"] == "extra_forbidden":
+        valid = _fields_at(err["loc"][:-1])
+        return f"{where}: unknown key; valid keys here: {', '.join(valid)}"
+    if err["type"] == "missing":
+        return f"{where}: required field is missing"
+    msg = err["msg"].removeprefix("Value error, ")
+    got = err.get("input")
+    shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+    return f"{where}: {msg}{shown}"
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """Field names of the schema object found by walking `loc` from Recipe."""
+    model: Any = Recipe
+    walk = {"models": ModelSpec, "stages": StageSpec, "sampling": SamplingSpec, "verify": VerifySpec,
+            "chain": ChainTree, "static": StaticTree, "dynamic": DynamicTree}
+    for part in loc:
+        model = walk.get(part, model) if isinstance(part, str) else model
+    return list(model.model_fields)

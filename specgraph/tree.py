@@ -1,0 +1,131 @@
+"""Draft trees: the static topologies a recipe names, and the per-step tree a drafter builds.
+
+Node 0 of every tree is the root: the last committed token, whose successor
+the target has not yet decided. Nodes are stored in topological order
+(a parent's index is below its children's), siblings in rank order (the order
+in which they were proposed), which is the order verification tries them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from specgraph.recipe import ChainTree, DynamicTree, StaticTree
+
+
+@dataclass(frozen=True)
+class TreeTopology:
+    """The shape of a static tree (chain included): node i > 0 is child number `ranks[i]` of `parents[i]`."""
+
+    parents: tuple[int, ...]  # [N + 1], parents[0] = -1
+    ranks: tuple[int, ...]  # [N + 1], ranks[0] = 0
+
+    @property
+    def nodes(self) -> int:
+        """Draft nodes, the root not counted."""
+        return len(self.parents) - 1
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        depth = [0] * len(self.parents)
+        for i, p in enumerate(self.parents[1:], start=1):
+            depth[i] = depth[p] + 1
+        return tuple(depth)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    @classmethod
+    def from_paths(cls, paths: list[list[int]]) -> TreeTopology:
+        """Medusa-style paths of child ranks, e.g. [[0], [1], [0, 0]]."""
+        ordered = sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
+        index = {(): 0}
+        parents, ranks = [-1], [0]
+        for path in ordered:
+            index[path] = len(parents)
+            parents.append(index[path[:-1]])
+            ranks.append(path[-1])
+        return cls(tuple(parents), tuple(ranks))
+
+    @classmethod
+    def from_branching(cls, branching: list[int]) -> TreeTopology:
+        paths, level = [], [()]
+        for width in branching:
+            level = [(*p, r) for p in level for r in range(width)]
+            paths.extend(level)
+        return cls.from_paths([list(p) for p in paths])
+
+    @classmethod
+    def from_spec(cls, spec: ChainTree | StaticTree) -> TreeTopology:
+        if isinstance(spec, ChainTree):
+            return cls.from_paths([[0] * d for d in range(1, spec.length + 1)])
+        if spec.branching is not None:
+            return cls.from_branching(spec.branching)
+        return cls.from_paths(spec.paths)
+
+
+def node_budget(spec: ChainTree | StaticTree | DynamicTree) -> int:
+    """Draft nodes verified per step (the root not counted): the tree's static size."""
+    if isinstance(spec, DynamicTree):
+        return spec.nodes
+    return TreeTopology.from_spec(spec).nodes
+
+
+def tree_depth(spec: ChainTree | StaticTree | DynamicTree) -> int:
+    if isinstance(spec, DynamicTree):
+        return spec.depth
+    return TreeTopology.from_spec(spec).max_depth
+
+
+@dataclass
+class Tree:
+    """One step's draft tree of N + 1 nodes (root included)."""
+
+    tokens: torch.Tensor  # [N + 1] long
+    parents: torch.Tensor  # [N + 1] long, root -1
+    proposals: torch.Tensor | None = None  # [N + 1, V]: the distribution each node's token was drawn from
+
+    @property
+    def size(self) -> int:
+        return self.tokens.numel()
+
+    @cached_property
+    def depths(self) -> torch.Tensor:
+        """[N + 1] long: the number of proper ancestors of each node."""
+        return self.ancestors.sum(-1) - 1
+
+    @cached_property
+    def ancestors(self) -> torch.Tensor:
+        """[N + 1, N + 1] bool: ancestors[i, j] when j is i or an ancestor of i."""
+        n = self.size
+        idx = torch.arange(n, device=self.tokens.device)
+        anc = idx[:, None] == idx[None, :]
+        hop = self.parents.clone()
+        for _ in range(n - 1):  # at most n - 1 hops from any node to the root
+            live = hop >= 0
+            if not bool(live.any()):
+                break
+            anc[idx[live], hop[live]] = True
+            hop = torch.where(live, self.parents[hop.clamp(min=0)], hop)
+        return anc
+
+    def children(self, node: int) -> list[int]:
+        return (self.parents == node).nonzero().flatten().tolist()
+
+    @classmethod
+    def root_only(cls, token: int, device: torch.device | str) -> Tree:
+        return cls(torch.tensor([token], device=device), torch.tensor([-1], device=device))
+
+
+def prefix_tree_mask(prefix: int, ancestors: torch.Tensor) -> torch.Tensor:
+    """[T, prefix + T] bool: every row sees the whole prefix and its own ancestors among the new T."""
+    t = ancestors.shape[0]
+    seen = torch.ones(t, prefix, dtype=torch.bool, device=ancestors.device)
+    return torch.cat([seen, ancestors], dim=1)
