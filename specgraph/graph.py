@@ -84,11 +84,13 @@ class SpecGraph:
         if order != sorted(order):
             raise RecipeError("stages: list the stages smallest model first, each verifying the one before it")
 
-    def describe(self) -> str:
+    def describe(self, keys: tuple[str, ...] | None = None) -> str:
+        """Stages, edges and annotations (all of them, or only `keys`)."""
         lines = []
         for name in self.stages():
             attrs = self.node(name)
-            extra = {k: v for k, v in attrs.items() if k not in ("spec", "model", "index")}
+            extra = {k: v for k, v in attrs.items()
+                     if k not in ("spec", "model", "index") and (keys is None or k in keys)}
             lines.append(f"  [{attrs['index']}] {name} (model {attrs['spec'].model}: {attrs['model'].path})")
             lines.extend(f"        {k} = {_short(v)}" for k, v in extra.items())
             for succ in self.g.successors(name):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import AutoTokenizer
 
 from specgraph.draft import Drafter
+from specgraph.errors import SpecgraphError
 from specgraph.graph import SpecGraph
 from specgraph.models.loader import load_model
 from specgraph.passes import run_pipeline
@@ -48,5 +49,8 @@ class Program:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None, seed: int | None = None) -> Generation:
+        if not 0 < len(prompt_ids) < self.recipe.max_seq_len:
+            raise SpecgraphError(f"a prompt of {len(prompt_ids)} tokens does not fit: prompts need 1 to "
+                                 f"{self.recipe.max_seq_len - 1} tokens (max_seq_len {self.recipe.max_seq_len})")
         return self.executor.generate(prompt_ids, max_new_tokens or self.recipe.max_new_tokens,
                                       self.recipe.sampling.seed if seed is None else seed)

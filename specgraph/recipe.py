@@ -162,7 +162,10 @@ def apply_override(data: dict, override: str) -> None:
     key, sep, raw = override.partition("=")
     if not sep or not key:
         raise RecipeError(f"--set {override!r}: expected KEY=VALUE, e.g. stages.0.devices=[cpu]")
-    value = yaml.safe_load(raw)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:  # not YAML: take it as plain text (e.g. a prompt)
+        value = raw
     parts = key.split(".")
     node: Any = data
     for depth, part in enumerate(parts):

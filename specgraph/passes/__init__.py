@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from specgraph.passes.base import Pass
+
 from specgraph.graph import SpecGraph
 from specgraph.passes.place import place
 from specgraph.passes.plan_memory import plan_memory
@@ -18,10 +20,10 @@ PIPELINE = [
 ]
 
 
-def run_pipeline(graph: SpecGraph, after_each: Callable[[str, SpecGraph], None] | None = None) -> SpecGraph:
-    """Run every pass in order; `after_each(pass_name, graph)` sees the graph after each one."""
+def run_pipeline(graph: SpecGraph, after_each: Callable[[Pass, SpecGraph], None] | None = None) -> SpecGraph:
+    """Run every pass in order; `after_each(graph_pass, graph)` sees the graph after each one."""
     for graph_pass in PIPELINE:
         graph = graph_pass(graph)
         if after_each is not None:
-            after_each(graph_pass.__name__, graph)
+            after_each(graph_pass, graph)
     return graph

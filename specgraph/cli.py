@@ -1,0 +1,129 @@
+"""specgraph command line: run | inspect."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specgraph.errors import SpecgraphError
+
+
+def _recipe_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", type=Path, help="recipe YAML file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe field by dotted path, e.g. stages.0.devices=[cpu] (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specgraph", description="graph-compiled speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="decode prompts with a recipe")
+    _recipe_args(run)
+    source = run.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--prompts", type=Path, metavar="FILE.jsonl",
+                        help="JSON lines with 'prompt' (text) and optional 'id'")
+    run.add_argument("--max-new-tokens", type=int, help="override the recipe's max_new_tokens")
+    run.add_argument("--json", type=Path, metavar="OUT", help="write results and summary as JSON")
+
+    inspect = sub.add_parser("inspect", help="print the graph and the plan after each pass")
+    _recipe_args(inspect)
+    inspect.add_argument("--dot", type=Path, metavar="OUT", help="write the planned graph as Graphviz DOT")
+    return parser
+
+
+def read_prompts(args: argparse.Namespace, default: str | None) -> list[dict]:
+    if args.prompt is not None:
+        return [{"id": "000", "prompt": args.prompt}]
+    if args.prompts is None:
+        if default is None:
+            raise SpecgraphError("no prompt: give --prompt TEXT or --prompts FILE.jsonl, or set 'prompt' in the recipe")
+        return [{"id": "000", "prompt": default}]
+    if not args.prompts.is_file():
+        raise SpecgraphError(f"--prompts: {args.prompts} does not exist")
+    prompts = []
+    for n, line in enumerate(args.prompts.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SpecgraphError(f"--prompts: {args.prompts} line {n} is not JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise SpecgraphError(f"--prompts: {args.prompts} line {n} needs a 'prompt' string")
+        prompts.append({"id": str(row.get("id", f"{len(prompts):03d}")), "prompt": row["prompt"]})
+    if not prompts:
+        raise SpecgraphError(f"--prompts: {args.prompts} holds no prompts")
+    return prompts
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from specgraph.program import Program
+    from specgraph.recipe import Recipe
+
+    recipe = Recipe.from_yaml(args.recipe, args.overrides)
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise SpecgraphError(f"--max-new-tokens: must be at least 1 (got {args.max_new_tokens})")
+    prompts = read_prompts(args, recipe.prompt)
+    print(f"specgraph: loading {recipe.name} ({', '.join(s.name for s in recipe.stages)})", file=sys.stderr)
+    program = Program.from_recipe(recipe)
+    results = []
+    for row in tqdm(prompts, desc="prompts", unit="prompt", disable=len(prompts) == 1, file=sys.stderr):
+        ids = program.encode(row["prompt"])
+        gen = program.generate(ids, args.max_new_tokens)
+        results.append({"id": row["id"], "prompt_tokens": len(ids), "output_ids": gen.output_ids,
+                        "text": program.decode(gen.output_ids), "target_steps": gen.target_steps,
+                        "accepted_lengths": gen.accepted_lengths, "wall_seconds": gen.seconds})
+    steps = [n for r in results for n in r["accepted_lengths"]]
+    new_tokens = sum(len(r["output_ids"]) for r in results)
+    wall = sum(r.pop("wall_seconds") for r in results)
+    summary = {"new_tokens": new_tokens, "wall_seconds": round(wall, 4),
+               "tokens_per_second": round(new_tokens / wall, 2) if wall > 0 else 0.0,
+               "mean_accepted_length": round(sum(steps) / len(steps), 3) if steps else 0.0}
+    if len(results) == 1:
+        print(prompts[0]["prompt"] + results[0]["text"])
+    print(f"{summary['new_tokens']} new tokens in {summary['wall_seconds']:.2f} s: "
+          f"{summary['tokens_per_second']:.1f} tokens/s, mean accepted length {summary['mean_accepted_length']:.2f}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"recipe": recipe.name, "results": results, "summary": summary}, indent=1))
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from specgraph.graph import SpecGraph
+    from specgraph.passes import run_pipeline
+    from specgraph.recipe import Recipe
+
+    recipe = Recipe.from_yaml(args.recipe, args.overrides)
+    graph = SpecGraph.from_recipe(recipe)
+    print(f"recipe {recipe.name}: execution {recipe.execution}\n{graph.describe()}")
+
+    def show(graph_pass, after: SpecGraph) -> None:
+        print(f"\nafter {graph_pass.__name__} (provides {', '.join(graph_pass.provides)}):\n"
+              f"{after.describe(keys=graph_pass.provides)}")
+
+    planned = run_pipeline(graph, after_each=show)
+    if args.dot is not None:
+        args.dot.write_text(planned.to_dot() + "\n")
+        print(f"\nwrote {args.dot}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        {"run": cmd_run, "inspect": cmd_inspect}[args.command](args)
+    except SpecgraphError as exc:
+        print(f"specgraph: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specgraph: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Each pass does its job, declares what it provides, and leaves its input untouched."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from conftest import EMBEDDED, shared_models
+from helpers import two_stage
+
+from specgraph.errors import CheckpointError, RecipeError
+from specgraph.graph import SpecGraph
+from specgraph.passes import PIPELINE, run_pipeline
+from specgraph.passes.place import place
+from specgraph.passes.plan_memory import plan_memory
+from specgraph.passes.plan_tree import plan_tree
+from specgraph.passes.validate import validate
+from specgraph.recipe import DynamicTree, Recipe, apply_override
+from specgraph.tree import TreeTopology
+
+TARGET, DRAFT = EMBEDDED / "target", EMBEDDED / "draft"
+
+
+def graph(draft=DRAFT, tree=None, **fields) -> SpecGraph:
+    return SpecGraph.from_recipe(two_stage(TARGET, draft, tree, **fields))
+
+
+def test_pipeline_order_is_the_documented_one():
+    assert [p.__name__ for p in PIPELINE] == ["validate", "place", "plan_tree", "plan_memory"]
+
+
+def test_validate_reads_configs_and_resolves_rules():
+    g = validate(graph())
+    target, draft = g.node("target"), g.node("draft")
+    assert target["config"].architectures == ["LlamaForCausalLM"] and draft["config"].hidden_size == 192
+    assert target["eos_ids"] == (0,) and target["rule"] == "greedy"
+    assert target["tokenizer"] == draft["tokenizer"] is not None
+    assert validate(graph(sampling={"temperature": 0.7})).node("target")["rule"] == "sampling"
+
+
+def test_passes_do_not_mutate_their_input():
+    g = graph()
+    before = {n: dict(g.node(n)) for n in g.stages()}
+    planned = run_pipeline(g)
+    assert {n: dict(g.node(n)) for n in g.stages()} == before
+    assert "cache_slots" in planned.node("target") and "config" not in g.node("target")
+
+
+def test_place_resolves_devices_and_dtypes():
+    g = place(validate(graph()))
+    assert g.node("target")["device"] == torch.device("cpu")
+    assert g.node("target")["dtype"] == torch.float32  # dtype given as float32
+    auto = SpecGraph.from_recipe(two_stage(TARGET, None, dtype="auto"))
+    assert place(validate(auto)).node("target")["dtype"] == torch.float32  # auto on the CPU
+
+
+def test_plan_tree_gives_each_drafter_its_topology():
+    g = plan_tree(place(validate(graph(tree={"shape": "static", "branching": [2, 2]}))))
+    topo = g.node("draft")["tree"]
+    assert isinstance(topo, TreeTopology) and topo.parents == (-1, 0, 0, 1, 1, 2, 2)
+    assert g.node("draft")["tree_nodes"] == 6 and g.node("draft")["tree_depth"] == 2
+    assert g.node("target")["tree"] is None
+    default = plan_tree(place(validate(graph()))).node("draft")
+    assert default["tree_nodes"] == 4 and default["tree"].parents == (-1, 0, 1, 2, 3)  # chain of 4
+    dyn = plan_tree(place(validate(graph(tree={"shape": "dynamic", "width": 3, "depth": 4, "nodes": 10}))))
+    assert isinstance(dyn.node("draft")["tree"], DynamicTree) and dyn.node("draft")["tree_nodes"] == 10
+
+
+def test_plan_memory_sizes_caches_for_the_tree():
+    g = run_pipeline(graph(tree={"shape": "chain", "length": 6}, max_seq_len=300))
+    assert g.node("target")["cache_slots"] == 300 + 1 + 6  # prefix + root + verified tree
+    assert g.node("draft")["cache_slots"] == 300 + 1 + 6 + 1
+    target = g.node("target")
+    # 8 layers x (k, v) x 1 kv head x 128 dims x slots x 4 bytes
+    assert target["kv_bytes"] == 2 * 8 * 1 * 128 * 307 * 4
+    params = sum(t.numel() for f in TARGET.glob("*.safetensors") for t in load_file(f).values())
+    assert target["weight_bytes"] == params * 4
+
+
+def test_pass_requirements_are_enforced():
+    with pytest.raises(RuntimeError, match="requires"):
+        plan_memory(graph())
+
+
+def copy_model(src, dest, edit=None):
+    shutil.copytree(src, dest)
+    for f in dest.iterdir():
+        f.chmod(0o644)
+    if edit:
+        edit(dest)
+    return dest
+
+
+def edit_json(name, change):
+    def edit(folder):
+        data = json.loads((folder / name).read_text())
+        change(data)
+        (folder / name).write_text(json.dumps(data))
+    return edit
+
+
+def test_bad_checkpoints_are_refused(tmp_path):
+    cases = {
+        "missing": (tmp_path / "nowhere", "models.draft.path: .*nowhere: checkpoint folder does not exist"),
+        "noconfig": (copy_model(DRAFT, tmp_path / "noconfig", lambda f: (f / "config.json").unlink()), "no config.json"),
+        "pickle": (copy_model(DRAFT, tmp_path / "pickle", lambda f: ((f / "model.safetensors").rename(f / "pytorch_model.bin"))),
+                   "no \\*.safetensors weights \\(found pytorch_model.bin: pickle checkpoints are never loaded"),
+        "arch": (copy_model(DRAFT, tmp_path / "arch", edit_json("config.json", lambda c: c.update(architectures=["GPT2LMHeadModel"], model_type="gpt2"))),
+                 "unsupported architecture GPT2LMHeadModel; supported: LlamaForCausalLM"),
+        "tokenizer": (copy_model(DRAFT, tmp_path / "tok", edit_json("tokenizer.json", lambda t: t["model"]["vocab"].update({"zz": 4095}))),
+                      "models.draft: tokenizer differs from models.target's"),
+        "vocab": (copy_model(DRAFT, tmp_path / "vocab", edit_json("config.json", lambda c: c.update(vocab_size=5000))),
+                  "models.draft: vocab_size 5000 differs from models.target's 4096"),
+    }
+    for name, (folder, expected) in cases.items():
+        with pytest.raises(CheckpointError, match=expected):
+            run_pipeline(graph(draft=folder))
+
+
+def test_hybrid_architecture_is_refused_for_now():
+    hybrid = shared_models() / "hybrid"
+    with pytest.raises(CheckpointError, match="unsupported architecture Qwen3_5ForCausalLM"):
+        run_pipeline(graph(draft=hybrid))
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"execution": "pipeline"}, "execution: 'pipeline' is not implemented yet; valid now: serial"),
+    ({"sampling": {"temperature": 0.5}, "stages.1.verify": {"rule": "greedy"}}, "stages.1.verify.rule: 'greedy' needs sampling.temperature 0"),
+    ({"stages.1.verify": {"rule": "sampling"}}, "stages.1.verify.rule: 'sampling' needs sampling.temperature > 0"),
+    ({"stages.0.devices": ["tpu:0"]}, "stages.0.devices.0: 'tpu:0' is not a device; valid: cpu, cuda:N, auto"),
+    ({"stages.1.devices": ["cuda:7"]}, "stages.1.devices.0: device cuda:7 is not present; this machine has: cpu"),
+    ({"stages.1.devices": ["cpu", "cpu"]}, "stages.1.devices: tensor parallelism over 2 devices is not implemented yet"),
+    ({"stages.1.tree": {"shape": "chain", "length": 2}}, "stages.1.tree: the last stage drafts for no one"),
+    ({"stages.0.tree": {"shape": "dynamic", "width": 2, "depth": 2, "nodes": 7}}, "stages.0.tree.nodes: 7 exceeds the 6 nodes"),
+    ({"max_seq_len": 5000}, "max_seq_len: 5000 exceeds models.draft's max_position_embeddings 4096"),
+])
+def test_impossible_plans_are_refused(change, expected):
+    data = two_stage(TARGET, DRAFT).model_dump(mode="json")
+    for key, value in change.items():
+        apply_override(data, f"{key}={json.dumps(value)}")
+    with pytest.raises((RecipeError, CheckpointError)) as info:
+        run_pipeline(SpecGraph.from_recipe(Recipe.from_dict(data)))
+    assert expected in str(info.value)
+
+
+def test_three_stage_hierarchy_needs_the_pipeline_executor():
+    recipe = Recipe.from_dict({"name": "h", "models": {"t": {"path": str(TARGET)}, "d": {"path": str(DRAFT)}},
+                               "stages": [{"name": "a", "model": "d"}, {"name": "b", "model": "d", "verifies": "a"},
+                                          {"name": "c", "model": "t", "verifies": "b"}]})
+    with pytest.raises(RecipeError, match="3 stages form a hierarchy, which needs execution: pipeline"):
+        run_pipeline(SpecGraph.from_recipe(recipe))
