@@ -1,0 +1,92 @@
+"""The command line: run (text and JSON output), inspect, and one-line errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from specgraph.cli import main
+
+DEMO = REPO / "recipes" / "demo.yaml"
+
+
+def test_run_writes_the_documented_json(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "import os\\n"}\n\n{"prompt": "def main():\\n"}\n')
+    out = tmp_path / "out.json"
+    assert main(["run", str(DEMO), "--prompts", str(prompts), "--max-new-tokens", "12", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["recipe"] == "demo" and [r["id"] for r in data["results"]] == ["a", "001"]
+    for r in data["results"]:
+        assert set(r) == {"id", "prompt_tokens", "output_ids", "text", "target_steps", "accepted_lengths"}
+        assert len(r["output_ids"]) <= 12 and r["target_steps"] == len(r["accepted_lengths"])
+        assert sum(r["accepted_lengths"]) >= len(r["output_ids"])
+    summary = data["summary"]
+    steps = [n for r in data["results"] for n in r["accepted_lengths"]]
+    assert summary["new_tokens"] == sum(len(r["output_ids"]) for r in data["results"])
+    assert summary["tokens_per_second"] == pytest.approx(summary["new_tokens"] / summary["wall_seconds"], rel=1e-2)
+    assert summary["mean_accepted_length"] == pytest.approx(sum(steps) / len(steps), abs=1e-3)
+    assert "tokens/s, mean accepted length" in capsys.readouterr().out
+
+
+def test_run_prints_the_completion_of_one_prompt(capsys):
+    assert main(["run", str(DEMO), "--prompt", "import numpy as np\n", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("import numpy as np\n") and "mean accepted length" in out
+
+
+def test_seeded_sampling_is_reproducible(tmp_path):
+    args = ["run", str(REPO / "recipes" / "sampling.yaml"), "--prompt", "class Tree:\n", "--max-new-tokens", "24"]
+    runs = []
+    for seed in (1, 1, 2):
+        out = tmp_path / f"{len(runs)}.json"
+        assert main([*args, "--set", f"sampling.seed={seed}", "--json", str(out)]) == 0
+        runs.append(json.loads(out.read_text())["results"][0]["output_ids"])
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_inspect_shows_every_pass_and_writes_dot(tmp_path, capsys):
+    dot = tmp_path / "g.dot"
+    assert main(["inspect", str(REPO / "recipes" / "tree.yaml"), "--dot", str(dot)]) == 0
+    out = capsys.readouterr().out
+    for name in ("validate", "place", "plan_tree", "plan_memory"):
+        assert f"after {name}" in out
+    assert "cache_slots" in out and "--verifies--> target" in out
+    assert '"draft" -> "target"' in dot.read_text()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["run", "nowhere.yaml"], "recipe file nowhere.yaml does not exist"),
+    (["run", str(DEMO), "--set", "stages.0.tree.nodes=0"], "stages.0.tree.nodes: unknown key; valid keys here: shape, length"),
+    (["run", str(DEMO), "--set", "stages.0.tree={shape: dynamic, nodes: 0}"], "stages.0.tree.nodes: Input should be greater than 0"),
+    (["run", str(DEMO), "--set", "models.target.path=/no/such/model"], "models.target.path: /no/such/model: checkpoint folder does not exist"),
+    (["run", str(DEMO), "--set", "stages.1.devices=[cuda:3]"], "stages.1.devices.0: device cuda:3 is not present"),
+    (["run", str(DEMO), "--prompts", "none.jsonl"], "--prompts: none.jsonl does not exist"),
+    (["run", str(DEMO), "--max-new-tokens", "0"], "--max-new-tokens: must be at least 1"),
+    (["run", str(DEMO), "--set", "max_seq_len=8", "--prompt", "x = 1 + 2 + 3 + 4 + 5 + 6 + 7 + 8"],
+     "does not fit: prompts need 1 to 7 tokens (max_seq_len 8)"),
+])
+def test_bad_input_exits_with_one_line(args, expected, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("specgraph: error: ") and expected in err[-1]
+
+
+def test_bad_prompt_files(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{not json}\n')
+    assert main(["run", str(DEMO), "--prompts", str(bad)]) == 2
+    assert "line 2 is not JSON" in capsys.readouterr().err
+    bad.write_text('{"text": "no prompt key"}\n')
+    assert main(["run", str(DEMO), "--prompts", str(bad)]) == 2
+    assert "line 1 needs a 'prompt' string" in capsys.readouterr().err
+
+
+def test_user_errors_print_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "specgraph.cli", "run", str(DEMO), "--set", "execution=pipeline"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "specgraph: error: execution: 'pipeline' is not implemented yet; valid now: serial")

@@ -1,0 +1,49 @@
+"""The serial executor's bookkeeping: end-of-sequence, token budget, accepted lengths."""
+
+import torch
+from helpers import MarkovModel
+
+from specgraph.draft import Drafter
+from specgraph.recipe import ChainTree, SamplingSpec, VerifySpec
+from specgraph.runtime.serial import SerialExecutor, Verifier
+from specgraph.runtime.stage import Stage
+from specgraph.tree import TreeTopology
+
+CPU = torch.device("cpu")
+
+
+def cycle_table(v: int = 5) -> torch.Tensor:
+    """Deterministic chain 1 -> 2 -> 3 -> 4 -> 0 -> 1 (token 0 plays end-of-sequence)."""
+    table = torch.full((v, v), 1e-6)
+    for t in range(v):
+        table[t, (t + 1) % v] = 1.0
+    return table / table.sum(-1, keepdim=True)
+
+
+def executor(eos=(0,), draft_table=None, length=3, max_seq_len=64):
+    verifier = Verifier(Stage("t", MarkovModel(cycle_table()), max_seq_len + 8, CPU), VerifySpec(), "greedy", SamplingSpec())
+    drafter = Drafter(Stage("d", MarkovModel(cycle_table() if draft_table is None else draft_table), max_seq_len + 8, CPU),
+                      TreeTopology.from_spec(ChainTree(length=length)), "greedy", SamplingSpec())
+    return SerialExecutor(verifier, drafter, eos_ids=eos, max_seq_len=max_seq_len)
+
+
+def test_generation_stops_at_end_of_sequence_inclusive():
+    gen = executor().generate([1], 50)
+    assert gen.output_ids == [2, 3, 4, 0]
+    assert gen.accepted_lengths == [4]  # three drafts accepted + the bonus, all in one step
+
+
+def test_budget_is_exact_even_when_a_step_overshoots():
+    gen = executor(eos=()).generate([1], 6)
+    assert gen.output_ids == [2, 3, 4, 0, 1, 2] and gen.accepted_lengths == [4, 4]
+
+
+def test_a_useless_draft_still_yields_the_target_tokens():
+    wrong = torch.roll(cycle_table(), 2, dims=1)  # always guesses two ahead
+    gen = executor(eos=(), draft_table=wrong).generate([1], 7)
+    assert gen.output_ids == [2, 3, 4, 0, 1, 2, 3] and set(gen.accepted_lengths) == {1}
+
+
+def test_generation_is_clipped_to_max_seq_len():
+    gen = executor(eos=(), max_seq_len=10).generate([1, 2, 3], 100)
+    assert len(gen.output_ids) == 7

@@ -1,0 +1,55 @@
+"""Greedy speculative decoding equals transformers' greedy decoding of the target, token for token,
+in fp32 on the CPU: 16 held-out code prompts x 128 new tokens, for every tree shape and drafter."""
+
+import pytest
+import torch
+import transformers
+from conftest import EMBEDDED, shared_models
+from helpers import two_stage
+
+from specgraph.program import Program
+
+PROMPTS, NEW_TOKENS = 16, 128
+TREES = {
+    "chain": {"shape": "chain", "length": 4},
+    "static": {"shape": "static", "branching": [3, 2, 1, 1]},
+    "dynamic": {"shape": "dynamic", "width": 4, "depth": 5, "nodes": 24},
+}
+
+
+@pytest.fixture(scope="module")
+def reference(code_prompts):
+    """transformers' greedy continuation of each prompt by the target."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(EMBEDDED / "target", dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(EMBEDDED / "target")
+    out = []
+    for row in code_prompts[:PROMPTS]:
+        ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        out.append((ids, gen[0, len(ids):].tolist()))
+    return out
+
+
+def drafter_path(name):
+    return EMBEDDED / "draft" if name == "draft" else shared_models() / "mid"
+
+
+@pytest.mark.parametrize("drafter", ["draft", "mid"])
+@pytest.mark.parametrize("shape", list(TREES))
+def test_greedy_output_equals_the_target_alone(reference, drafter, shape):
+    program = Program.from_recipe(two_stage(EMBEDDED / "target", drafter_path(drafter), TREES[shape],
+                                            max_new_tokens=NEW_TOKENS))
+    accepted = []
+    for ids, expected in reference:
+        generation = program.generate(ids)
+        assert generation.output_ids == expected
+        accepted += generation.accepted_lengths
+    assert sum(accepted) / len(accepted) > 1.5  # the drafts are really being accepted
+
+
+def test_autoregressive_recipe_equals_the_target_alone(reference):
+    program = Program.from_recipe(two_stage(EMBEDDED / "target", None, max_new_tokens=NEW_TOKENS))
+    for ids, expected in reference[:4]:
+        generation = program.generate(ids)
+        assert generation.output_ids == expected and set(generation.accepted_lengths) == {1}

@@ -1,0 +1,124 @@
+"""Our Llama-family modules against transformers, on the fixtures and on tiny random checkpoints."""
+
+import pytest
+import torch
+import transformers
+from conftest import EMBEDDED, shared_models
+
+from specgraph.errors import CheckpointError
+from specgraph.models.loader import load_model
+from specgraph.tree import Tree, prefix_tree_mask
+
+FP32_TOL = 1e-4  # max |logit difference| between our fp32 forward and transformers' fp32 forward
+
+
+def hf_logits(path, ids):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits[0]  # [T, V]
+
+
+def our_logits(model, ids):
+    t = ids.shape[1]
+    cache = model.new_cache(t + 8)
+    with torch.no_grad():
+        return model(ids, torch.arange(t)[None], cache, 0, torch.ones(t, t, dtype=torch.bool).tril())[0]
+
+
+@pytest.mark.parametrize("name", ["draft", "target", "mid"])
+def test_fixture_logits_match_transformers(name):
+    path = EMBEDDED / name if name != "mid" else shared_models() / "mid"
+    ids = torch.randint(0, 4096, (1, 37))
+    ours = our_logits(load_model(path, torch.float32, "cpu"), ids)
+    assert (ours - hf_logits(path, ids)).abs().max() < FP32_TOL
+
+
+def test_incremental_decoding_matches_one_pass():
+    model = load_model(EMBEDDED / "target", torch.float32, "cpu")
+    ids = torch.randint(0, 4096, (1, 20))
+    full = our_logits(model, ids)
+    cache = model.new_cache(32)
+    with torch.no_grad():
+        steps = [model(ids[:, :12], torch.arange(12)[None], cache, 0, torch.ones(12, 12, dtype=torch.bool).tril())[0]]
+        steps += [model(ids[:, i:i + 1], torch.tensor([[i]]), cache, i, None)[0] for i in range(12, 20)]
+    assert (torch.cat(steps) - full).abs().max() < FP32_TOL
+
+
+def test_tree_attention_equals_each_path_run_alone():
+    """Every tree node's logits equal those of its root-to-node path appended to the prefix."""
+    model = load_model(EMBEDDED / "target", torch.float32, "cpu")
+    prefix = torch.randint(0, 4096, (1, 10))
+    tree = Tree(tokens=torch.randint(0, 4096, (7,)), parents=torch.tensor([-1, 0, 0, 1, 1, 2, 5]))
+    cache = model.new_cache(32)
+    with torch.no_grad():
+        model(prefix, torch.arange(10)[None], cache, 0, torch.ones(10, 10, dtype=torch.bool).tril())
+        logits = model(tree.tokens[None], (10 + tree.depths)[None], cache, 10,
+                       prefix_tree_mask(10, tree.ancestors))[0]
+    for node in range(tree.size):
+        path = tree.ancestors[node].nonzero().flatten()
+        alone = our_logits(model, torch.cat([prefix[0], tree.tokens[path]])[None])
+        assert (logits[node] - alone[-1]).abs().max() < FP32_TOL
+
+
+def test_commit_moves_the_accepted_path_into_the_prefix():
+    model = load_model(EMBEDDED / "draft", torch.float32, "cpu")
+    prefix = torch.randint(0, 4096, (1, 6))
+    tree = Tree(tokens=torch.randint(0, 4096, (5,)), parents=torch.tensor([-1, 0, 0, 2, 3]))
+    cache = model.new_cache(16)
+    with torch.no_grad():
+        model(prefix, torch.arange(6)[None], cache, 0, torch.ones(6, 6, dtype=torch.bool).tril())
+        cache.length = 6
+        model(tree.tokens[None], (6 + tree.depths)[None], cache, 6, prefix_tree_mask(6, tree.ancestors))
+        cache.commit(6 + torch.tensor([0, 2, 3]))  # root, node 2, node 3
+        fresh = model.new_cache(16)
+        seq = torch.cat([prefix[0], tree.tokens[[0, 2, 3]]])[None]
+        model(seq, torch.arange(9)[None], fresh, 0, torch.ones(9, 9, dtype=torch.bool).tril())
+    assert cache.length == 9
+    assert (cache.k[:, :, :, :9] - fresh.k[:, :, :, :9]).abs().max() < 1e-5
+    assert (cache.v[:, :, :, :9] - fresh.v[:, :, :, :9]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_loads_and_tracks_fp32(dtype):
+    ids = torch.randint(0, 4096, (1, 16))
+    full = our_logits(load_model(EMBEDDED / "target", torch.float32, "cpu"), ids)
+    half_model = load_model(EMBEDDED / "target", dtype, "cpu")
+    assert half_model.lm_head.weight.dtype == dtype
+    half = our_logits(half_model, ids)
+    assert (half.argmax(-1) == full.argmax(-1)).float().mean() > 0.8
+    assert (half - full).abs().max() < 0.5
+
+
+def tiny_config(arch: str):
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    if arch == "llama3":
+        return transformers.LlamaConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if arch == "llama-bias":
+        return transformers.LlamaConfig(**common, attention_bias=True, mlp_bias=True)
+    cls = {"mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    return cls(**common, head_dim=16) if arch == "qwen3" else cls(**common)
+
+
+@pytest.mark.parametrize("arch", ["llama3", "llama-bias", "mistral", "qwen2", "qwen3"])
+def test_other_architectures_match_transformers(arch, tmp_path):
+    torch.manual_seed(1)
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+    for p in hf.parameters():  # random biases and norms so that every parameter matters
+        p.data.normal_(0, 0.2)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    ids = torch.randint(0, 128, (1, 80))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    assert (our_logits(load_model(tmp_path, torch.float32, "cpu"), ids) - ref).abs().max() < FP32_TOL
+
+
+def test_weights_that_do_not_fit_the_layout_are_refused(tmp_path):
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen2"))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    config = (tmp_path / "config.json").read_text().replace("Qwen2ForCausalLM", "LlamaForCausalLM")
+    (tmp_path / "config.json").write_text(config.replace('"qwen2"', '"llama"'))
+    with pytest.raises(CheckpointError, match="weights do not match the LlamaForCausalLM layout"):
+        load_model(tmp_path, torch.float32, "cpu")

@@ -1,0 +1,77 @@
+"""Tree topologies, ancestor masks and the trees the drafter grows."""
+
+import torch
+from conftest import EMBEDDED
+
+from specgraph.draft import Drafter
+from specgraph.models.loader import load_model
+from specgraph.recipe import ChainTree, DynamicTree, SamplingSpec, StaticTree
+from specgraph.runtime.stage import Stage
+from specgraph.tree import Tree, TreeTopology
+
+
+def test_chain_branching_and_paths_topologies():
+    assert TreeTopology.from_spec(ChainTree(length=3)).parents == (-1, 0, 1, 2)
+    topo = TreeTopology.from_spec(StaticTree(branching=[2, 1]))
+    assert topo.parents == (-1, 0, 0, 1, 2) and topo.ranks == (0, 0, 1, 0, 0)
+    assert topo.depths == (0, 1, 1, 2, 2) and topo.nodes == 4 and topo.max_depth == 2
+    medusa = TreeTopology.from_spec(StaticTree(paths=[[0], [1], [0, 0], [0, 1], [2], [0, 0, 0]]))
+    assert medusa.parents == (-1, 0, 0, 0, 1, 1, 4) and medusa.children(1) == [4, 5]
+
+
+def test_ancestor_mask_and_depths():
+    tree = Tree(tokens=torch.arange(6), parents=torch.tensor([-1, 0, 0, 1, 3, 2]))
+    expected = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
+                             [1, 1, 0, 1, 0, 0], [1, 1, 0, 1, 1, 0], [1, 0, 1, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(tree.ancestors, expected)
+    assert tree.depths.tolist() == [0, 1, 1, 2, 3, 2]
+
+
+def drafter(plan, rule="greedy", sampling=SamplingSpec()):
+    model = load_model(EMBEDDED / "draft", torch.float32, "cpu")
+    return Drafter(Stage("draft", model, 128, torch.device("cpu")), plan, rule, sampling)
+
+
+def check_well_formed(tree: Tree, size: int):
+    assert tree.size == size
+    assert all(0 <= int(p) < i for i, p in enumerate(tree.parents.tolist()) if i > 0)  # topological
+    for node in range(tree.size):  # siblings carry distinct tokens
+        kids = tree.children(node)
+        assert len(set(tree.tokens[kids].tolist())) == len(kids)
+
+
+def test_static_drafts_follow_the_draft_models_ranking():
+    d = drafter(TreeTopology.from_spec(StaticTree(branching=[3, 2])))
+    committed = torch.randint(0, 4096, (12,))
+    tree = d.draft(committed, torch.Generator().manual_seed(0))
+    check_well_formed(tree, 1 + 3 + 6)
+    model = d.stage.model
+    fresh = model.new_cache(64)
+    with torch.no_grad():
+        logits = model(committed[None], torch.arange(12)[None], fresh, 0, torch.ones(12, 12, dtype=torch.bool).tril())[0, -1]
+    assert tree.tokens[1:4].tolist() == logits.topk(3).indices.tolist()
+    # the children of node 1 are the top-2 after appending node 1's token
+    fresh = model.new_cache(64)
+    seq = torch.cat([committed, tree.tokens[1:2]])
+    with torch.no_grad():
+        logits = model(seq[None], torch.arange(13)[None], fresh, 0, torch.ones(13, 13, dtype=torch.bool).tril())[0, -1]
+    assert tree.tokens[tree.children(1)].tolist() == logits.topk(2).indices.tolist()
+
+
+def test_dynamic_tree_keeps_the_most_likely_nodes():
+    spec = DynamicTree(width=3, depth=4, nodes=10)
+    d = drafter(spec)
+    tree = d.draft(torch.randint(0, 4096, (9,)), torch.Generator().manual_seed(0))
+    check_well_formed(tree, 11)
+    assert int(tree.depths.max()) <= 4
+    assert int(tree.depths.max()) >= 2  # expansion went deeper than the root's children
+
+
+def test_sampling_drafts_record_their_proposals():
+    d = drafter(TreeTopology.from_spec(StaticTree(branching=[3])), rule="sampling",
+                sampling=SamplingSpec(temperature=1.0, top_k=50))
+    tree = d.draft(torch.randint(0, 4096, (5,)), torch.Generator().manual_seed(3))
+    q = tree.proposals  # [4, V]
+    assert torch.allclose(q[1:].sum(-1), torch.ones(3))
+    assert q[2, tree.tokens[1]] == 0 and q[3, tree.tokens[1]] == 0 and q[3, tree.tokens[2]] == 0  # without replacement
+    assert (q[1] > 0).sum() == 50  # top-k applied to the draft as to the target
