@@ -1,4 +1,4 @@
-"""specgraph command line: run | inspect."""
+"""specgraph command line: run | bench | inspect."""
 
 from __future__ import annotations
 
@@ -16,18 +16,34 @@ def _recipe_args(parser: argparse.ArgumentParser) -> None:
                         help="override a recipe field by dotted path, e.g. stages.0.devices=[cpu] (repeatable)")
 
 
+def _prompt_args(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--prompts", type=Path, metavar="FILE.jsonl",
+                        help="JSON lines with 'prompt' (text) and optional 'id'")
+    parser.add_argument("--max-new-tokens", type=int, help="override the recipe's max_new_tokens")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specgraph", description="graph-compiled speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="decode prompts with a recipe")
     _recipe_args(run)
-    source = run.add_mutually_exclusive_group()
-    source.add_argument("--prompt", help="prompt text")
-    source.add_argument("--prompts", type=Path, metavar="FILE.jsonl",
-                        help="JSON lines with 'prompt' (text) and optional 'id'")
-    run.add_argument("--max-new-tokens", type=int, help="override the recipe's max_new_tokens")
+    _prompt_args(run)
     run.add_argument("--json", type=Path, metavar="OUT", help="write results and summary as JSON")
+
+    bench = sub.add_parser("bench", help="measure the recipe against baselines in one run")
+    _recipe_args(bench)
+    _prompt_args(bench)
+    bench.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (default 3)")
+    bench.add_argument("--baselines", default="hf,hf-assisted,ar",
+                       help="comma-separated: hf, hf-assisted, ar, serial (default hf,hf-assisted,ar)")
+    bench.add_argument("--widen", metavar="SHAPE",
+                       help="widen the target to a real model's shape (llama-3-8b, llama-3-70b, ...) and the drafter "
+                            "to the small shape with its head dim; same function, real size")
+    bench.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON")
+    bench.add_argument("--plot", type=Path, metavar="OUT.png", help="plot tokens/s per system and accepted lengths")
 
     inspect = sub.add_parser("inspect", help="print the graph and the plan after each pass")
     _recipe_args(inspect)
@@ -60,16 +76,21 @@ def read_prompts(args: argparse.Namespace, default: str | None) -> list[dict]:
     return prompts
 
 
-def cmd_run(args: argparse.Namespace) -> None:
-    from tqdm import tqdm
-
-    from specgraph.program import Program
+def _load_recipe(args: argparse.Namespace):
     from specgraph.recipe import Recipe
 
     recipe = Recipe.from_yaml(args.recipe, args.overrides)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise SpecgraphError(f"--max-new-tokens: must be at least 1 (got {args.max_new_tokens})")
-    prompts = read_prompts(args, recipe.prompt)
+    return recipe, read_prompts(args, recipe.prompt)
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from specgraph.program import Program
+
+    recipe, prompts = _load_recipe(args)
     print(f"specgraph: loading {recipe.name} ({', '.join(s.name for s in recipe.stages)})", file=sys.stderr)
     program = Program.from_recipe(recipe)
     results = []
@@ -91,6 +112,23 @@ def cmd_run(args: argparse.Namespace) -> None:
           f"{summary['tokens_per_second']:.1f} tokens/s, mean accepted length {summary['mean_accepted_length']:.2f}")
     if args.json is not None:
         args.json.write_text(json.dumps({"recipe": recipe.name, "results": results, "summary": summary}, indent=1))
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from specgraph.bench.harness import BenchSpec, run_bench
+    from specgraph.bench.report import plot, print_table
+
+    recipe, prompts = _load_recipe(args)
+    if args.repeats < 1:
+        raise SpecgraphError(f"--repeats: must be at least 1 (got {args.repeats})")
+    spec = BenchSpec(recipe, prompts, args.max_new_tokens or recipe.max_new_tokens, args.repeats,
+                     tuple(b.strip() for b in args.baselines.split(",") if b.strip()), args.widen)
+    report = run_bench(spec)
+    print_table(report)
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1))
+    if args.plot is not None:
+        plot(report, args.plot)
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
@@ -115,7 +153,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"run": cmd_run, "inspect": cmd_inspect}[args.command](args)
+        {"run": cmd_run, "bench": cmd_bench, "inspect": cmd_inspect}[args.command](args)
     except SpecgraphError as exc:
         print(f"specgraph: error: {exc}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from torch import nn
 from transformers import AutoTokenizer
 
 from specgraph.draft import Drafter
@@ -19,24 +20,30 @@ def plan(recipe: Recipe) -> SpecGraph:
     return run_pipeline(SpecGraph.from_recipe(recipe))
 
 
-def _stage(graph: SpecGraph, name: str) -> Stage:
-    node = graph.node(name)
-    model = load_model(node["model"].path, node["dtype"], node["device"])
-    return Stage(name, model, node["cache_slots"], node["device"])
-
-
 class Program:
-    def __init__(self, graph: SpecGraph):
+    """Stages loaded from the plan (or given as `models`, by stage name) and the executor over them."""
+
+    def __init__(self, graph: SpecGraph, models: dict[str, nn.Module] | None = None):
         self.graph = graph
         self.recipe = graph.recipe
+        models = models or {}
+        self.stages = {}
+        for name in graph.stages():
+            node = graph.node(name)
+            model = models.get(name) or load_model(node["model"].path, node["dtype"], node["device"])
+            self.stages[name] = Stage(name, model, node["cache_slots"], node["device"])
         target = graph.node(graph.target)
         self.tokenizer = AutoTokenizer.from_pretrained(target["model"].path, trust_remote_code=False)
-        verifier = Verifier(_stage(graph, graph.target), target["spec"].verify, target["rule"], self.recipe.sampling)
+        self.verifier = Verifier(self.stages[graph.target], target["spec"].verify, target["rule"], self.recipe.sampling)
         drafter = None
         if (draft_name := graph.drafter_of(graph.target)) is not None:
-            drafter = Drafter(_stage(graph, draft_name), graph.node(draft_name)["tree"], target["rule"],
+            drafter = Drafter(self.stages[draft_name], graph.node(draft_name)["tree"], target["rule"],
                               self.recipe.sampling)
-        self.executor = SerialExecutor(verifier, drafter, target["eos_ids"], self.recipe.max_seq_len)
+        self.executor = SerialExecutor(self.verifier, drafter, target["eos_ids"], self.recipe.max_seq_len)
+
+    def autoregressive(self) -> SerialExecutor:
+        """The target alone, one token per step, on the same loaded stage (the `ar` baseline)."""
+        return SerialExecutor(self.verifier, None, self.executor.eos_ids, self.recipe.max_seq_len)
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> Program:

@@ -121,6 +121,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.register_buffer("inv_freq", torch.ones(shape.head_dim // 2), persistent=False)
         self.rope_scale = 1.0
+        self.served_vocab = shape.vocab_size  # logits cover token ids [0, served_vocab) (less when widened)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         s = self.shape
@@ -138,9 +139,9 @@ class LlamaModel(nn.Module):
                 mask: torch.Tensor | None) -> torch.Tensor:
         """tokens, positions [B, T]; writes K/V at slots [slot, slot + T) and attends over
         [0, slot + T) where mask [T, slot + T] (bool, True = visible) allows; None = all visible.
-        Returns logits [B, T, V] in fp32."""
+        Returns logits [B, T, V] in fp32, V = served_vocab."""
         x = self.embed_tokens(tokens)  # [B, T, hidden]
         cos, sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, slot, mask)
-        return self.lm_head(self.norm(x)).float()
+        return self.lm_head(self.norm(x))[..., : self.served_vocab].float()

@@ -24,6 +24,7 @@ class Generation:
     target_steps: int = 0
     accepted_lengths: list[int] = field(default_factory=list)  # per target step: accepted drafts + bonus
     seconds: float = 0.0
+    first_token_seconds: float = 0.0  # prompt in, first step's tokens out
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
@@ -51,7 +52,7 @@ class Verifier:
 class SerialExecutor:
     def __init__(self, verifier: Verifier, drafter: Drafter | None, eos_ids: tuple[int, ...], max_seq_len: int):
         self.verifier, self.drafter = verifier, drafter
-        self.eos_ids = set(eos_ids)
+        self.eos_ids = tuple(eos_ids)
         self.max_seq_len = max_seq_len
         self.device = verifier.stage.device
 
@@ -92,6 +93,8 @@ class SerialExecutor:
             if hit_eos is not None:
                 new = new[: hit_eos + 1]
             out.output_ids.extend(new)
+            if out.target_steps == 1:
+                out.first_token_seconds = time.perf_counter() - start
             committed = torch.cat([committed, torch.tensor(new, device=self.device)])
             if hit_eos is not None:
                 break

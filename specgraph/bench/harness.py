@@ -1,0 +1,173 @@
+"""`specgraph bench`: the recipe and its baselines on the same models, prompts and device, in one
+process run, with the ratios computed from the times measured here."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from specgraph.bench.systems import HFSystem, Run, SpecgraphSystem, hf_mirror
+from specgraph.bench.widen import draft_shape_for, widen
+from specgraph.errors import SpecgraphError
+from specgraph.models.loader import load_model
+from specgraph.program import Program, plan
+from specgraph.recipe import Recipe
+
+BASELINES = ("hf", "hf-assisted", "ar", "serial")
+
+
+@dataclass
+class BenchSpec:
+    recipe: Recipe
+    prompts: list[dict]  # {"id", "prompt"}
+    max_new_tokens: int
+    repeats: int = 3
+    baselines: tuple[str, ...] = ("hf", "hf-assisted", "ar")
+    widen: str | None = None  # target shape; the drafter widens to the small shape with its head dim
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes read + written per second by a device-to-device copy (best of 5)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def unique_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the module's parameters, tied tensors counted once."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in module.parameters()}.values())
+
+
+def _load_models(graph, widen_to: str | None) -> dict[str, torch.nn.Module]:
+    models = {}
+    for name in graph.stages():
+        node = graph.node(name)
+        small = load_model(node["model"].path, node["dtype"], "cpu" if widen_to else node["device"])
+        if widen_to:
+            shape = widen_to if name == graph.target else draft_shape_for(small.shape)
+            small = widen(small, shape, node["device"], node["dtype"])
+        models[name] = small
+    return models
+
+
+def build_systems(spec: BenchSpec) -> tuple[Program, list, dict[str, str]]:
+    """The recipe's program and every requested system that can run; reasons for those that cannot."""
+    unknown = [b for b in spec.baselines if b not in BASELINES]
+    if unknown:
+        raise SpecgraphError(f"--baselines: unknown {unknown[0]!r}; valid: {', '.join(BASELINES)}")
+    graph = plan(spec.recipe)
+    program = Program(graph, _load_models(graph, spec.widen))
+    target_node = graph.node(graph.target)
+    drafter = graph.drafter_of(graph.target)
+    systems = [SpecgraphSystem("specgraph", program.executor, f"recipe {spec.recipe.name}, serial executor")]
+    skipped: dict[str, str] = {}
+    target_model = program.stages[graph.target].model
+    hf_target = None
+    for name in spec.baselines:
+        if name == "ar":
+            systems.append(SpecgraphSystem("ar", program.autoregressive(), "specgraph, target alone, serial"))
+        elif name == "serial":
+            skipped[name] = "the recipe already runs on the serial executor"
+        elif target_node["rule"] != "greedy":
+            skipped[name] = "transformers baselines are measured greedy; the recipe samples"
+        elif name == "hf-assisted" and drafter is None:
+            skipped[name] = "the recipe has no drafter"
+        else:
+            hf_target = hf_target or hf_mirror(target_model, target_node["config"])
+            assistant = None
+            if name == "hf-assisted":
+                assistant = hf_mirror(program.stages[drafter].model, graph.node(drafter)["config"])
+            systems.append(HFSystem(name, hf_target, target_node["eos_ids"], target_model.served_vocab, assistant,
+                                    static_cache=name == "hf"))
+    return program, systems, skipped
+
+
+def _measure(system, spec: BenchSpec, encoded: list[list[int]], progress: Progress) -> dict:
+    device = system.device
+    system.run(encoded[0], min(16, spec.max_new_tokens))  # warm-up (and compilation, where there is any)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    task = progress.add_task(system.name, total=spec.repeats * len(encoded))
+    repeats: list[list[Run]] = []
+    for _ in range(spec.repeats):
+        runs = []
+        for ids in encoded:
+            runs.append(system.run(ids, spec.max_new_tokens))
+            progress.advance(task)
+        repeats.append(runs)
+    # decode tokens/s: tokens after the first step over the time after it (prefill is in TTFT)
+    tps = [sum(r.decode_tokens for r in runs) / sum(r.decode_seconds for r in runs) for runs in repeats]
+    last = repeats[-1]
+    steps = [n for r in last for n in r.accepted_lengths]
+    n_steps = len(steps) or None
+    return {
+        "description": system.description,
+        "tokens_per_second": {"median": statistics.median(tps), "min": min(tps), "max": max(tps), "runs": tps},
+        "new_tokens": sum(len(r.output_ids) for r in last),
+        "ttft_seconds": statistics.median(r.first_token_seconds for r in last),
+        "mean_accepted_length": sum(steps) / n_steps if n_steps else None,
+        "accepted_lengths": steps,
+        "draft_step_ms": 1e3 * sum(r.draft_seconds for r in last) / n_steps if n_steps else None,
+        "verify_step_ms": 1e3 * sum(r.verify_seconds for r in last) / n_steps if n_steps else None,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "outputs": [r.output_ids for r in last],
+    }
+
+
+def run_bench(spec: BenchSpec) -> dict:
+    program, systems, skipped = build_systems(spec)
+    encoded = [program.encode(p["prompt"]) for p in spec.prompts]
+    device = program.executor.device
+    results = {}
+    columns = (TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=False) as progress:
+        for system in systems:
+            results[system.name] = _measure(system, spec, encoded, progress)
+    reference = results.get("ar", results["specgraph"])["outputs"]
+    for result in results.values():
+        result["same_tokens_as_ar"] = sum(a == b for a, b in zip(result.pop("outputs"), reference)) / len(reference)
+    report = {
+        "recipe": spec.recipe.name, "widen": spec.widen, "device": _device_name(device),
+        "date": time.strftime("%Y-%m-%d"), "prompts": len(encoded), "max_new_tokens": spec.max_new_tokens,
+        "repeats": spec.repeats, "systems": results, "skipped": skipped,
+        "speedup": {name: results["specgraph"]["tokens_per_second"]["median"] / r["tokens_per_second"]["median"]
+                    for name, r in results.items() if name != "specgraph"},
+    }
+    if "ar" in results:
+        report["bandwidth_bound"] = _bandwidth_bound(program, device, encoded, results["ar"])
+    return report
+
+
+def _bandwidth_bound(program: Program, device: torch.device, encoded: list[list[int]], ar: dict) -> dict:
+    """Autoregressive decoding reads every weight and the KV of the context once per token."""
+    target = program.stages[program.graph.target]
+    shape, itemsize = target.model.shape, target.model.embed_tokens.weight.element_size()
+    weight_bytes = unique_bytes(target.model)
+    kv_per_position = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * itemsize
+    mean_context = statistics.mean(len(ids) for ids in encoded) + ar["new_tokens"] / len(encoded) / 2
+    bytes_per_token = weight_bytes + kv_per_position * mean_context
+    bandwidth = measure_copy_bandwidth(device)
+    bound = bandwidth / bytes_per_token
+    return {"copy_bandwidth_bytes_per_s": bandwidth, "bytes_per_token": bytes_per_token,
+            "weight_bytes": weight_bytes, "tokens_per_second": bound,
+            "ar_fraction": ar["tokens_per_second"]["median"] / bound}
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

@@ -1,0 +1,75 @@
+"""Presenting a benchmark report: a table for the terminal and a PNG for people."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from specgraph.errors import SpecgraphError
+
+
+def _fmt(value, spec: str, scale: float = 1.0) -> str:
+    return "—" if value is None else format(value * scale, spec)
+
+
+def print_table(report: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    title = (f"{report['recipe']} on {report['device']}"
+             + (f", widened to {report['widen']}" if report["widen"] else "")
+             + f": {report['prompts']} prompts x {report['max_new_tokens']} tokens, {report['repeats']} repeats")
+    table = Table(title=title)
+    for column in ("system", "tok/s", "min-max", "specgraph ÷", "TTFT ms", "accepted", "draft ms", "verify ms",
+                   "peak GiB", "= ar"):
+        table.add_column(column, overflow="fold")
+    for name, r in report["systems"].items():
+        tps = r["tokens_per_second"]
+        speedup = report["speedup"].get(name)
+        table.add_row(name, f"{tps['median']:.1f}", f"{tps['min']:.1f}-{tps['max']:.1f}",
+                      "—" if speedup is None else f"{speedup:.2f}x", _fmt(r["ttft_seconds"], ".1f", 1e3),
+                      _fmt(r["mean_accepted_length"], ".2f"), _fmt(r["draft_step_ms"], ".2f"),
+                      _fmt(r["verify_step_ms"], ".2f"), _fmt(r["peak_memory_bytes"], ".1f", 2 ** -30),
+                      f"{r['same_tokens_as_ar']:.0%}")
+    console.print(table)
+    console.print("tok/s: decode tokens per second, median and min-max over repeats; specgraph ÷: its speedup over "
+                  "the row; accepted: tokens per target step; draft/verify ms: per step; = ar: share of prompts "
+                  "whose tokens equal specgraph's own autoregressive output")
+    for name, r in report["systems"].items():
+        console.print(f"  {name}: {r['description']}")
+    for name, why in report["skipped"].items():
+        console.print(f"  {name}: not run: {why}")
+    if "bandwidth_bound" in report:
+        b = report["bandwidth_bound"]
+        console.print(f"memory-bandwidth bound of autoregressive decoding: {b['tokens_per_second']:.1f} tokens/s "
+                      f"({b['bytes_per_token'] / 1e9:.3f} GB per token at a measured copy bandwidth of "
+                      f"{b['copy_bandwidth_bytes_per_s'] / 1e12:.3f} TB/s); ar reaches {b['ar_fraction']:.1%} of it")
+
+
+def plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SpecgraphError("--plot needs matplotlib: python3 -m pip install matplotlib") from None
+    systems = report["systems"]
+    names = list(systems)
+    medians = [systems[n]["tokens_per_second"]["median"] for n in names]
+    errors = [[m - systems[n]["tokens_per_second"]["min"] for n, m in zip(names, medians)],
+              [systems[n]["tokens_per_second"]["max"] - m for n, m in zip(names, medians)]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.bar(names, medians, yerr=errors, capsize=4, color=["tab:blue"] + ["tab:gray"] * (len(names) - 1))
+    left.set_ylabel("decode tokens/s (median, min-max)")
+    left.set_title(f"{report['recipe']} on {report['device']}" + (f" ({report['widen']})" if report["widen"] else ""),
+                   fontsize=9)
+    accepted = systems["specgraph"]["accepted_lengths"]
+    if accepted:
+        right.hist(accepted, bins=range(1, max(accepted) + 2), align="left", rwidth=0.8)
+    right.set_xlabel("tokens committed per target step")
+    right.set_ylabel("steps")
+    right.set_title("specgraph accepted lengths", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

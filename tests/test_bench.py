@@ -1,0 +1,97 @@
+"""specgraph bench at small scale on the CPU, and widening to real shapes."""
+
+import json
+
+import pytest
+import torch
+from conftest import EMBEDDED, REPO
+from helpers import two_stage
+
+from specgraph.bench.systems import hf_mirror
+from specgraph.bench.widen import SHAPES, draft_shape_for, parameter_count, widen
+from specgraph.cli import main
+from specgraph.errors import SpecgraphError
+from specgraph.models.llama import LlamaShape
+from specgraph.models.loader import load_model, read_config
+from specgraph.program import Program, plan
+
+
+def test_bench_reports_measured_ratios(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "import os\\nimport sys\\n"}\n{"prompt": "class Node:\\n    def __init__(self"}\n')
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert main(["bench", str(REPO / "recipes" / "demo.yaml"), "--prompts", str(prompts), "--max-new-tokens", "12",
+                 "--repeats", "2", "--baselines", "hf,hf-assisted,ar,serial", "--json", str(out), "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["systems"]) == {"specgraph", "hf", "hf-assisted", "ar"}
+    assert report["skipped"] == {"serial": "the recipe already runs on the serial executor"}
+    for name, r in report["systems"].items():
+        tps = r["tokens_per_second"]
+        assert len(tps["runs"]) == 2 and all(t > 0 for t in tps["runs"])
+        assert tps["min"] <= tps["median"] <= tps["max"]
+        assert r["ttft_seconds"] > 0 and r["same_tokens_as_ar"] == 1.0  # fp32 on the CPU: all exact
+        if name != "specgraph":
+            ratio = report["systems"]["specgraph"]["tokens_per_second"]["median"] / tps["median"]
+            assert report["speedup"][name] == pytest.approx(ratio)
+    spec = report["systems"]["specgraph"]
+    assert spec["mean_accepted_length"] > 1 and spec["draft_step_ms"] > 0 and spec["verify_step_ms"] > 0
+    assert report["systems"]["ar"]["mean_accepted_length"] == 1.0
+    bound = report["bandwidth_bound"]
+    assert bound["ar_fraction"] == pytest.approx(report["systems"]["ar"]["tokens_per_second"]["median"]
+                                                 / bound["tokens_per_second"])
+    assert png.stat().st_size > 10_000
+    assert "specgraph ÷" in capsys.readouterr().out
+
+
+def test_unknown_baseline_is_refused(capsys):
+    assert main(["bench", str(REPO / "recipes" / "demo.yaml"), "--baselines", "vllm"]) == 2
+    assert "--baselines: unknown 'vllm'; valid: hf, hf-assisted, ar, serial" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_named_shapes_have_the_real_parameter_count(name):
+    shape, tied, real = SHAPES[name]
+    assert abs(parameter_count(shape, tied) / real - 1) < 0.05
+
+
+def test_fixtures_fit_their_shapes():
+    draft, target = load_model(EMBEDDED / "draft", torch.float32, "cpu"), load_model(EMBEDDED / "target", torch.float32, "cpu")
+    assert draft_shape_for(draft.shape) == "llama-3.2-1b" and draft_shape_for(target.shape) == "llama-3.2-3b"
+    with pytest.raises(SpecgraphError, match="unknown shape 'gpt-5'"):
+        widen(target, "gpt-5", "cpu", torch.float32)
+    with pytest.raises(SpecgraphError, match="head_dim 64 != 128"):
+        widen(draft, "llama-3-8b", "cpu", torch.float32)
+
+
+REDUCED = LlamaShape(vocab_size=5000, hidden_size=640, intermediate_size=1536, num_layers=11, num_heads=8,
+                     num_kv_heads=2, head_dim=128, rms_norm_eps=1e-5)  # 8B-like layout at a CPU-friendly size
+
+
+def test_widened_model_computes_the_same_function():
+    small = load_model(EMBEDDED / "target", torch.float32, "cpu")
+    wide = widen(small, REDUCED, "cpu", torch.float32)
+    assert wide.lm_head.weight.shape == (5000, 640) and len(wide.layers) == 11
+    ids = torch.randint(0, 4096, (1, 40))
+    mask = torch.ones(40, 40, dtype=torch.bool).tril()
+    with torch.no_grad():
+        a = small(ids, torch.arange(40)[None], small.new_cache(48), 0, mask)
+        b = wide(ids, torch.arange(40)[None], wide.new_cache(48), 0, mask)
+    assert b.shape[-1] == 4096  # only the trained vocabulary is served
+    assert (a - b).abs().max() < 1e-4  # fp32; the padded zeros change only summation order
+    # transformers runs the widened weights too (shared tensors), giving the same logits
+    hf = hf_mirror(wide, read_config(EMBEDDED / "target"))
+    with torch.no_grad():
+        assert (hf(ids).logits[0, :, :4096] - a[0]).abs().max() < 1e-4
+
+
+def test_widened_recipe_decodes_the_same_tokens():
+    recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "chain", "length": 3}, max_new_tokens=40)
+    graph = plan(recipe)
+    small = Program(graph)
+    models = {"target": widen(small.stages["target"].model, REDUCED, "cpu", torch.float32),
+              "draft": widen(small.stages["draft"].model, LlamaShape(5000, 320, 768, 3, 6, 2, 64, 1e-5), "cpu",
+                             torch.float32)}
+    wide = Program(graph, models)
+    ids = small.encode("def load(path):\n    with open(path) as f:\n")
+    expected = small.autoregressive().generate(ids, 40).output_ids
+    assert wide.generate(ids).output_ids == expected and small.generate(ids).output_ids == expected
