@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Run specgraph bench on a fresh GPU machine that has only this repository, plus
+#   .fixtures/  mid/ and prompts_code.jsonl from ../shared/fixtures (target and draft are embedded)
+#   .whl/       wheels of what the machine may lack (pydantic, rich and their needs; see docs/benchmarks.md)
+# Results (JSON per benchmark, and a log) go to $OUT (default: bench-results/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench-results}
+PROMPTS=${PROMPTS:-8}
+NEW_TOKENS=${NEW_TOKENS:-128}
+REPEATS=${REPEATS:-2}
+SHAPE=${SHAPE:-llama-3-8b}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-150}
+
+# Install from local wheels only what does not import (the machine has no package index).
+for pair in pydantic:pydantic rich:rich; do
+  module=${pair%%:*}
+  if ! python3 -c "import $module" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    break
+  fi
+done
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}:/tmp/site
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+
+head -n "$PROMPTS" .fixtures/prompts_code.jsonl > "$OUT/prompts.jsonl"
+sg() { python3 -m specgraph.cli "$@"; }
+common=(--prompts "$OUT/prompts.jsonl" --max-new-tokens "$NEW_TOKENS" --repeats "$REPEATS" --widen "$SHAPE")
+mid=(--set models.draft.path=../.fixtures/mid)
+
+sg run recipes/demo.yaml --set 'stages.0.devices=[cuda:0]' --set 'stages.1.devices=[cuda:0]' --max-new-tokens 32 | tail -n 1
+sg bench recipes/chain.yaml "${common[@]}" --baselines hf,hf-assisted,ar --json "$OUT/$SHAPE-chain-draft.json"
+sg bench recipes/tree.yaml "${common[@]}" --baselines ar --json "$OUT/$SHAPE-tree-draft.json"
+sg bench recipes/dynamic.yaml "${common[@]}" --baselines ar --json "$OUT/$SHAPE-dynamic-draft.json"
+sg bench recipes/chain.yaml "${common[@]}" "${mid[@]}" --baselines hf-assisted,ar --json "$OUT/$SHAPE-chain-mid.json"
+sg bench recipes/dynamic.yaml "${common[@]}" "${mid[@]}" --baselines ar --json "$OUT/$SHAPE-dynamic-mid.json"
