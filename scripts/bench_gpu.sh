@@ -8,19 +8,20 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench-results}
 PROMPTS=${PROMPTS:-8}
 NEW_TOKENS=${NEW_TOKENS:-128}
-REPEATS=${REPEATS:-2}
+REPEATS=${REPEATS:-1}
 SHAPE=${SHAPE:-llama-3-8b}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-150}
 
 # Install from local wheels only what does not import (the machine has no package index).
-for pair in pydantic:pydantic rich:rich; do
-  module=${pair%%:*}
-  if ! python3 -c "import $module" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-    break
-  fi
+missing=()
+for module in pydantic rich pytest; do
+  python3 -c "import $module" 2>/dev/null || missing+=("$module")
 done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing from .whl/ (missing: ${missing[*]})"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}:/tmp/site
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
 
@@ -29,9 +30,9 @@ sg() { python3 -m specgraph.cli "$@"; }
 common=(--prompts "$OUT/prompts.jsonl" --max-new-tokens "$NEW_TOKENS" --repeats "$REPEATS" --widen "$SHAPE")
 mid=(--set models.draft.path=../.fixtures/mid)
 
-sg run recipes/demo.yaml --set 'stages.0.devices=[cuda:0]' --set 'stages.1.devices=[cuda:0]' --max-new-tokens 32 | tail -n 1
-sg bench recipes/chain.yaml "${common[@]}" --baselines hf,hf-assisted,ar --json "$OUT/$SHAPE-chain-draft.json"
+python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py || echo "GPU TESTS FAILED"
 sg bench recipes/tree.yaml "${common[@]}" --baselines ar --json "$OUT/$SHAPE-tree-draft.json"
-sg bench recipes/dynamic.yaml "${common[@]}" --baselines ar --json "$OUT/$SHAPE-dynamic-draft.json"
-sg bench recipes/chain.yaml "${common[@]}" "${mid[@]}" --baselines hf-assisted,ar --json "$OUT/$SHAPE-chain-mid.json"
+sg bench recipes/chain.yaml "${common[@]}" --baselines ar --json "$OUT/$SHAPE-chain-draft.json"
+sg bench recipes/chain.yaml "${common[@]}" "${mid[@]}" --baselines ar --json "$OUT/$SHAPE-chain-mid.json"
 sg bench recipes/dynamic.yaml "${common[@]}" "${mid[@]}" --baselines ar --json "$OUT/$SHAPE-dynamic-mid.json"
+sg bench recipes/dynamic.yaml "${common[@]}" --baselines hf,hf-assisted,ar --json "$OUT/$SHAPE-dynamic-draft.json"

@@ -2,9 +2,10 @@
 
 Slots [0, length) hold the committed prefix. A step writes its new tokens
 (a catch-up chain, draft-tree nodes, or the tree being verified) at slots
-[length, length + T) and attends over [0, length + T) under a mask. After
-verification, `commit` gathers the accepted path's rows to the end of the
-prefix; everything past it is garbage that the next step overwrites.
+[length, length + T) and attends over all slots under a mask, so that every
+step of a given T has the same shapes (and can be captured as a CUDA graph).
+After verification, `commit` gathers the accepted path's rows to the end of
+the prefix; everything past it is garbage that the next step overwrites.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ class KVCache:
         self.capacity = capacity
         self.length = 0  # committed prefix length (slots)
 
-    def write(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, Hkv, T, K] at slots [slot, slot + T); return all keys/values up to there."""
-        end = slot + k.shape[2]
-        self.k[layer, :, :, slot:end] = k
-        self.v[layer, :, :, slot:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # [B, Hkv, end, K]
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, Hkv, T, K] at `slots` [T]; return the layer's keys and values [B, Hkv, S, K]."""
+        keys, values = self.k[layer], self.v[layer]
+        keys.index_copy_(2, slots, k)
+        values.index_copy_(2, slots, v)
+        return keys, values
 
     def commit(self, slots: torch.Tensor) -> None:
         """Append the rows at `slots` [A] (ascending, all >= length) to the committed prefix."""

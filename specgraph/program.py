@@ -21,9 +21,10 @@ def plan(recipe: Recipe) -> SpecGraph:
 
 
 class Program:
-    """Stages loaded from the plan (or given as `models`, by stage name) and the executor over them."""
+    """Stages loaded from the plan (or given as `models`, by stage name) and the executor over them.
+    On GPUs each stage replays CUDA graphs of its forwards unless `cuda_graphs` is False."""
 
-    def __init__(self, graph: SpecGraph, models: dict[str, nn.Module] | None = None):
+    def __init__(self, graph: SpecGraph, models: dict[str, nn.Module] | None = None, cuda_graphs: bool = True):
         self.graph = graph
         self.recipe = graph.recipe
         models = models or {}
@@ -31,7 +32,7 @@ class Program:
         for name in graph.stages():
             node = graph.node(name)
             model = models.get(name) or load_model(node["model"].path, node["dtype"], node["device"])
-            self.stages[name] = Stage(name, model, node["cache_slots"], node["device"])
+            self.stages[name] = Stage(name, model, node["cache_slots"], node["device"], cuda_graphs)
         target = graph.node(graph.target)
         self.tokenizer = AutoTokenizer.from_pretrained(target["model"].path, trust_remote_code=False)
         self.verifier = Verifier(self.stages[graph.target], target["spec"].verify, target["rule"], self.recipe.sampling)
@@ -46,8 +47,8 @@ class Program:
         return SerialExecutor(self.verifier, None, self.executor.eos_ids, self.recipe.max_seq_len)
 
     @classmethod
-    def from_recipe(cls, recipe: Recipe) -> Program:
-        return cls(plan(recipe))
+    def from_recipe(cls, recipe: Recipe, cuda_graphs: bool = True) -> Program:
+        return cls(plan(recipe), cuda_graphs=cuda_graphs)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

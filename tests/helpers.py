@@ -9,6 +9,7 @@ from torch import nn
 
 from specgraph.cache import KVCache
 from specgraph.recipe import Recipe
+from specgraph.runtime.stage import Stage
 
 
 def two_stage(target: Path, draft: Path | None, tree: dict | None = None, dtype: str = "float32",
@@ -35,3 +36,11 @@ class MarkovModel(nn.Module):
 
     def forward(self, tokens, positions, cache, slot, mask):
         return self.log_table[tokens]  # [B, T, V]
+
+
+@torch.no_grad()
+def chain_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """ids [T] run causally from an empty cache -> logits [T, V]."""
+    t = ids.numel()
+    stage = Stage("test", model, t + 8, torch.device("cpu"))
+    return stage.forward(ids, torch.arange(t), 0, torch.ones(t, t, dtype=torch.bool).tril())

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 from conftest import EMBEDDED, REPO
-from helpers import two_stage
+from helpers import chain_logits, two_stage
 
 from specgraph.bench.systems import hf_mirror
 from specgraph.bench.widen import SHAPES, draft_shape_for, parameter_count, widen
@@ -71,17 +71,14 @@ def test_widened_model_computes_the_same_function():
     small = load_model(EMBEDDED / "target", torch.float32, "cpu")
     wide = widen(small, REDUCED, "cpu", torch.float32)
     assert wide.lm_head.weight.shape == (5000, 640) and len(wide.layers) == 11
-    ids = torch.randint(0, 4096, (1, 40))
-    mask = torch.ones(40, 40, dtype=torch.bool).tril()
-    with torch.no_grad():
-        a = small(ids, torch.arange(40)[None], small.new_cache(48), 0, mask)
-        b = wide(ids, torch.arange(40)[None], wide.new_cache(48), 0, mask)
+    ids = torch.randint(0, 4096, (40,))
+    a, b = chain_logits(small, ids), chain_logits(wide, ids)
     assert b.shape[-1] == 4096  # only the trained vocabulary is served
     assert (a - b).abs().max() < 1e-4  # fp32; the padded zeros change only summation order
     # transformers runs the widened weights too (shared tensors), giving the same logits
     hf = hf_mirror(wide, read_config(EMBEDDED / "target"))
     with torch.no_grad():
-        assert (hf(ids).logits[0, :, :4096] - a[0]).abs().max() < 1e-4
+        assert (hf(ids[None]).logits[0, :, :4096] - a).abs().max() < 1e-4
 
 
 def test_widened_recipe_decodes_the_same_tokens():

@@ -4,9 +4,11 @@ import pytest
 import torch
 import transformers
 from conftest import EMBEDDED, shared_models
+from helpers import chain_logits
 
 from specgraph.errors import CheckpointError
 from specgraph.models.loader import load_model
+from specgraph.runtime.stage import Stage
 from specgraph.tree import Tree, prefix_tree_mask
 
 FP32_TOL = 1e-4  # max |logit difference| between our fp32 forward and transformers' fp32 forward
@@ -19,10 +21,7 @@ def hf_logits(path, ids):
 
 
 def our_logits(model, ids):
-    t = ids.shape[1]
-    cache = model.new_cache(t + 8)
-    with torch.no_grad():
-        return model(ids, torch.arange(t)[None], cache, 0, torch.ones(t, t, dtype=torch.bool).tril())[0]
+    return chain_logits(model, ids[0])
 
 
 @pytest.mark.parametrize("name", ["draft", "target", "mid"])
@@ -37,10 +36,10 @@ def test_incremental_decoding_matches_one_pass():
     model = load_model(EMBEDDED / "target", torch.float32, "cpu")
     ids = torch.randint(0, 4096, (1, 20))
     full = our_logits(model, ids)
-    cache = model.new_cache(32)
+    stage = Stage("t", model, 32, torch.device("cpu"))
     with torch.no_grad():
-        steps = [model(ids[:, :12], torch.arange(12)[None], cache, 0, torch.ones(12, 12, dtype=torch.bool).tril())[0]]
-        steps += [model(ids[:, i:i + 1], torch.tensor([[i]]), cache, i, None)[0] for i in range(12, 20)]
+        steps = [stage.forward(ids[0, :12], torch.arange(12), 0, torch.ones(12, 12, dtype=torch.bool).tril())]
+        steps += [stage.forward(ids[0, i:i + 1], torch.tensor([i]), i, None) for i in range(12, 20)]
     assert (torch.cat(steps) - full).abs().max() < FP32_TOL
 
 
@@ -49,11 +48,10 @@ def test_tree_attention_equals_each_path_run_alone():
     model = load_model(EMBEDDED / "target", torch.float32, "cpu")
     prefix = torch.randint(0, 4096, (1, 10))
     tree = Tree(tokens=torch.randint(0, 4096, (7,)), parents=torch.tensor([-1, 0, 0, 1, 1, 2, 5]))
-    cache = model.new_cache(32)
+    stage = Stage("t", model, 32, torch.device("cpu"))
     with torch.no_grad():
-        model(prefix, torch.arange(10)[None], cache, 0, torch.ones(10, 10, dtype=torch.bool).tril())
-        logits = model(tree.tokens[None], (10 + tree.depths)[None], cache, 10,
-                       prefix_tree_mask(10, tree.ancestors))[0]
+        stage.catch_up(prefix[0])
+        logits = stage.forward(tree.tokens, 10 + tree.depths, 10, prefix_tree_mask(10, tree.ancestors))
     for node in range(tree.size):
         path = tree.ancestors[node].nonzero().flatten()
         alone = our_logits(model, torch.cat([prefix[0], tree.tokens[path]])[None])
@@ -64,15 +62,13 @@ def test_commit_moves_the_accepted_path_into_the_prefix():
     model = load_model(EMBEDDED / "draft", torch.float32, "cpu")
     prefix = torch.randint(0, 4096, (1, 6))
     tree = Tree(tokens=torch.randint(0, 4096, (5,)), parents=torch.tensor([-1, 0, 0, 2, 3]))
-    cache = model.new_cache(16)
+    stage, fresh_stage = Stage("a", model, 16, torch.device("cpu")), Stage("b", model, 16, torch.device("cpu"))
+    cache, fresh = stage.cache, fresh_stage.cache
     with torch.no_grad():
-        model(prefix, torch.arange(6)[None], cache, 0, torch.ones(6, 6, dtype=torch.bool).tril())
-        cache.length = 6
-        model(tree.tokens[None], (6 + tree.depths)[None], cache, 6, prefix_tree_mask(6, tree.ancestors))
+        stage.catch_up(prefix[0])
+        stage.forward(tree.tokens, 6 + tree.depths, 6, prefix_tree_mask(6, tree.ancestors))
         cache.commit(6 + torch.tensor([0, 2, 3]))  # root, node 2, node 3
-        fresh = model.new_cache(16)
-        seq = torch.cat([prefix[0], tree.tokens[[0, 2, 3]]])[None]
-        model(seq, torch.arange(9)[None], fresh, 0, torch.ones(9, 9, dtype=torch.bool).tril())
+        fresh_stage.catch_up(torch.cat([prefix[0], tree.tokens[[0, 2, 3]]]))
     assert cache.length == 9
     assert (cache.k[:, :, :, :9] - fresh.k[:, :, :, :9]).abs().max() < 1e-5
     assert (cache.v[:, :, :, :9] - fresh.v[:, :, :, :9]).abs().max() < 1e-5

@@ -2,6 +2,7 @@
 
 import torch
 from conftest import EMBEDDED
+from helpers import chain_logits
 
 from specgraph.draft import Drafter
 from specgraph.models.loader import load_model
@@ -46,15 +47,10 @@ def test_static_drafts_follow_the_draft_models_ranking():
     tree = d.draft(committed, torch.Generator().manual_seed(0))
     check_well_formed(tree, 1 + 3 + 6)
     model = d.stage.model
-    fresh = model.new_cache(64)
-    with torch.no_grad():
-        logits = model(committed[None], torch.arange(12)[None], fresh, 0, torch.ones(12, 12, dtype=torch.bool).tril())[0, -1]
+    logits = chain_logits(model, committed)[-1]
     assert tree.tokens[1:4].tolist() == logits.topk(3).indices.tolist()
     # the children of node 1 are the top-2 after appending node 1's token
-    fresh = model.new_cache(64)
-    seq = torch.cat([committed, tree.tokens[1:2]])
-    with torch.no_grad():
-        logits = model(seq[None], torch.arange(13)[None], fresh, 0, torch.ones(13, 13, dtype=torch.bool).tril())[0, -1]
+    logits = chain_logits(model, torch.cat([committed, tree.tokens[1:2]]))[-1]
     assert tree.tokens[tree.children(1)].tolist() == logits.topk(2).indices.tolist()
 
 

@@ -29,6 +29,7 @@ class BenchSpec:
     repeats: int = 3
     baselines: tuple[str, ...] = ("hf", "hf-assisted", "ar")
     widen: str | None = None  # target shape; the drafter widens to the small shape with its head dim
+    cuda_graphs: bool = True
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
@@ -70,16 +71,17 @@ def build_systems(spec: BenchSpec) -> tuple[Program, list, dict[str, str]]:
     if unknown:
         raise SpecgraphError(f"--baselines: unknown {unknown[0]!r}; valid: {', '.join(BASELINES)}")
     graph = plan(spec.recipe)
-    program = Program(graph, _load_models(graph, spec.widen))
+    program = Program(graph, _load_models(graph, spec.widen), spec.cuda_graphs)
     target_node = graph.node(graph.target)
     drafter = graph.drafter_of(graph.target)
-    systems = [SpecgraphSystem("specgraph", program.executor, f"recipe {spec.recipe.name}, serial executor")]
+    how = "CUDA graphs" if program.stages[graph.target].cuda_graphs else "eager"
+    systems = [SpecgraphSystem("specgraph", program.executor, f"recipe {spec.recipe.name}, serial executor, {how}")]
     skipped: dict[str, str] = {}
     target_model = program.stages[graph.target].model
     hf_target = None
     for name in spec.baselines:
         if name == "ar":
-            systems.append(SpecgraphSystem("ar", program.autoregressive(), "specgraph, target alone, serial"))
+            systems.append(SpecgraphSystem("ar", program.autoregressive(), f"specgraph, target alone, serial, {how}"))
         elif name == "serial":
             skipped[name] = "the recipe already runs on the serial executor"
         elif target_node["rule"] != "greedy":
@@ -98,10 +100,12 @@ def build_systems(spec: BenchSpec) -> tuple[Program, list, dict[str, str]]:
 
 def _measure(system, spec: BenchSpec, encoded: list[list[int]], progress: Progress) -> dict:
     device = system.device
-    system.run(encoded[0], min(16, spec.max_new_tokens))  # warm-up (and compilation, where there is any)
+    task = progress.add_task(system.name, total=(spec.repeats + 1) * len(encoded))
+    for ids in encoded:  # an untimed pass first: graph capture and compilation happen here, per shape
+        system.run(ids, spec.max_new_tokens)
+        progress.advance(task)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    task = progress.add_task(system.name, total=spec.repeats * len(encoded))
     repeats: list[list[Run]] = []
     for _ in range(spec.repeats):
         runs = []

@@ -70,7 +70,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, shape.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                slot: int, mask: torch.Tensor | None) -> torch.Tensor:
+                slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)  # [B, T, H, K]
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
@@ -79,8 +79,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, K]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, K]
-        keys, values = cache.write(layer, slot, k, v.transpose(1, 2))  # [B, Hkv, slot + T, K]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+        keys, values = cache.write(layer, slots, k, v.transpose(1, 2))  # [B, Hkv, S, K]
+        seen = mask.shape[-1]  # attend over slots [0, seen): all S for a static shape, fewer when eager
+        out = F.scaled_dot_product_attention(q, keys[:, :, :seen], values[:, :, :seen], attn_mask=mask,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -104,8 +105,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, layer, slot, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slot, mask)
+    def forward(self, x, cos, sin, cache, layer, slots, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -135,13 +136,14 @@ class LlamaModel(nn.Module):
         cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
         return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slot: int,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """tokens, positions [B, T]; writes K/V at slots [slot, slot + T) and attends over
-        [0, slot + T) where mask [T, slot + T] (bool, True = visible) allows; None = all visible.
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """tokens, positions [B, T]; writes K/V at cache `slots` [T] and attends over cache slots
+        [0, S') where mask [T, S'] (bool, True = visible) allows. With S' = the cache's capacity,
+        shapes depend on T only.
         Returns logits [B, T, V] in fp32, V = served_vocab."""
         x = self.embed_tokens(tokens)  # [B, T, hidden]
         cos, sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, slot, mask)
+            x = layer(x, cos, sin, cache, i, slots, mask)
         return self.lm_head(self.norm(x))[..., : self.served_vocab].float()

@@ -3,6 +3,10 @@
 A stage's cache holds a prefix of the committed tokens. `catch_up` feeds whatever committed
 tokens it lacks; `forward` runs new tokens (draft-tree nodes, or a tree to verify) past the
 prefix without committing them; `cache.commit` keeps the accepted ones.
+
+Every forward of T tokens has the same shapes (the model attends over the whole cache under a
+mask), so on a GPU the stage captures one CUDA graph per T (up to GRAPH_MAX_TOKENS) on first use
+and replays it afterwards: a step then costs one graph launch instead of hundreds of kernel launches.
 """
 
 from __future__ import annotations
@@ -13,25 +17,60 @@ from torch import nn
 from specgraph.cache import KVCache
 from specgraph.tree import prefix_tree_mask
 
+GRAPH_MAX_TOKENS = 64  # larger forwards (prefill) run eagerly
+
+
+class CapturedForward:
+    """One CUDA graph of `model` for T tokens, replayed from static input buffers."""
+
+    def __init__(self, model: nn.Module, cache: KVCache, tokens, positions, slots, mask, pool):
+        # Static inputs: [1, T], [1, T], [T], [T, S].
+        self.inputs = [x.clone() for x in (tokens, positions, slots, mask)]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # the warm-up run is this call's real forward
+            self.first = model(*self.inputs[:2], cache, *self.inputs[2:])
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):  # recorded, not run
+            self.output = model(*self.inputs[:2], cache, *self.inputs[2:])
+
+    def __call__(self, tokens, positions, slots, mask) -> torch.Tensor:
+        for buffer, value in zip(self.inputs, (tokens, positions, slots, mask)):
+            buffer.copy_(value)
+        self.graph.replay()
+        return self.output.clone()  # the next replay overwrites the static output
+
 
 class Stage:
-    def __init__(self, name: str, model: nn.Module, capacity: int, device: torch.device):
+    def __init__(self, name: str, model: nn.Module, capacity: int, device: torch.device, cuda_graphs: bool = True):
         self.name = name
         self.model = model
         self.device = device
         self.cache: KVCache = model.new_cache(capacity)
-
-    @property
-    def committed(self) -> int:
-        return self.cache.length
+        self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self._graphs: dict[int, CapturedForward] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int,
                 mask: torch.Tensor | None) -> torch.Tensor:
-        """tokens, positions [T] at slots [slot, slot + T); mask [T, slot + T] or None -> logits [T, V]."""
-        if slot + tokens.numel() > self.cache.capacity:
-            raise RuntimeError(f"stage {self.name}: {slot + tokens.numel()} slots exceed the cache's "
-                               f"{self.cache.capacity}; plan_memory sized it too small")
-        return self.model(tokens[None], positions[None], self.cache, slot, mask)[0]
+        """tokens, positions [T] at slots [slot, slot + T); mask [T, slot + T] (None: all visible) -> logits [T, V]."""
+        t, end = tokens.numel(), slot + tokens.numel()
+        if end > self.cache.capacity:
+            raise RuntimeError(f"stage {self.name}: {end} slots exceed the cache's {self.cache.capacity}; "
+                               "plan_memory sized it too small")
+        slots = torch.arange(slot, end, device=self.device)
+        if mask is None:
+            mask = torch.ones(t, end, dtype=torch.bool, device=self.device)
+        if not self.cuda_graphs or t > GRAPH_MAX_TOKENS:  # eager: attend over the used slots only
+            return self.model(tokens[None], positions[None], self.cache, slots, mask)[0]
+        full = torch.zeros(t, self.cache.capacity, dtype=torch.bool, device=self.device)  # [T, S]: static shape
+        full[:, :end] = mask
+        args = (tokens[None], positions[None], slots, full)
+        if t not in self._graphs:
+            self._graphs[t] = CapturedForward(self.model, self.cache, *args, self._pool)
+            return self._graphs[t].first[0].clone()
+        return self._graphs[t](*args)[0]
 
     @torch.inference_mode()
     def catch_up(self, committed: torch.Tensor) -> torch.Tensor | None:
@@ -46,4 +85,3 @@ class Stage:
         logits = self.forward(committed[start:], positions, start, mask)
         self.cache.length = end
         return logits[-1]
-

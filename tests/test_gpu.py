@@ -1,0 +1,34 @@
+"""On a GPU: CUDA-graph replay gives the same tokens as eager forwards, and speculation in bf16
+gives the tokens of our own autoregressive decoding of the same program where it is exact."""
+
+import pytest
+import torch
+from conftest import EMBEDDED
+from helpers import two_stage
+
+from specgraph.program import Program
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Tree:\n    \"\"\"A rooted tree.\"\"\"\n\n    def __init__(self"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_replay_the_eager_program(dtype):
+    recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "static", "branching": [2, 2, 1]},
+                       dtype=dtype, max_new_tokens=64)
+    recipe = recipe.model_copy(update={"stages": [s.model_copy(update={"devices": ["cuda:0"]}) for s in recipe.stages]})
+    graphed, eager = Program.from_recipe(recipe), Program.from_recipe(recipe, cuda_graphs=False)
+    for text in PROMPTS:
+        ids = graphed.encode(text)
+        assert graphed.generate(ids).output_ids == eager.generate(ids).output_ids
+    assert graphed.stages["target"]._graphs and not eager.stages["target"]._graphs
+
+
+def test_fp32_speculation_on_gpu_equals_autoregressive():
+    recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "chain", "length": 4}, max_new_tokens=64)
+    recipe = recipe.model_copy(update={"stages": [s.model_copy(update={"devices": ["cuda:0"]}) for s in recipe.stages]})
+    program = Program.from_recipe(recipe)
+    for text in PROMPTS:
+        ids = program.encode(text)
+        assert program.generate(ids).output_ids == program.autoregressive().generate(ids, 64).output_ids
