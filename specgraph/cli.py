@@ -23,7 +23,9 @@ def _prompt_args(parser: argparse.ArgumentParser) -> None:
                         help="JSON lines with 'prompt' (text) and optional 'id'")
     parser.add_argument("--max-new-tokens", type=int, help="override the recipe's max_new_tokens")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                        help="run every forward eagerly (for debugging; GPU only has graphs)")
+                        help="launch every forward's kernels one by one (GPU; for debugging)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the decoder layers (default: on GPUs, not on the CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +96,7 @@ def cmd_run(args: argparse.Namespace) -> None:
 
     recipe, prompts = _load_recipe(args)
     print(f"specgraph: loading {recipe.name} ({', '.join(s.name for s in recipe.stages)})", file=sys.stderr)
-    program = Program.from_recipe(recipe, args.cuda_graphs)
+    program = Program.from_recipe(recipe, args.cuda_graphs, args.compile)
     results = []
     for row in tqdm(prompts, desc="prompts", unit="prompt", disable=len(prompts) == 1, file=sys.stderr):
         ids = program.encode(row["prompt"])
@@ -124,7 +126,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.repeats < 1:
         raise SpecgraphError(f"--repeats: must be at least 1 (got {args.repeats})")
     spec = BenchSpec(recipe, prompts, args.max_new_tokens or recipe.max_new_tokens, args.repeats,
-                     tuple(b.strip() for b in args.baselines.split(",") if b.strip()), args.widen, args.cuda_graphs)
+                     tuple(b.strip() for b in args.baselines.split(",") if b.strip()), args.widen, args.cuda_graphs, args.compile)
     report = run_bench(spec)
     print_table(report)
     if args.json is not None:

@@ -20,18 +20,32 @@ def plan(recipe: Recipe) -> SpecGraph:
     return run_pipeline(SpecGraph.from_recipe(recipe))
 
 
+def compile_layers(model: nn.Module) -> None:
+    """Compile each decoder layer in place; layers share code, so Inductor compiles it once per shape
+    class (T = 1, and T symbolic) and every layer reuses it."""
+    for layer in model.layers:
+        layer.compile(dynamic=True, fullgraph=True)
+
+
 class Program:
     """Stages loaded from the plan (or given as `models`, by stage name) and the executor over them.
-    On GPUs each stage replays CUDA graphs of its forwards unless `cuda_graphs` is False."""
 
-    def __init__(self, graph: SpecGraph, models: dict[str, nn.Module] | None = None, cuda_graphs: bool = True):
+    On GPUs each stage replays CUDA graphs of its forwards unless `cuda_graphs` is False. With
+    `compile` (default: on GPUs only, where it pays) every decoder layer is compiled by
+    torch.compile/Inductor once per model and reused by all layers (regional compilation)."""
+
+    def __init__(self, graph: SpecGraph, models: dict[str, nn.Module] | None = None, cuda_graphs: bool = True,
+                 compile: bool | None = None):
         self.graph = graph
         self.recipe = graph.recipe
         models = models or {}
-        self.stages = {}
+        self.stages, self.compiled = {}, {}
         for name in graph.stages():
             node = graph.node(name)
             model = models.get(name) or load_model(node["model"].path, node["dtype"], node["device"])
+            self.compiled[name] = node["device"].type == "cuda" if compile is None else compile
+            if self.compiled[name]:
+                compile_layers(model)
             self.stages[name] = Stage(name, model, node["cache_slots"], node["device"], cuda_graphs)
         target = graph.node(graph.target)
         self.tokenizer = AutoTokenizer.from_pretrained(target["model"].path, trust_remote_code=False)
@@ -47,8 +61,8 @@ class Program:
         return SerialExecutor(self.verifier, None, self.executor.eos_ids, self.recipe.max_seq_len)
 
     @classmethod
-    def from_recipe(cls, recipe: Recipe, cuda_graphs: bool = True) -> Program:
-        return cls(plan(recipe), cuda_graphs=cuda_graphs)
+    def from_recipe(cls, recipe: Recipe, cuda_graphs: bool = True, compile: bool | None = None) -> Program:
+        return cls(plan(recipe), cuda_graphs=cuda_graphs, compile=compile)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

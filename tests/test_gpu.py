@@ -32,3 +32,13 @@ def test_fp32_speculation_on_gpu_equals_autoregressive():
     for text in PROMPTS:
         ids = program.encode(text)
         assert program.generate(ids).output_ids == program.autoregressive().generate(ids, 64).output_ids
+
+
+def test_compiled_layers_give_the_eager_tokens_on_gpu():
+    recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "chain", "length": 4}, max_new_tokens=48)
+    recipe = recipe.model_copy(update={"stages": [s.model_copy(update={"devices": ["cuda:0"]}) for s in recipe.stages]})
+    compiled, eager = Program.from_recipe(recipe, compile=True), Program.from_recipe(recipe, compile=False)
+    assert compiled.compiled == {"draft": True, "target": True}
+    for text in PROMPTS:
+        ids = compiled.encode(text)
+        assert compiled.generate(ids).output_ids == eager.generate(ids).output_ids
