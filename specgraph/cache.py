@@ -24,13 +24,6 @@ class KVCache:
         self.capacity = capacity
         self.length = 0  # committed prefix length (slots)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, Hkv, T, K] at `slots` [T]; return the layer's keys and values [B, Hkv, S, K]."""
-        keys, values = self.k[layer], self.v[layer]
-        keys.index_copy_(2, slots, k)
-        values.index_copy_(2, slots, v)
-        return keys, values
-
     def commit(self, slots: torch.Tensor) -> None:
         """Append the rows at `slots` [A] (ascending, all >= length) to the committed prefix."""
         count = slots.numel()

@@ -25,7 +25,7 @@ def _prompt_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="launch every forward's kernels one by one (GPU; for debugging)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the decoder layers (default: on GPUs, not on the CPU)")
+                        help="torch.compile the decoder layers with Inductor (default: on GPUs, not on the CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,7 +22,8 @@ def plan(recipe: Recipe) -> SpecGraph:
 
 def compile_layers(model: nn.Module) -> None:
     """Compile each decoder layer in place; layers share code, so Inductor compiles it once per shape
-    class (T = 1, and T symbolic) and every layer reuses it."""
+    class (T = 1, and T symbolic) and every layer reuses it. Layers get their cache tensors, not an
+    index, so that nothing layer-specific is a compile-time constant."""
     for layer in model.layers:
         layer.compile(dynamic=True, fullgraph=True)
 
@@ -31,8 +32,8 @@ class Program:
     """Stages loaded from the plan (or given as `models`, by stage name) and the executor over them.
 
     On GPUs each stage replays CUDA graphs of its forwards unless `cuda_graphs` is False. With
-    `compile` (default: on GPUs only, where it pays) every decoder layer is compiled by
-    torch.compile/Inductor once per model and reused by all layers (regional compilation)."""
+    `compile` (default: on GPUs, where it pays; not on the CPU) every decoder layer is compiled by
+    torch.compile/Inductor, one compiled code shared by all layers (regional compilation)."""
 
     def __init__(self, graph: SpecGraph, models: dict[str, nn.Module] | None = None, cuda_graphs: bool = True,
                  compile: bool | None = None):

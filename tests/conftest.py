@@ -1,14 +1,17 @@
 import os
 
-# Triton kernels run in the interpreter on the CPU; this must precede any @triton.jit import.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# Without a GPU, Triton kernels run in the interpreter; this must precede any @triton.jit import.
+# (On a GPU it must not: Inductor's own Triton kernels would run interpreted.)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "inductor"))
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDED = REPO / "recipes" / "models"  # the demo pair: target + draft, shipped in the repository

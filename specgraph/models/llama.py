@@ -69,8 +69,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, shape.rms_norm_eps)
             self.k_norm = RMSNorm(d, shape.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """keys, values [B, Hkv, S, K]: this layer's cache, written in place at `slots` [T]."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)  # [B, T, H, K]
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
@@ -79,7 +80,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, K]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, K]
-        keys, values = cache.write(layer, slots, k, v.transpose(1, 2))  # [B, Hkv, S, K]
+        keys.index_copy_(2, slots, k)
+        values.index_copy_(2, slots, v.transpose(1, 2))
         seen = mask.shape[-1]  # attend over slots [0, seen): all S for a static shape, fewer when eager
         out = F.scaled_dot_product_attention(q, keys[:, :, :seen], values[:, :, :seen], attn_mask=mask,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
@@ -105,8 +107,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, layer, slots, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, mask)
+    def forward(self, x, cos, sin, keys, values, slots, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, slots, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -145,5 +147,5 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(tokens)  # [B, T, hidden]
         cos, sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, slots, mask)
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], slots, mask)
         return self.lm_head(self.norm(x))[..., : self.served_vocab].float()
