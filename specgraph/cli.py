@@ -23,9 +23,10 @@ def _prompt_args(parser: argparse.ArgumentParser) -> None:
                         help="JSON lines with 'prompt' (text) and optional 'id'")
     parser.add_argument("--max-new-tokens", type=int, help="override the recipe's max_new_tokens")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                        help="launch every forward's kernels one by one (GPU; for debugging)")
+                        help="launch every forward's kernels one by one (GPU; same as --set lowering.cuda_graphs=false)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the decoder layers with Inductor (default: on GPUs, not on the CPU)")
+                        help="torch.compile the decoder layers (default: on GPUs, not on the CPU; "
+                             "same as --set lowering.compile=true|false)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +84,9 @@ def read_prompts(args: argparse.Namespace, default: str | None) -> list[dict]:
 def _load_recipe(args: argparse.Namespace):
     from specgraph.recipe import Recipe
 
-    recipe = Recipe.from_yaml(args.recipe, args.overrides)
+    lowering = [f"lowering.compile={str(args.compile).lower()}"] if args.compile is not None else []
+    lowering += [] if args.cuda_graphs else ["lowering.cuda_graphs=false"]
+    recipe = Recipe.from_yaml(args.recipe, [*args.overrides, *lowering])
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise SpecgraphError(f"--max-new-tokens: must be at least 1 (got {args.max_new_tokens})")
     return recipe, read_prompts(args, recipe.prompt)
@@ -96,7 +99,7 @@ def cmd_run(args: argparse.Namespace) -> None:
 
     recipe, prompts = _load_recipe(args)
     print(f"specgraph: loading {recipe.name} ({', '.join(s.name for s in recipe.stages)})", file=sys.stderr)
-    program = Program.from_recipe(recipe, args.cuda_graphs, args.compile)
+    program = Program.from_recipe(recipe)
     results = []
     for row in tqdm(prompts, desc="prompts", unit="prompt", disable=len(prompts) == 1, file=sys.stderr):
         ids = program.encode(row["prompt"])
@@ -126,7 +129,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.repeats < 1:
         raise SpecgraphError(f"--repeats: must be at least 1 (got {args.repeats})")
     spec = BenchSpec(recipe, prompts, args.max_new_tokens or recipe.max_new_tokens, args.repeats,
-                     tuple(b.strip() for b in args.baselines.split(",") if b.strip()), args.widen, args.cuda_graphs, args.compile)
+                     tuple(b.strip() for b in args.baselines.split(",") if b.strip()), args.widen)
     report = run_bench(spec)
     print_table(report)
     if args.json is not None:

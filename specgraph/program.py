@@ -29,25 +29,20 @@ def compile_layers(model: nn.Module) -> None:
 
 
 class Program:
-    """Stages loaded from the plan (or given as `models`, by stage name) and the executor over them.
+    """Stages loaded from the plan (or given as `models`, by stage name) and the executor over them,
+    lowered as the plan's `compile` and `graph_buckets` annotations say."""
 
-    On GPUs each stage replays CUDA graphs of its forwards unless `cuda_graphs` is False. With
-    `compile` (default: on GPUs, where it pays; not on the CPU) every decoder layer is compiled by
-    torch.compile/Inductor, one compiled code shared by all layers (regional compilation)."""
-
-    def __init__(self, graph: SpecGraph, models: dict[str, nn.Module] | None = None, cuda_graphs: bool = True,
-                 compile: bool | None = None):
+    def __init__(self, graph: SpecGraph, models: dict[str, nn.Module] | None = None):
         self.graph = graph
         self.recipe = graph.recipe
         models = models or {}
-        self.stages, self.compiled = {}, {}
+        self.stages = {}
         for name in graph.stages():
             node = graph.node(name)
             model = models.get(name) or load_model(node["model"].path, node["dtype"], node["device"])
-            self.compiled[name] = node["device"].type == "cuda" if compile is None else compile
-            if self.compiled[name]:
+            if node["compile"]:
                 compile_layers(model)
-            self.stages[name] = Stage(name, model, node["cache_slots"], node["device"], cuda_graphs)
+            self.stages[name] = Stage(name, model, node["cache_slots"], node["device"], node["graph_buckets"])
         target = graph.node(graph.target)
         self.tokenizer = AutoTokenizer.from_pretrained(target["model"].path, trust_remote_code=False)
         self.verifier = Verifier(self.stages[graph.target], target["spec"].verify, target["rule"], self.recipe.sampling)
@@ -62,8 +57,8 @@ class Program:
         return SerialExecutor(self.verifier, None, self.executor.eos_ids, self.recipe.max_seq_len)
 
     @classmethod
-    def from_recipe(cls, recipe: Recipe, cuda_graphs: bool = True, compile: bool | None = None) -> Program:
-        return cls(plan(recipe), cuda_graphs=cuda_graphs, compile=compile)
+    def from_recipe(cls, recipe: Recipe) -> Program:
+        return cls(plan(recipe))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -122,6 +122,13 @@ class SamplingSpec(_Strict):
     seed: int = 0
 
 
+class LoweringSpec(_Strict):
+    """How stages are lowered to step programs."""
+
+    compile: bool | None = Field(None, description="torch.compile the decoder layers; default: on GPUs, not on the CPU")
+    cuda_graphs: bool = Field(True, description="capture and replay one CUDA graph per forward size (GPU)")
+
+
 class Recipe(_Strict):
     """A decoding topology. See DESIGN.md for the format."""
 
@@ -133,6 +140,7 @@ class Recipe(_Strict):
     max_new_tokens: PositiveInt = 256
     max_seq_len: PositiveInt = Field(2048, description="prompt + generated tokens that the caches hold")
     prompt: str | None = Field(None, description="prompt used when the command line gives none")
+    lowering: LoweringSpec = LoweringSpec()
 
     @classmethod
     def from_dict(cls, data: Any, base_dir: Path | str | None = None) -> Recipe:
@@ -205,6 +213,7 @@ def _fields_at(loc: tuple) -> list[str]:
     """Field names of the schema object found by walking `loc` from Recipe."""
     model: Any = Recipe
     walk = {"models": ModelSpec, "stages": StageSpec, "sampling": SamplingSpec, "verify": VerifySpec,
+            "lowering": LoweringSpec,
             "chain": ChainTree, "static": StaticTree, "dynamic": DynamicTree}
     for part in loc:
         model = walk.get(part, model) if isinstance(part, str) else model

@@ -51,7 +51,7 @@ def test_inspect_shows_every_pass_and_writes_dot(tmp_path, capsys):
     dot = tmp_path / "g.dot"
     assert main(["inspect", str(REPO / "recipes" / "tree.yaml"), "--dot", str(dot)]) == 0
     out = capsys.readouterr().out
-    for name in ("validate", "place", "plan_tree", "plan_memory"):
+    for name in ("validate", "place", "plan_tree", "plan_memory", "compile_stages", "capture_graphs"):
         assert f"after {name}" in out
     assert "cache_slots" in out and "--verifies--> target" in out
     assert '"draft" -> "target"' in dot.read_text()

@@ -12,6 +12,7 @@ from helpers import two_stage
 from specgraph.errors import CheckpointError, RecipeError
 from specgraph.graph import SpecGraph
 from specgraph.passes import PIPELINE, run_pipeline
+from specgraph.passes.capture_graphs import capture_graphs
 from specgraph.passes.place import place
 from specgraph.passes.plan_memory import plan_memory
 from specgraph.passes.plan_tree import plan_tree
@@ -27,7 +28,8 @@ def graph(draft=DRAFT, tree=None, **fields) -> SpecGraph:
 
 
 def test_pipeline_order_is_the_documented_one():
-    assert [p.__name__ for p in PIPELINE] == ["validate", "place", "plan_tree", "plan_memory"]
+    assert [p.__name__ for p in PIPELINE] == ["validate", "place", "plan_tree", "plan_memory", "compile_stages",
+                                              "capture_graphs"]
 
 
 def test_validate_reads_configs_and_resolves_rules():
@@ -76,6 +78,27 @@ def test_plan_memory_sizes_caches_for_the_tree():
     assert target["kv_bytes"] == 2 * 8 * 1 * 128 * 307 * 4
     params = sum(t.numel() for f in TARGET.glob("*.safetensors") for t in load_file(f).values())
     assert target["weight_bytes"] == params * 4
+
+
+def test_compile_stages_follows_the_recipe_and_the_device():
+    assert run_pipeline(graph()).node("target")["compile"] is False  # auto: not on the CPU
+    forced = run_pipeline(graph(lowering={"compile": True}))
+    assert forced.node("target")["compile"] is True and forced.node("draft")["compile"] is True
+
+
+def test_capture_graphs_lists_the_step_sizes_of_each_stage():
+    g = run_pipeline(graph(tree={"shape": "static", "branching": [3, 2, 1]}))
+    assert g.node("target")["graph_buckets"] == ()  # the CPU has no CUDA graphs
+    gpu = place(validate(graph(tree={"shape": "static", "branching": [3, 2, 1]})))
+    for name in gpu.stages():
+        gpu.node(name)["device"] = torch.device("cuda:0")  # plan for a GPU without needing one
+    gpu = capture_graphs(plan_tree(gpu))
+    assert gpu.node("target")["graph_buckets"] == (1, 1 + 3 + 6 + 6)
+    assert gpu.node("draft")["graph_buckets"] == (1, 2, 3, 6)  # catch-up 1-2, then 3 and 6 nodes expanded
+    dyn = place(validate(graph(tree={"shape": "dynamic", "width": 5, "depth": 3, "nodes": 20}, lowering={"cuda_graphs": False})))
+    assert capture_graphs(plan_tree(dyn)).node("draft")["graph_buckets"] == ()
+    dyn.node("draft")["device"] = dyn.node("target")["device"] = torch.device("cuda:0")
+    assert capture_graphs(plan_tree(dyn)).node("draft")["graph_buckets"] == ()  # turned off in the recipe
 
 
 def test_pass_requirements_are_enforced():

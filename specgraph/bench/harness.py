@@ -29,8 +29,6 @@ class BenchSpec:
     repeats: int = 3
     baselines: tuple[str, ...] = ("hf", "hf-assisted", "ar")
     widen: str | None = None  # target shape; the drafter widens to the small shape with its head dim
-    cuda_graphs: bool = True
-    compile: bool | None = None  # None: on GPUs
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
@@ -72,11 +70,11 @@ def build_systems(spec: BenchSpec) -> tuple[Program, list, dict[str, str]]:
     if unknown:
         raise SpecgraphError(f"--baselines: unknown {unknown[0]!r}; valid: {', '.join(BASELINES)}")
     graph = plan(spec.recipe)
-    program = Program(graph, _load_models(graph, spec.widen), spec.cuda_graphs, spec.compile)
+    program = Program(graph, _load_models(graph, spec.widen))
     target_node = graph.node(graph.target)
     drafter = graph.drafter_of(graph.target)
-    how = ", ".join([*(["compiled layers"] if program.compiled[graph.target] else []),
-                     "CUDA graphs" if program.stages[graph.target].cuda_graphs else "eager forwards"])
+    how = ", ".join([*(["compiled layers"] if target_node["compile"] else []),
+                     "CUDA graphs" if target_node["graph_buckets"] else "eager forwards"])
     systems = [SpecgraphSystem("specgraph", program.executor, f"recipe {spec.recipe.name}, serial executor, {how}")]
     skipped: dict[str, str] = {}
     target_model = program.stages[graph.target].model

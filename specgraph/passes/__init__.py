@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from typing import Callable
 
-from specgraph.passes.base import Pass
-
 from specgraph.graph import SpecGraph
+from specgraph.passes.base import Pass
+from specgraph.passes.capture_graphs import capture_graphs
+from specgraph.passes.compile_stages import compile_stages
 from specgraph.passes.place import place
 from specgraph.passes.plan_memory import plan_memory
 from specgraph.passes.plan_tree import plan_tree
 from specgraph.passes.validate import validate
 
 PIPELINE = [
-    validate,     # checkpoints readable, tokenizers shared, rules consistent, execution runnable
-    place,        # devices and dtypes resolved
-    plan_tree,    # draft-tree topology and node budget per drafter
-    plan_memory,  # cache slots and byte counts per stage
+    validate,        # checkpoints readable, tokenizers shared, rules consistent, execution runnable
+    place,           # devices and dtypes resolved
+    plan_tree,       # draft-tree topology and node budget per drafter
+    plan_memory,     # cache slots and byte counts per stage
+    compile_stages,  # whose decoder layers torch.compile lowers
+    capture_graphs,  # which forward sizes each stage replays as CUDA graphs
 ]
 
 

@@ -4,9 +4,10 @@ A stage's cache holds a prefix of the committed tokens. `catch_up` feeds whateve
 tokens it lacks; `forward` runs new tokens (draft-tree nodes, or a tree to verify) past the
 prefix without committing them; `cache.commit` keeps the accepted ones.
 
-Every forward of T tokens has the same shapes (the model attends over the whole cache under a
-mask), so on a GPU the stage captures one CUDA graph per T (up to GRAPH_MAX_TOKENS) on first use
-and replays it afterwards: a step then costs one graph launch instead of hundreds of kernel launches.
+Every forward of T tokens can have the same shapes (the model attends over the whole cache under a
+mask), so on a GPU the stage captures one CUDA graph for each T in its `graph_buckets` (planned by
+the capture_graphs pass) on first use and replays it afterwards: a step then costs one graph
+launch instead of hundreds of kernel launches. Other sizes (prefill) run eagerly over the used slots.
 """
 
 from __future__ import annotations
@@ -16,9 +17,6 @@ from torch import nn
 
 from specgraph.cache import KVCache
 from specgraph.tree import prefix_tree_mask
-
-GRAPH_MAX_TOKENS = 64  # larger forwards (prefill) run eagerly
-
 
 class CapturedForward:
     """One CUDA graph of `model` for T tokens, replayed from static input buffers."""
@@ -43,14 +41,15 @@ class CapturedForward:
 
 
 class Stage:
-    def __init__(self, name: str, model: nn.Module, capacity: int, device: torch.device, cuda_graphs: bool = True):
+    def __init__(self, name: str, model: nn.Module, capacity: int, device: torch.device,
+                 graph_buckets: tuple[int, ...] = ()):
         self.name = name
         self.model = model
         self.device = device
         self.cache: KVCache = model.new_cache(capacity)
-        self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self.graph_buckets = frozenset(graph_buckets)
         self._graphs: dict[int, CapturedForward] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self._pool = torch.cuda.graph_pool_handle() if graph_buckets else None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -62,7 +61,7 @@ class Stage:
         slots = torch.arange(slot, end, device=self.device)
         if mask is None:
             mask = torch.ones(t, end, dtype=torch.bool, device=self.device)
-        if not self.cuda_graphs or t > GRAPH_MAX_TOKENS:  # eager: attend over the used slots only
+        if t not in self.graph_buckets:  # eager: attend over the used slots only
             return self.model(tokens[None], positions[None], self.cache, slots, mask)[0]
         full = torch.zeros(t, self.cache.capacity, dtype=torch.bool, device=self.device)  # [T, S]: static shape
         full[:, :end] = mask
