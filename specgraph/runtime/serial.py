@@ -66,7 +66,9 @@ class SerialExecutor:
             raise ValueError("the prompt is empty")
         self._reset()
         generator = torch.Generator(self.device).manual_seed(seed)  # verification's draws
-        draft_generator = None if self.drafter is None else torch.Generator(self.drafter.stage.device).manual_seed(seed + 1)
+        draft_generator = None  # the drafter's draws, on its own device
+        if self.drafter is not None:
+            draft_generator = torch.Generator(self.drafter.stage.device).manual_seed(seed + 1)
         committed = torch.tensor(prompt_ids, device=self.device)  # [L]
         budget = min(max_new_tokens, self.max_seq_len - len(prompt_ids))
         out = Generation(output_ids=[])
