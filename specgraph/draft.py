@@ -21,7 +21,6 @@ from specgraph.recipe import DynamicTree, SamplingSpec
 from specgraph.runtime.stage import Stage
 from specgraph.sampling import draw_without_replacement, probs_from_logits
 from specgraph.tree import Tree, TreeTopology, prefix_tree_mask
-from specgraph.verify import Verdict
 
 
 class _Growth:
@@ -94,10 +93,11 @@ class Drafter:
             tree, self._slots = self._grow_static(growth, root_logits, generator)
         return tree
 
-    def commit(self, verdict: Verdict) -> None:
-        """Keep the draft K/V of the accepted nodes that were fed, up to the first one that was not."""
+    def commit(self, path: list[int]) -> None:
+        """Keep the draft K/V of the accepted nodes (path: root first) that were fed, up to the first
+        one that was not."""
         slots = []
-        for node in verdict.path.tolist()[1:]:
+        for node in path[1:]:
             if self._slots[node] < 0:
                 break
             slots.append(self._slots[node])

@@ -9,7 +9,6 @@ in which they were proposed), which is the order verification tries them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -86,38 +85,50 @@ def tree_depth(spec: ChainTree | StaticTree | DynamicTree) -> int:
 
 @dataclass
 class Tree:
-    """One step's draft tree of N + 1 nodes (root included)."""
+    """One step's draft tree of N + 1 nodes (root included), in topological order.
+
+    The structure is derived once on the host from `parents` (trees are small and built there):
+    `ancestors` [N + 1, N + 1] bool, `depths` [N + 1], `child_table` [N + 1, C] (children in rank
+    order, -1 padded, C = the most children of any node) and `max_depth`, so that verification
+    can walk the tree with a fixed number of tensor operations.
+    """
 
     tokens: torch.Tensor  # [N + 1] long
     parents: torch.Tensor  # [N + 1] long, root -1
     proposals: torch.Tensor | None = None  # [N + 1, V]: the distribution each node's token was drawn from
 
+    def __post_init__(self) -> None:
+        parents = self.parents.tolist()
+        n = len(parents)
+        depth, kids, rows = [0] * n, [[] for _ in range(n)], [{0}]
+        for i in range(1, n):
+            depth[i] = depth[parents[i]] + 1
+            kids[parents[i]].append(i)
+            rows.append(rows[parents[i]] | {i})
+        width = max(len(k) for k in kids)
+        device = self.tokens.device
+        self._kids = kids
+        self.max_depth = max(depth)
+        self.depths = torch.tensor(depth, device=device)
+        self.child_table = torch.tensor([k + [-1] * (width - len(k)) for k in kids], dtype=torch.long,
+                                        device=device).reshape(n, width)
+        anc = torch.zeros(n, n, dtype=torch.bool)
+        for i, row in enumerate(rows):
+            anc[i, list(row)] = True
+        self.ancestors = anc.to(device)
+
     @property
     def size(self) -> int:
         return self.tokens.numel()
 
-    @cached_property
-    def depths(self) -> torch.Tensor:
-        """[N + 1] long: the number of proper ancestors of each node."""
-        return self.ancestors.sum(-1) - 1
-
-    @cached_property
-    def ancestors(self) -> torch.Tensor:
-        """[N + 1, N + 1] bool: ancestors[i, j] when j is i or an ancestor of i."""
-        n = self.size
-        idx = torch.arange(n, device=self.tokens.device)
-        anc = idx[:, None] == idx[None, :]
-        hop = self.parents.clone()
-        for _ in range(n - 1):  # at most n - 1 hops from any node to the root
-            live = hop >= 0
-            if not bool(live.any()):
-                break
-            anc[idx[live], hop[live]] = True
-            hop = torch.where(live, self.parents[hop.clamp(min=0)], hop)
-        return anc
-
     def children(self, node: int) -> list[int]:
-        return (self.parents == node).nonzero().flatten().tolist()
+        return list(self._kids[node])
+
+    def to(self, device: torch.device) -> Tree:
+        if device == self.tokens.device:
+            return self
+        return Tree(self.tokens.to(device), self.parents.to(device),
+                    None if self.proposals is None else self.proposals.to(device))
 
     @classmethod
     def root_only(cls, token: int, device: torch.device | str) -> Tree:

@@ -8,6 +8,9 @@ accepted path and the bonus token.
   normalised residual max(0, p - r_c). If no child is accepted the bonus is drawn from p.
 - typical: lossy (Medusa's typical acceptance): a child is accepted when the target gives it more
   than min(threshold, alpha * exp(-entropy(p))); the bonus is drawn from p. Opt-in only.
+
+Every rule is a fixed sequence of tensor operations (max_depth x max children steps), with no host
+synchronisation: the verdict stays in device buffers until the executor reads it once per step.
 """
 
 from __future__ import annotations
@@ -17,68 +20,108 @@ from dataclasses import dataclass
 import torch
 
 from specgraph.recipe import SamplingSpec, VerifySpec
-from specgraph.sampling import probs_from_logits, sample
+from specgraph.sampling import probs_from_logits
 from specgraph.tree import Tree
 
 
 @dataclass
 class Verdict:
-    path: torch.Tensor  # [A + 1] node indices, root first, then the accepted drafts by depth
-    bonus: int  # the target's own token after the last accepted node
+    path: torch.Tensor  # [D + 1] node indices: the root, then the accepted drafts by depth; -1 after them
+    bonus: torch.Tensor  # [] the target's own token after the last accepted node
 
-    def new_tokens(self, tree: Tree) -> list[int]:
-        """Tokens this step commits: accepted drafts + the bonus."""
-        return [*tree.tokens[self.path[1:]].tolist(), self.bonus]
+    def read(self, tree: Tree) -> tuple[list[int], list[int]]:
+        """The step's one host read: the accepted path (root first) and the tokens it commits
+        (accepted drafts + the bonus)."""
+        tokens = tree.tokens[self.path.clamp(min=0)]  # [D + 1]
+        path, tokens, bonus = torch.cat([self.path, tokens, self.bonus.reshape(1)]).tensor_split(
+            [self.path.numel(), 2 * self.path.numel()])
+        path, tokens = path.tolist(), tokens.tolist()
+        accepted = sum(n >= 0 for n in path)
+        return path[:accepted], tokens[1:accepted] + bonus.tolist()
+
+
+def _at(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """x[i] for a 0-dim index tensor, as a gather: indexing with it directly would read it on the host."""
+    return x.index_select(0, i.reshape(1))[0]
+
+
+def _path_to(tree: Tree, last: torch.Tensor) -> torch.Tensor:
+    """[D + 1] the nodes from the root to `last` by depth, -1 after them."""
+    d = tree.max_depth
+    slots = torch.where(_at(tree.ancestors, last), tree.depths, d + 1)  # non-ancestors go to a spare slot
+    path = torch.full((d + 2,), -1, dtype=torch.long, device=tree.tokens.device)
+    path.scatter_(0, slots, torch.arange(tree.size, device=path.device))
+    return path[: d + 1]
 
 
 def verify_greedy(tree: Tree, logits: torch.Tensor) -> Verdict:
-    """logits [N + 1, V]. Tensor ops only; siblings carry distinct tokens, so at most one matches."""
+    """logits [N + 1, V]. Siblings carry distinct tokens, so at most one child matches."""
     best = logits.argmax(-1)  # [N + 1]
     matches = tree.tokens == best[tree.parents.clamp(min=0)]  # [N + 1]
     matches[0] = True
-    ancestors = tree.ancestors  # [N + 1, N + 1]
-    on_path = ~(ancestors & ~matches[None, :]).any(-1)  # node and all its ancestors matched
-    depth = ancestors.sum(-1) - 1
-    last = torch.where(on_path, depth, -1).argmax()
-    path = ancestors[last].nonzero().flatten()  # ascending index = ascending depth (topological order)
-    return Verdict(path, int(best[last]))
+    on_path = ~(tree.ancestors & ~matches[None, :]).any(-1)  # node and all its ancestors matched
+    last = torch.where(on_path, tree.depths, -1).argmax()
+    return Verdict(_path_to(tree, last), _at(best, last))
+
+
+def _walk(tree: Tree, probs: torch.Tensor, try_child) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Walk down from the root, at each node offering its children in rank order to
+    `try_child(p, node, child) -> (accept [] bool, p after a rejection [V])`.
+    Returns the path [D + 1], the stopping node [] and the distribution p [V] left there."""
+    device = probs.device
+    path = torch.full((tree.max_depth + 1,), -1, dtype=torch.long, device=device)
+    path[0] = 0
+    node = torch.zeros((), dtype=torch.long, device=device)
+    stopped = torch.zeros((), dtype=torch.bool, device=device)
+    final = probs[0]
+    for depth in range(tree.max_depth):
+        p = _at(probs, node)
+        chosen = torch.full((), -1, dtype=torch.long, device=device)
+        for rank in range(tree.child_table.shape[1]):
+            child = _at(tree.child_table[:, rank], node)
+            live = (child >= 0) & ~stopped & (chosen < 0)
+            accept, rejected_p = try_child(p, node, child.clamp(min=0))
+            chosen = torch.where(live & accept, child, chosen)
+            p = torch.where(live & ~accept, rejected_p, p)
+        moved = chosen >= 0
+        final = torch.where(~stopped & ~moved, p, final)  # where the walk stops, p is the bonus's law
+        path[depth + 1] = torch.where(moved, chosen, -1)
+        stopped = stopped | ~moved
+        node = torch.where(moved, chosen, node)
+    final = torch.where(stopped, final, _at(probs, node))  # reached a leaf at the deepest level
+    return path, node, final
 
 
 def verify_sampling(tree: Tree, logits: torch.Tensor, sampling: SamplingSpec,
                     generator: torch.Generator) -> Verdict:
     probs = probs_from_logits(logits, sampling)  # [N + 1, V]
-    path, node = [0], 0
-    while True:
-        p = probs[node]
-        for child in tree.children(node):
-            token, proposal = int(tree.tokens[child]), tree.proposals[child]
-            ratio = (p[token] / proposal[token]).clamp(max=1.0)
-            if torch.rand((), generator=generator, device=p.device) < ratio:
-                break
-            residual = (p - proposal).clamp(min=0)
-            total = residual.sum()
-            # total is 0 only when p equals the proposal, where the ratio above was 1.
-            p = residual / total if total > 0 else p
-        else:
-            return Verdict(torch.tensor(path, device=logits.device), sample(p, generator))
-        path.append(child)
-        node = child
+
+    def try_child(p: torch.Tensor, node: torch.Tensor, child: torch.Tensor):
+        token, proposal = _at(tree.tokens, child), _at(tree.proposals, child)  # [], [V]
+        ratio = (_at(p, token) / _at(proposal, token)).clamp(max=1.0)
+        accept = torch.rand((), generator=generator, device=p.device) < ratio
+        residual = (p - proposal).clamp(min=0)
+        total = residual.sum()
+        # total is 0 only when p equals the proposal, where the ratio was 1 and nothing is rejected.
+        return accept, torch.where(total > 0, residual / total.clamp(min=1e-30), p)
+
+    path, _, final = _walk(tree, probs, try_child)
+    return Verdict(path, torch.multinomial(final, 1, generator=generator)[0])
 
 
 def verify_typical(tree: Tree, logits: torch.Tensor, sampling: SamplingSpec, spec: VerifySpec,
                    generator: torch.Generator) -> Verdict:
     probs = probs_from_logits(logits, sampling)  # [N + 1, V]
     entropy = -(probs * probs.clamp(min=1e-30).log()).sum(-1)  # [N + 1]
-    floor = torch.minimum(torch.full_like(entropy, spec.typical_threshold),
-                          spec.typical_alpha * torch.exp(-entropy))
-    path, node = [0], 0
-    while True:
-        passing = [c for c in tree.children(node) if probs[node, tree.tokens[c]] > floor[node]]
-        if not passing:
-            bonus = sample(probs[node], generator) if sampling.temperature > 0 else int(probs[node].argmax())
-            return Verdict(torch.tensor(path, device=logits.device), bonus)
-        node = passing[0]
-        path.append(node)
+    floor = torch.minimum(torch.full_like(entropy, spec.typical_threshold), spec.typical_alpha * torch.exp(-entropy))
+
+    def try_child(p: torch.Tensor, node: torch.Tensor, child: torch.Tensor):
+        return _at(_at(probs, node), _at(tree.tokens, child)) > _at(floor, node), p
+
+    path, _, final = _walk(tree, probs, try_child)
+    if sampling.temperature > 0:
+        return Verdict(path, torch.multinomial(final, 1, generator=generator)[0])
+    return Verdict(path, final.argmax())
 
 
 def verify(tree: Tree, logits: torch.Tensor, spec: VerifySpec, sampling: SamplingSpec,

@@ -4,6 +4,7 @@ executor over Markov-chain models with known distributions approach the target's
 import pytest
 import torch
 from helpers import MarkovModel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specgraph.draft import Drafter
 from specgraph.recipe import ChainTree, DynamicTree, SamplingSpec, StaticTree, VerifySpec
@@ -11,7 +12,7 @@ from specgraph.runtime.serial import SerialExecutor, Verifier
 from specgraph.runtime.stage import Stage
 from specgraph.sampling import probs_from_logits
 from specgraph.tree import Tree, TreeTopology
-from specgraph.verify import verify_greedy, verify_typical
+from specgraph.verify import verify_greedy, verify_sampling, verify_typical
 
 V = 6
 
@@ -23,10 +24,11 @@ def test_greedy_walks_the_matching_children():
         logits[node, best] = 1.0
     verdict = verify_greedy(tree, logits)
     assert verdict.path.tolist() == [0, 2, 4, 5] and verdict.bonus == 3
-    assert verdict.new_tokens(tree) == [2, 4, 0, 3]
+    assert verdict.read(tree) == ([0, 2, 4, 5], [2, 4, 0, 3])
     logits[0] = 0
     logits[0, 3] = 1  # no child of the root matches: bonus only
-    assert verify_greedy(tree, logits).path.tolist() == [0] and verify_greedy(tree, logits).bonus == 3
+    verdict = verify_greedy(tree, logits)
+    assert verdict.path.tolist() == [0, -1, -1, -1] and verdict.read(tree) == ([0], [3])
 
 
 def test_typical_accepts_probable_children_and_rejects_improbable():
@@ -34,11 +36,41 @@ def test_typical_accepts_probable_children_and_rejects_improbable():
     logits = torch.tensor([[0.0, -9.0, 3.0, 0.0, 0.0, 0.0]] * 3)
     verdict = verify_typical(tree, logits, SamplingSpec(temperature=1.0), VerifySpec(rule="typical"),
                              torch.Generator().manual_seed(0))
-    assert verdict.path.tolist() == [0, 2]  # token 2 is likely, token 1 is not
+    assert verdict.read(tree)[0] == [0, 2]  # token 2 is likely, token 1 is not
+
+
+class HostReads(TorchDispatchMode):
+    """Records the ops that would make a GPU wait for the host: scalar reads and data-dependent shapes."""
+
+    SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "unique"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.SYNCING:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_verification_makes_no_host_reads():
+    tree = Tree(tokens=torch.tensor([0, 1, 2, 3, 4]), parents=torch.tensor([-1, 0, 0, 1, 3]),
+                proposals=torch.full((5, V), 1.0 / V))
+    logits = torch.randn(5, V)
+    sampling, g = SamplingSpec(temperature=1.0), torch.Generator().manual_seed(0)
+    with HostReads() as reads:
+        verdicts = [verify_greedy(tree, logits), verify_sampling(tree, logits, sampling, g),
+                    verify_typical(tree, logits, sampling, VerifySpec(rule="typical"), g)]
+    assert reads.seen == []
+    assert all(v.path.shape == (4,) and v.bonus.shape == () for v in verdicts)
+    with HostReads() as reads:
+        torch.tensor([1, 2]).nonzero()
+    assert reads.seen  # the recorder does see syncing ops
 
 
 def markov_tables(seed: int):
-    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
     p = torch.distributions.Dirichlet(torch.full((V,), 0.7)).sample((V,))  # target [V, V]
     q = torch.distributions.Dirichlet(torch.full((V,), 0.7)).sample((V,))  # draft
     return p, q
@@ -50,8 +82,7 @@ def filtered(table: torch.Tensor, sampling: SamplingSpec) -> torch.Tensor:
 
 def two_token_frequencies(plan, sampling, samples: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Empirical joint of the first two generated tokens after prompt [0], and the exact target and draft joints."""
-    torch.manual_seed(11)
-    p, q = markov_tables(0)
+    p, q = markov_tables(11)
     cpu = torch.device("cpu")
     verifier = Verifier(Stage("t", MarkovModel(p), 64, cpu), VerifySpec(), "sampling", sampling)
     drafter = Drafter(Stage("d", MarkovModel(q), 64, cpu), plan, "sampling", sampling)

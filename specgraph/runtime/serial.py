@@ -34,6 +34,7 @@ class Verifier:
 
     def __init__(self, stage: Stage, spec: VerifySpec, rule: str, sampling: SamplingSpec):
         self.stage = stage
+        self.device = stage.device
         self.spec = spec.model_copy(update={"rule": rule})
         self.sampling = sampling
 
@@ -44,9 +45,12 @@ class Verifier:
         prefix = self.stage.cache.length
         mask = None if tree.size == 1 else prefix_tree_mask(prefix, tree.ancestors)  # [N+1, prefix+N+1]
         logits = self.stage.forward(tree.tokens, prefix + tree.depths, prefix, mask)  # [N + 1, V]
-        verdict = verify(tree, logits, self.spec, self.sampling, generator)
-        self.stage.cache.commit(prefix + verdict.path)
-        return verdict
+        return verify(tree, logits, self.spec, self.sampling, generator)
+
+    def commit(self, path: list[int]) -> None:
+        """Keep the K/V of the accepted path (root first), written at the tree's slots."""
+        prefix = self.stage.cache.length
+        self.stage.cache.commit(torch.tensor(path, device=self.device) + prefix)
 
 
 class SerialExecutor:
@@ -78,14 +82,12 @@ class SerialExecutor:
             if self.drafter is None:
                 tree = Tree.root_only(int(committed[-1]), self.device)
             else:
-                tree = self.drafter.draft(committed.to(self.drafter.stage.device), draft_generator)
-                tree = Tree(tree.tokens.to(self.device), tree.parents.to(self.device),
-                            None if tree.proposals is None else tree.proposals.to(self.device))
+                tree = self.drafter.draft(committed.to(self.drafter.stage.device), draft_generator).to(self.device)
             t1 = time.perf_counter()
-            verdict = self.verifier.step(committed, tree, generator)
+            path, new = self.verifier.step(committed, tree, generator).read(tree)  # the step's one host read
+            self.verifier.commit(path)
             if self.drafter is not None:
-                self.drafter.commit(verdict)
-            new = verdict.new_tokens(tree)
+                self.drafter.commit(path)
             out.draft_seconds += t1 - t0
             out.verify_seconds += time.perf_counter() - t1
             out.target_steps += 1
