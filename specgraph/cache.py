@@ -24,6 +24,13 @@ class KVCache:
         self.capacity = capacity
         self.length = 0  # committed prefix length (slots)
 
+    @classmethod
+    def wrap(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:
+        """A cache over existing key and value tensors [layers, B, Hkv, S, K] (an exported step's inputs)."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v, cache.capacity, cache.length = k, v, k.shape[3], 0
+        return cache
+
     def commit(self, slots: torch.Tensor) -> None:
         """Append the rows at `slots` [A] (ascending, all >= length) to the committed prefix."""
         count = slots.numel()

@@ -1,4 +1,4 @@
-"""specgraph command line: run | bench | inspect."""
+"""specgraph command line: run | bench | compile | export | inspect."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 from specgraph.errors import SpecgraphError
 
 
-def _recipe_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", type=Path, help="recipe YAML file")
+def _recipe_args(parser: argparse.ArgumentParser, optional: bool = False) -> None:
+    parser.add_argument("recipe", type=Path, help="recipe YAML file", nargs="?" if optional else None)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a recipe field by dotted path, e.g. stages.0.devices=[cpu] (repeatable)")
 
@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specgraph", description="graph-compiled speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="decode prompts with a recipe")
-    _recipe_args(run)
+    run = sub.add_parser("run", help="decode prompts with a recipe (or a compiled program)")
+    _recipe_args(run, optional=True)
+    run.add_argument("--program", type=Path, metavar="DIR", help="run the packages of `specgraph compile` instead")
     _prompt_args(run)
     run.add_argument("--json", type=Path, metavar="OUT", help="write results and summary as JSON")
 
@@ -49,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "to the small shape with its head dim; same function, real size")
     bench.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON")
     bench.add_argument("--plot", type=Path, metavar="OUT.png", help="plot tokens/s per system and accepted lengths")
+
+    for name, text in (("compile", "lower the recipe to exported step programs (torch.export + AOTInductor)"),
+                       ("export", "the same as compile, for those who only want the packages")):
+        command = sub.add_parser(name, help=text)
+        _recipe_args(command)
+        command.add_argument("-o", "--output", type=Path, required=True, metavar="DIR", help="folder for packages")
 
     inspect = sub.add_parser("inspect", help="print the graph and the plan after each pass")
     _recipe_args(inspect)
@@ -87,19 +94,27 @@ def _load_recipe(args: argparse.Namespace):
     lowering = [f"lowering.compile={str(args.compile).lower()}"] if args.compile is not None else []
     lowering += [] if args.cuda_graphs else ["lowering.cuda_graphs=false"]
     recipe = Recipe.from_yaml(args.recipe, [*args.overrides, *lowering])
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise SpecgraphError(f"--max-new-tokens: must be at least 1 (got {args.max_new_tokens})")
     return recipe, read_prompts(args, recipe.prompt)
 
 
 def cmd_run(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
+    from specgraph.export import load_program
     from specgraph.program import Program
 
-    recipe, prompts = _load_recipe(args)
-    print(f"specgraph: loading {recipe.name} ({', '.join(s.name for s in recipe.stages)})", file=sys.stderr)
-    program = Program.from_recipe(recipe)
+    if args.program is not None:
+        if args.recipe is not None or args.overrides:
+            raise SpecgraphError("--program: give a compiled folder or a recipe (with --set), not both")
+        program = load_program(args.program)
+        recipe = program.recipe
+        prompts = read_prompts(args, recipe.prompt)
+    else:
+        if args.recipe is None:
+            raise SpecgraphError("run: give a RECIPE file or --program DIR")
+        recipe, prompts = _load_recipe(args)
+        print(f"specgraph: loading {recipe.name} ({', '.join(s.name for s in recipe.stages)})", file=sys.stderr)
+        program = Program.from_recipe(recipe)
     results = []
     for row in tqdm(prompts, desc="prompts", unit="prompt", disable=len(prompts) == 1, file=sys.stderr):
         ids = program.encode(row["prompt"])
@@ -138,6 +153,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
         plot(report, args.plot)
 
 
+def cmd_compile(args: argparse.Namespace) -> None:
+    from specgraph.export import export_program
+    from specgraph.program import Program
+    from specgraph.recipe import Recipe
+
+    recipe = Recipe.from_yaml(args.recipe, [*args.overrides, "lowering.compile=false"])
+    export_program(Program.from_recipe(recipe), args.output)
+
+
 def cmd_inspect(args: argparse.Namespace) -> None:
     from specgraph.graph import SpecGraph
     from specgraph.passes import run_pipeline
@@ -160,7 +184,11 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"run": cmd_run, "bench": cmd_bench, "inspect": cmd_inspect}[args.command](args)
+        if getattr(args, "max_new_tokens", None) is not None and args.max_new_tokens < 1:
+            raise SpecgraphError(f"--max-new-tokens: must be at least 1 (got {args.max_new_tokens})")
+        commands = {"run": cmd_run, "bench": cmd_bench, "compile": cmd_compile, "export": cmd_compile,
+                    "inspect": cmd_inspect}
+        commands[args.command](args)
     except SpecgraphError as exc:
         print(f"specgraph: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,142 @@
+"""Export: each stage's step program as a torch.export + AOTInductor package, plus a manifest.
+
+A package holds one stage's forward (weights included) for any number of new tokens T in
+[1, 64] and any attended cache width; the cache tensors are inputs that it updates in place.
+`specgraph run --program DIR` loads the packages and runs them without recompiling. The
+manifest's `key` hashes every recipe field and the library versions: `compile` into a folder
+whose key matches does nothing, and a mismatch is logged with its reason before recompiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+from torch.export import Dim
+
+from specgraph.cache import KVCache
+from specgraph.errors import SpecgraphError
+from specgraph.models.llama import LlamaShape
+from specgraph.recipe import Recipe
+
+MAX_STEP_TOKENS = 64
+
+
+def _log(message: str) -> None:
+    print(f"specgraph: {message}", file=sys.stderr)
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {"specgraph": version("specgraph"), "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def program_key(recipe: Recipe) -> str:
+    text = json.dumps({"recipe": recipe.model_dump(mode="json"), "versions": versions()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class _StepModule(nn.Module):
+    """A stage's forward with the cache as plain tensor inputs (what torch.export takes)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, positions, keys, values, slots, mask):
+        return self.model(tokens, positions, KVCache.wrap(keys, values), slots, mask)
+
+
+class ExportedModel:
+    """A loaded package with the model interface a Stage uses."""
+
+    def __init__(self, package: Path, shape: LlamaShape, served_vocab: int, dtype: torch.dtype, device: torch.device):
+        self.runner = torch._inductor.aoti_load_package(str(package))
+        self.shape, self.served_vocab, self.dtype, self.device = shape, served_vocab, dtype, device
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        s = self.shape
+        return KVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity, self.dtype, self.device)
+
+    def __call__(self, tokens, positions, cache: KVCache, slots, mask) -> torch.Tensor:
+        return self.runner(tokens, positions, cache.k, cache.v, slots, mask)
+
+
+def _first_difference(old, new, where: str = "") -> str | None:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            found = _first_difference(old.get(key), new.get(key), f"{where}.{key}" if where else str(key))
+            if found:
+                return found
+        return None
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return next((d for i, (a, b) in enumerate(zip(old, new)) if (d := _first_difference(a, b, f"{where}.{i}"))), None)
+    return None if old == new else where or "recipe"
+
+
+def export_program(program, out: Path) -> dict:
+    """Write one package per stage of the lowered `program` and the manifest; reuse an up-to-date folder."""
+    recipe = program.recipe
+    manifest_path = out / "manifest.json"
+    key = program_key(recipe)
+    if manifest_path.is_file():
+        old = json.loads(manifest_path.read_text())
+        if old.get("key") == key and all((out / s["package"]).is_file() for s in old["stages"].values()):
+            _log(f"{out}: compiled program is up to date (key {key[:12]})")
+            return old
+        reason = (_first_difference(old.get("recipe"), recipe.model_dump(mode="json"))
+                  or _first_difference(old.get("versions"), versions()) or "missing package")
+        _log(f"{out}: recompiling: {reason} changed")
+    out.mkdir(parents=True, exist_ok=True)
+    stages = {}
+    for name, stage in program.stages.items():
+        t, kv = Dim("t", min=1, max=MAX_STEP_TOKENS), Dim("kv", min=1, max=stage.cache.capacity)
+        example = (torch.zeros(1, 2, dtype=torch.long, device=stage.device), torch.arange(2, device=stage.device)[None],
+                   stage.cache.k, stage.cache.v, torch.arange(2, device=stage.device),
+                   torch.ones(2, 4, dtype=torch.bool, device=stage.device))
+        dims = ({1: t}, {1: t}, None, None, {0: t}, {0: t, 1: kv})
+        _log(f"exporting stage {name} (T 1..{MAX_STEP_TOKENS}, up to {stage.cache.capacity} cache slots)")
+        exported = torch.export.export(_StepModule(stage.model), example, dynamic_shapes=dims)
+        _log(f"compiling stage {name} with AOTInductor")
+        package = f"{name}.pt2"
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(out / package))
+        stage.cache.reset()  # the example run above wrote into it
+        stages[name] = {"package": package, "shape": dataclasses.asdict(stage.model.shape),
+                        "served_vocab": stage.model.served_vocab, "dtype": str(stage.cache.k.dtype).removeprefix("torch."),
+                        "device": str(stage.device)}
+    manifest = {"key": key, "versions": versions(), "recipe": recipe.model_dump(mode="json"), "stages": stages}
+    manifest_path.write_text(json.dumps(manifest, indent=1))
+    _log(f"wrote {out} ({', '.join(stages)})")
+    return manifest
+
+
+def load_program(folder: Path):
+    """The Program of a compiled folder: its recipe, with each stage running its package."""
+    from specgraph.program import Program, plan
+
+    manifest_path = Path(folder) / "manifest.json"
+    if not manifest_path.is_file():
+        raise SpecgraphError(f"--program: {folder} has no manifest.json; make one with specgraph compile RECIPE -o {folder}")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("versions") != versions():
+        raise SpecgraphError(f"--program: {folder} was compiled with {manifest.get('versions')}; this is {versions()}; "
+                             "compile it again")
+    recipe = Recipe.from_dict(manifest["recipe"])
+    recipe = recipe.model_copy(update={"lowering": recipe.lowering.model_copy(update={"compile": False})})
+    graph = plan(recipe)
+    models = {}
+    for name, entry in manifest["stages"].items():
+        package = Path(folder) / entry["package"]
+        if not package.is_file():
+            raise SpecgraphError(f"--program: {package} is missing; compile the recipe again")
+        models[name] = ExportedModel(package, LlamaShape(**entry["shape"]), entry["served_vocab"],
+                                     getattr(torch, entry["dtype"]), torch.device(entry["device"]))
+    return Program(graph, models)
+
