@@ -115,6 +115,9 @@ def cmd_run(args: argparse.Namespace) -> None:
         recipe, prompts = _load_recipe(args)
         print(f"specgraph: loading {recipe.name} ({', '.join(s.name for s in recipe.stages)})", file=sys.stderr)
         program = Program.from_recipe(recipe)
+        if any(program.graph.node(name)["compile"] for name in program.stages):
+            print("specgraph: decoder layers compile with torch.compile during the first steps "
+                  "(--no-compile skips it)", file=sys.stderr)
     results = []
     for row in tqdm(prompts, desc="prompts", unit="prompt", disable=len(prompts) == 1, file=sys.stderr):
         ids = program.encode(row["prompt"])

@@ -107,7 +107,6 @@ def export_program(program, out: Path) -> dict:
         _log(f"compiling stage {name} with AOTInductor")
         package = f"{name}.pt2"
         torch._inductor.aoti_compile_and_package(exported, package_path=str(out / package))
-        stage.cache.reset()  # the example run above wrote into it
         stages[name] = {"package": package, "shape": dataclasses.asdict(stage.model.shape),
                         "served_vocab": stage.model.served_vocab, "dtype": str(stage.cache.k.dtype).removeprefix("torch."),
                         "device": str(stage.device)}
