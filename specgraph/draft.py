@@ -6,6 +6,10 @@ step for dynamic trees), at draft-cache slots past the committed prefix, under a
 it the prefix and its own fed ancestors. After verification, `commit` keeps the draft K/V of the
 accepted nodes that were fed; the next catch-up feeds the rest.
 
+Chain and static trees are grown on the device with no host reads: their shape is known, so the
+feed batches, masks, positions and child slots are constants planned once (`_StaticPlan`).
+Dynamic trees choose what to expand from the scores, on the host.
+
 Children are chosen per node either deterministically (top-k of the draft logits: greedy and
 typical rules, and dynamic trees) or, for the sampling rule on chain and static trees, drawn
 without replacement from the draft distribution q. `Tree.proposals` records the distribution
@@ -20,11 +24,11 @@ import torch
 from specgraph.recipe import DynamicTree, SamplingSpec
 from specgraph.runtime.stage import Stage
 from specgraph.sampling import draw_without_replacement, probs_from_logits
-from specgraph.tree import Tree, TreeTopology, prefix_tree_mask
+from specgraph.tree import Tree, TreeStructure, TreeTopology, prefix_tree_mask
 
 
 class _Growth:
-    """A tree under construction, with the draft-cache slot of each fed node."""
+    """A dynamic tree under construction on the host, with the draft-cache slot of each fed node."""
 
     def __init__(self, stage: Stage, root: int):
         self.stage = stage
@@ -74,23 +78,55 @@ class _Growth:
         if self.proposals[-1] is not None:
             vocab = self.proposals[-1].numel()
             proposals = torch.stack([torch.zeros(vocab, device=device)] + [self.proposals[n] for n in keep[1:]])
-        return Tree(tokens, parents, proposals), [self.slot.get(n, -1) for n in keep]
+        structure = TreeStructure.of([index.get(self.parents[n], -1) for n in keep], device)
+        return Tree(tokens, parents, proposals, structure), [self.slot.get(n, -1) for n in keep]
+
+
+class _StaticPlan:
+    """The constants of growing one static topology on a device. Level d feeds the nodes at depth d
+    that have children (the root, at depth 0, comes from the catch-up) and fills their children."""
+
+    def __init__(self, topo: TreeTopology, device: torch.device):
+        depths = topo.depths
+        self.structure = TreeStructure.of(topo.parents, device)
+        self.parents = torch.tensor(topo.parents, device=device)
+        self.fed_at: dict[int, int] = {}  # node -> offset of its draft-cache slot past the prefix
+        self.levels = []
+        for depth in range(topo.max_depth):
+            expanding = [u for u in range(len(depths)) if depths[u] == depth and topo.children(u)]
+            if depth > 0:
+                for u in expanding:
+                    self.fed_at[u] = len(self.fed_at)
+            visible = torch.zeros(len(expanding), len(self.fed_at), dtype=torch.bool)  # [E, fed so far]
+            for row, u in enumerate(expanding):
+                a = u
+                while a > 0:
+                    visible[row, self.fed_at[a]] = True
+                    a = topo.parents[a]
+            rows, ranks, kids = zip(*[(row, rank, kid) for row, u in enumerate(expanding)
+                                      for rank, kid in enumerate(topo.children(u))])
+            width = max(ranks) + 1
+            as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+            self.levels.append((as_tensor(expanding), visible.to(device), width,
+                                as_tensor(rows), as_tensor(ranks), as_tensor(kids)))
 
 
 class Drafter:
     def __init__(self, stage: Stage, plan: TreeTopology | DynamicTree, rule: str, sampling: SamplingSpec):
         self.stage, self.plan, self.rule, self.sampling = stage, plan, rule, sampling
+        self._static = None if isinstance(plan, DynamicTree) else _StaticPlan(plan, stage.device)
         self._slots: list[int] = []  # draft-cache slot of each node of the last tree, -1 if not fed
 
     @torch.inference_mode()
     def draft(self, committed: torch.Tensor, generator: torch.Generator) -> Tree:
         """committed [L] -> a draft tree rooted at committed[-1]."""
         root_logits = self.stage.catch_up(committed)
-        growth = _Growth(self.stage, int(committed[-1]))
-        if isinstance(self.plan, DynamicTree):
-            tree, self._slots = self._grow_dynamic(growth, root_logits)
-        else:
-            tree, self._slots = self._grow_static(growth, root_logits, generator)
+        if self._static is not None:
+            prefix = self.stage.cache.length
+            self._slots = [prefix + self._static.fed_at[n] if n in self._static.fed_at else -1
+                           for n in range(len(self.plan.parents))]
+            return self._grow_static(committed, root_logits, generator)
+        tree, self._slots = self._grow_dynamic(_Growth(self.stage, int(committed[-1])), root_logits)
         return tree
 
     def commit(self, path: list[int]) -> None:
@@ -104,43 +140,47 @@ class Drafter:
         self.stage.cache.commit(torch.tensor(slots, dtype=torch.long, device=self.stage.device))
 
     def _choose(self, logits: torch.Tensor, k: int, draw: bool,
-                generator: torch.Generator) -> tuple[list[int], list[torch.Tensor | None]]:
-        """k children of a node with draft logits [V]: tokens and the proposal each was drawn from."""
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """k children of each of E nodes with draft logits [E, V]: tokens [E, k] and, for the
+        sampling rule, the distribution each was drawn from [E, k, V] (None otherwise)."""
         if not draw:
-            tokens = logits.topk(k).indices.tolist()
+            tokens = logits.topk(k, dim=-1).indices  # [E, k]
             if self.rule != "sampling":
-                return tokens, [None] * k
-            return tokens, [_one_hot(t, logits) for t in tokens]
-        remaining = probs_from_logits(logits, self.sampling)
-        tokens = draw_without_replacement(remaining, k, generator).tolist()
+                return tokens, None
+            return tokens, torch.nn.functional.one_hot(tokens, logits.shape[-1]).to(logits.dtype)
+        remaining = probs_from_logits(logits, self.sampling)  # [E, V]
+        tokens = draw_without_replacement(remaining, k, generator)  # [E, k]
         proposals = []
-        for token in tokens:
-            total = remaining.sum()
-            if remaining[token] > 0:
-                proposals.append(remaining / total)
-            else:  # q's support is used up: this child is a fixed choice
-                proposals.append(_one_hot(token, logits))
-            remaining = remaining.clone()
-            remaining[token] = 0
-        return tokens, proposals
+        for rank in range(k):
+            token = tokens[:, rank : rank + 1]  # [E, 1]
+            left = remaining.gather(1, token) > 0  # q's support not used up: the child was a draw
+            fixed = torch.nn.functional.one_hot(token[:, 0], logits.shape[-1]).to(logits.dtype)
+            proposals.append(torch.where(left, remaining / remaining.sum(-1, keepdim=True), fixed))
+            remaining = remaining.scatter(1, token, 0.0)
+        return tokens, torch.stack(proposals, dim=1)
 
-    def _grow_static(self, growth: _Growth, root_logits: torch.Tensor,
-                     generator: torch.Generator) -> tuple[Tree, list[int]]:
-        topo = self.plan
-        draw = self.rule == "sampling"
-        depths = topo.depths
-        logits_of = {0: root_logits}
-        for depth in range(topo.max_depth):
-            expanding = [u for u in range(len(depths)) if depths[u] == depth and topo.children(u)]
-            unfed = [u for u in expanding if u not in logits_of]
-            if unfed:
-                logits_of.update(zip(unfed, growth.feed(unfed)))
-            for u in expanding:
-                kids = topo.children(u)
-                tokens, proposals = self._choose(logits_of[u], len(kids), draw, generator)
-                for kid, token, proposal in zip(kids, tokens, proposals):
-                    assert growth.add(token, u, proposal) == kid  # topology order is creation order
-        return growth.tree(list(range(len(depths))))
+    def _grow_static(self, committed: torch.Tensor, root_logits: torch.Tensor,
+                     generator: torch.Generator) -> Tree:
+        plan, device = self._static, self.stage.device
+        prefix, fed = self.stage.cache.length, 0  # the root is the last prefix slot
+        tokens = torch.empty(len(self.plan.parents), dtype=torch.long, device=device)  # [N + 1]
+        tokens[:1] = committed[-1:]
+        proposals = None
+        for depth, (expanding, visible, width, rows, ranks, kids) in enumerate(plan.levels):
+            if depth == 0:
+                logits = root_logits[None]  # [1, V]
+            else:
+                positions = torch.full_like(expanding, prefix - 1 + depth)
+                mask = prefix_tree_mask(prefix, visible)  # [E, prefix + fed + E]
+                logits = self.stage.forward(tokens[expanding], positions, prefix + fed, mask)  # [E, V]
+                fed += expanding.numel()
+            chosen, drawn_from = self._choose(logits, width, self.rule == "sampling", generator)
+            tokens[kids] = chosen[rows, ranks]
+            if drawn_from is not None:
+                if proposals is None:
+                    proposals = torch.zeros(tokens.numel(), logits.shape[-1], device=device)
+                proposals[kids] = drawn_from[rows, ranks]
+        return Tree(tokens, plan.parents, proposals, plan.structure)
 
     def _grow_dynamic(self, growth: _Growth, root_logits: torch.Tensor) -> tuple[Tree, list[int]]:
         spec: DynamicTree = self.plan
@@ -154,19 +194,15 @@ class Drafter:
                 leaves = [n for n in leaves if n not in expanding]
                 logits = growth.feed(expanding)  # [W, V]
             logprobs = logits.log_softmax(-1)
+            chosen, drawn_from = self._choose(logits, spec.width, False, None)  # [W, k], [W, k, V] | None
+            chosen_logprobs = logprobs.gather(1, chosen).tolist()
             for row, parent in enumerate(expanding):
-                tokens, proposals = self._choose(logits[row], spec.width, False, None)
-                for token, proposal in zip(tokens, proposals):
+                for rank, token in enumerate(chosen[row].tolist()):
+                    proposal = None if drawn_from is None else drawn_from[row, rank]
                     leaves.append(growth.add(token, parent, proposal))
-                    scores.append(scores[parent] + float(logprobs[row, token]))
+                    scores.append(scores[parent] + chosen_logprobs[row][rank])
         # Children never outscore parents and ties keep creation order, so the top set is ancestor-closed.
         order = torch.tensor(scores[1:]).sort(descending=True, stable=True).indices
         keep = sorted((order[: spec.nodes] + 1).tolist())
         return growth.tree([0] + keep)
 
-
-def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
-    """[V] one-hot of `token`, dtype and device of `like` [V]."""
-    out = torch.zeros_like(like)
-    out[token] = 1
-    return out

@@ -29,9 +29,10 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingSpec) -> torch.Ten
 
 
 def draw_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
-    """k distinct draws, in draw order, from probs [V] (Gumbel-top-k); k <= support size."""
+    """k distinct draws per row, in draw order, from probs [..., V] (Gumbel-top-k) -> [..., k].
+    Past the support, the remaining picks are tokens of probability 0."""
     gumbel = -torch.empty_like(probs).exponential_(generator=generator).log()
-    return (probs.log() + gumbel).topk(k).indices
+    return (probs.log() + gumbel).topk(k, dim=-1).indices
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -83,22 +83,22 @@ def tree_depth(spec: ChainTree | StaticTree | DynamicTree) -> int:
     return TreeTopology.from_spec(spec).max_depth
 
 
-@dataclass
-class Tree:
-    """One step's draft tree of N + 1 nodes (root included), in topological order.
+@dataclass(frozen=True)
+class TreeStructure:
+    """What verification and masking need of a tree's shape, derived once on the host from the
+    parent list (trees are small): `ancestors` [N + 1, N + 1] bool (i itself included), `depths`
+    [N + 1], `child_table` [N + 1, C] (children in rank order, -1 padded, C = most children of any
+    node) and `max_depth`, so that verification walks the tree in a fixed number of tensor steps."""
 
-    The structure is derived once on the host from `parents` (trees are small and built there):
-    `ancestors` [N + 1, N + 1] bool, `depths` [N + 1], `child_table` [N + 1, C] (children in rank
-    order, -1 padded, C = the most children of any node) and `max_depth`, so that verification
-    can walk the tree with a fixed number of tensor operations.
-    """
+    parents: tuple[int, ...]
+    kids: tuple[tuple[int, ...], ...]
+    max_depth: int
+    depths: torch.Tensor
+    child_table: torch.Tensor
+    ancestors: torch.Tensor
 
-    tokens: torch.Tensor  # [N + 1] long
-    parents: torch.Tensor  # [N + 1] long, root -1
-    proposals: torch.Tensor | None = None  # [N + 1, V]: the distribution each node's token was drawn from
-
-    def __post_init__(self) -> None:
-        parents = self.parents.tolist()
+    @classmethod
+    def of(cls, parents: list[int] | tuple[int, ...], device: torch.device | str) -> TreeStructure:
         n = len(parents)
         depth, kids, rows = [0] * n, [[] for _ in range(n)], [{0}]
         for i in range(1, n):
@@ -106,29 +106,56 @@ class Tree:
             kids[parents[i]].append(i)
             rows.append(rows[parents[i]] | {i})
         width = max(len(k) for k in kids)
-        device = self.tokens.device
-        self._kids = kids
-        self.max_depth = max(depth)
-        self.depths = torch.tensor(depth, device=device)
-        self.child_table = torch.tensor([k + [-1] * (width - len(k)) for k in kids], dtype=torch.long,
-                                        device=device).reshape(n, width)
-        anc = torch.zeros(n, n, dtype=torch.bool)
+        table = torch.tensor([k + [-1] * (width - len(k)) for k in kids], dtype=torch.long).reshape(n, width)
+        ancestors = torch.zeros(n, n, dtype=torch.bool)
         for i, row in enumerate(rows):
-            anc[i, list(row)] = True
-        self.ancestors = anc.to(device)
+            ancestors[i, list(row)] = True
+        return cls(tuple(parents), tuple(map(tuple, kids)), max(depth), torch.tensor(depth, device=device),
+                   table.to(device), ancestors.to(device))
+
+
+@dataclass
+class Tree:
+    """One step's draft tree of N + 1 nodes (root included), in topological order."""
+
+    tokens: torch.Tensor  # [N + 1] long
+    parents: torch.Tensor  # [N + 1] long, root -1
+    proposals: torch.Tensor | None = None  # [N + 1, V]: the distribution each node's token was drawn from
+    structure: TreeStructure | None = None  # derived from parents (with a host read) when not given
+
+    def __post_init__(self) -> None:
+        if self.structure is None:
+            self.structure = TreeStructure.of(self.parents.tolist(), self.tokens.device)
 
     @property
     def size(self) -> int:
         return self.tokens.numel()
 
+    @property
+    def ancestors(self) -> torch.Tensor:
+        return self.structure.ancestors
+
+    @property
+    def depths(self) -> torch.Tensor:
+        return self.structure.depths
+
+    @property
+    def child_table(self) -> torch.Tensor:
+        return self.structure.child_table
+
+    @property
+    def max_depth(self) -> int:
+        return self.structure.max_depth
+
     def children(self, node: int) -> list[int]:
-        return list(self._kids[node])
+        return list(self.structure.kids[node])
 
     def to(self, device: torch.device) -> Tree:
         if device == self.tokens.device:
             return self
         return Tree(self.tokens.to(device), self.parents.to(device),
-                    None if self.proposals is None else self.proposals.to(device))
+                    None if self.proposals is None else self.proposals.to(device),
+                    TreeStructure.of(self.structure.parents, device))
 
     @classmethod
     def root_only(cls, token: int, device: torch.device | str) -> Tree:

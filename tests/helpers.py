@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specgraph.cache import KVCache
 from specgraph.recipe import Recipe
@@ -44,3 +45,18 @@ def chain_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     t = ids.numel()
     stage = Stage("test", model, t + 8, torch.device("cpu"))
     return stage.forward(ids, torch.arange(t), 0, torch.ones(t, t, dtype=torch.bool).tril())
+
+
+class HostReads(TorchDispatchMode):
+    """Records the ops that would make a GPU wait for the host: scalar reads and data-dependent shapes."""
+
+    SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "unique"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.SYNCING:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))

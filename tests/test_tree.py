@@ -2,7 +2,7 @@
 
 import torch
 from conftest import EMBEDDED
-from helpers import chain_logits
+from helpers import HostReads, chain_logits
 
 from specgraph.draft import Drafter
 from specgraph.models.loader import load_model
@@ -71,3 +71,14 @@ def test_sampling_drafts_record_their_proposals():
     assert torch.allclose(q[1:].sum(-1), torch.ones(3))
     assert q[2, tree.tokens[1]] == 0 and q[3, tree.tokens[1]] == 0 and q[3, tree.tokens[2]] == 0  # without replacement
     assert (q[1] > 0).sum() == 50  # top-k applied to the draft as to the target
+
+
+def test_static_drafting_reads_nothing_on_the_host():
+    for rule, sampling in (("greedy", SamplingSpec()), ("sampling", SamplingSpec(temperature=0.9, top_k=40))):
+        d = drafter(TreeTopology.from_spec(StaticTree(branching=[3, 2, 1])), rule, sampling)
+        committed = torch.randint(0, 4096, (10,))
+        d.draft(committed, torch.Generator().manual_seed(0))  # first step: the catch-up prefill
+        d.commit([0])
+        with HostReads() as reads:
+            tree = d.draft(torch.cat([committed, torch.tensor([7])]), torch.Generator().manual_seed(1))
+        assert reads.seen == [] and tree.size == 1 + 3 + 6 + 6

@@ -3,8 +3,7 @@ executor over Markov-chain models with known distributions approach the target's
 
 import pytest
 import torch
-from helpers import MarkovModel
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import HostReads, MarkovModel
 
 from specgraph.draft import Drafter
 from specgraph.recipe import ChainTree, DynamicTree, SamplingSpec, StaticTree, VerifySpec
@@ -37,21 +36,6 @@ def test_typical_accepts_probable_children_and_rejects_improbable():
     verdict = verify_typical(tree, logits, SamplingSpec(temperature=1.0), VerifySpec(rule="typical"),
                              torch.Generator().manual_seed(0))
     assert verdict.read(tree)[0] == [0, 2]  # token 2 is likely, token 1 is not
-
-
-class HostReads(TorchDispatchMode):
-    """Records the ops that would make a GPU wait for the host: scalar reads and data-dependent shapes."""
-
-    SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "unique"}
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.__name__.split(".")[0] in self.SYNCING:
-            self.seen.append(func.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def test_verification_makes_no_host_reads():
