@@ -19,6 +19,8 @@ siblings for draws, the node's own one-hot for deterministic choices.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from specgraph.recipe import DynamicTree, SamplingSpec
@@ -82,6 +84,17 @@ class _Growth:
         return Tree(tokens, parents, proposals, structure), [self.slot.get(n, -1) for n in keep]
 
 
+class _Level(NamedTuple):
+    """One depth of a static tree's growth (device tensors)."""
+
+    expanding: torch.Tensor  # [E] the nodes of this depth that have children, in feed order
+    visible: torch.Tensor  # [E, fed so far] bool: which fed nodes (this depth's included) each one sees
+    width: int  # most children of one of them
+    rows: torch.Tensor  # [M] for each child of this depth's nodes: the row of its parent in `expanding`
+    ranks: torch.Tensor  # [M] its rank among its siblings
+    kids: torch.Tensor  # [M] its node index
+
+
 class _StaticPlan:
     """The constants of growing one static topology on a device. Level d feeds the nodes at depth d
     that have children (the root, at depth 0, comes from the catch-up) and fills their children."""
@@ -91,24 +104,21 @@ class _StaticPlan:
         self.structure = TreeStructure.of(topo.parents, device)
         self.parents = torch.tensor(topo.parents, device=device)
         self.fed_at: dict[int, int] = {}  # node -> offset of its draft-cache slot past the prefix
-        self.levels = []
+        self.levels: list[_Level] = []
         for depth in range(topo.max_depth):
             expanding = [u for u in range(len(depths)) if depths[u] == depth and topo.children(u)]
             if depth > 0:
                 for u in expanding:
                     self.fed_at[u] = len(self.fed_at)
-            visible = torch.zeros(len(expanding), len(self.fed_at), dtype=torch.bool)  # [E, fed so far]
+            visible = torch.zeros(len(expanding), len(self.fed_at), dtype=torch.bool)
             for row, u in enumerate(expanding):
-                a = u
-                while a > 0:
-                    visible[row, self.fed_at[a]] = True
-                    a = topo.parents[a]
+                while u > 0:  # u and its ancestors below the root (which is in the prefix)
+                    visible[row, self.fed_at[u]] = True
+                    u = topo.parents[u]
             rows, ranks, kids = zip(*[(row, rank, kid) for row, u in enumerate(expanding)
                                       for rank, kid in enumerate(topo.children(u))])
-            width = max(ranks) + 1
-            as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-            self.levels.append((as_tensor(expanding), visible.to(device), width,
-                                as_tensor(rows), as_tensor(ranks), as_tensor(kids)))
+            longs = [torch.tensor(x, dtype=torch.long, device=device) for x in (expanding, rows, ranks, kids)]
+            self.levels.append(_Level(longs[0], visible.to(device), max(ranks) + 1, *longs[1:]))
 
 
 class Drafter:
@@ -166,20 +176,20 @@ class Drafter:
         tokens = torch.empty(len(self.plan.parents), dtype=torch.long, device=device)  # [N + 1]
         tokens[:1] = committed[-1:]
         proposals = None
-        for depth, (expanding, visible, width, rows, ranks, kids) in enumerate(plan.levels):
+        for depth, level in enumerate(plan.levels):
             if depth == 0:
                 logits = root_logits[None]  # [1, V]
             else:
-                positions = torch.full_like(expanding, prefix - 1 + depth)
-                mask = prefix_tree_mask(prefix, visible)  # [E, prefix + fed + E]
-                logits = self.stage.forward(tokens[expanding], positions, prefix + fed, mask)  # [E, V]
-                fed += expanding.numel()
-            chosen, drawn_from = self._choose(logits, width, self.rule == "sampling", generator)
-            tokens[kids] = chosen[rows, ranks]
+                positions = torch.full_like(level.expanding, prefix - 1 + depth)
+                mask = prefix_tree_mask(prefix, level.visible)  # [E, prefix + fed + E]
+                logits = self.stage.forward(tokens[level.expanding], positions, prefix + fed, mask)  # [E, V]
+                fed += level.expanding.numel()
+            chosen, drawn_from = self._choose(logits, level.width, self.rule == "sampling", generator)
+            tokens[level.kids] = chosen[level.rows, level.ranks]
             if drawn_from is not None:
                 if proposals is None:
                     proposals = torch.zeros(tokens.numel(), logits.shape[-1], device=device)
-                proposals[kids] = drawn_from[rows, ranks]
+                proposals[level.kids] = drawn_from[level.rows, level.ranks]
         return Tree(tokens, plan.parents, proposals, plan.structure)
 
     def _grow_dynamic(self, growth: _Growth, root_logits: torch.Tensor) -> tuple[Tree, list[int]]:
