@@ -100,13 +100,12 @@ class _StaticPlan:
     that have children (the root, at depth 0, comes from the catch-up) and fills their children."""
 
     def __init__(self, topo: TreeTopology, device: torch.device):
-        depths = topo.depths
         self.structure = TreeStructure.of(topo.parents, device)
         self.parents = torch.tensor(topo.parents, device=device)
         self.fed_at: dict[int, int] = {}  # node -> offset of its draft-cache slot past the prefix
         self.levels: list[_Level] = []
         for depth in range(topo.max_depth):
-            expanding = [u for u in range(len(depths)) if depths[u] == depth and topo.children(u)]
+            expanding = topo.expanding(depth)
             if depth > 0:
                 for u in expanding:
                     self.fed_at[u] = len(self.fed_at)

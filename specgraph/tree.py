@@ -41,6 +41,10 @@ class TreeTopology:
     def children(self, node: int) -> list[int]:
         return [i for i, p in enumerate(self.parents) if p == node]
 
+    def expanding(self, depth: int) -> list[int]:
+        """The nodes at `depth` that have children: those a drafter feeds together at that depth."""
+        return [u for u, d in enumerate(self.depths) if d == depth and self.children(u)]
+
     @classmethod
     def from_paths(cls, paths: list[list[int]]) -> TreeTopology:
         """Medusa-style paths of child ranks, e.g. [[0], [1], [0, 0]]."""

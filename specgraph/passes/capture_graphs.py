@@ -20,12 +20,7 @@ from specgraph.recipe import DynamicTree
 def expansion_sizes(tree) -> set[int]:
     if isinstance(tree, DynamicTree):
         return {tree.width}
-    depths = tree.depths
-    counts: dict[int, int] = {}
-    for node in range(1, len(depths)):
-        if tree.children(node):
-            counts[depths[node]] = counts.get(depths[node], 0) + 1
-    return set(counts.values())
+    return {len(tree.expanding(depth)) for depth in range(1, tree.max_depth)}
 
 
 @graph_pass(requires=("device", "tree", "tree_nodes"), provides=("graph_buckets",))
