@@ -62,8 +62,7 @@ class ExportedModel:
         self.shape, self.served_vocab, self.dtype, self.device = shape, served_vocab, dtype, device
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
-        s = self.shape
-        return KVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity, self.dtype, self.device)
+        return self.shape.new_cache(capacity, self.dtype, self.device, batch)
 
     def __call__(self, tokens, positions, cache: KVCache, slots, mask) -> torch.Tensor:
         return self.runner(tokens, positions, cache.k, cache.v, slots, mask)

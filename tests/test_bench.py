@@ -8,7 +8,7 @@ from conftest import EMBEDDED, REPO
 from helpers import chain_logits, two_stage
 
 from specgraph.bench.systems import hf_mirror
-from specgraph.bench.widen import SHAPES, draft_shape_for, parameter_count, widen
+from specgraph.bench.widen import SHAPES, draft_shape_for, widen
 from specgraph.cli import main
 from specgraph.errors import SpecgraphError
 from specgraph.models.llama import LlamaShape
@@ -51,7 +51,7 @@ def test_unknown_baseline_is_refused(capsys):
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_named_shapes_have_the_real_parameter_count(name):
     shape, tied, real = SHAPES[name]
-    assert abs(parameter_count(shape, tied) / real - 1) < 0.05
+    assert abs(shape.parameter_count(tied) / real - 1) < 0.05
 
 
 def test_fixtures_fit_their_shapes():

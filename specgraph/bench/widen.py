@@ -30,13 +30,6 @@ SHAPES: dict[str, tuple[LlamaShape, bool, int]] = {
 DRAFT_SHAPES = ("llama-3.2-1b", "llama-3.2-3b")  # drafters widen to the small shape with their head dim
 
 
-def parameter_count(shape: LlamaShape, tied: bool) -> int:
-    h, d = shape.hidden_size, shape.head_dim
-    attention = h * d * (2 * shape.num_heads + 2 * shape.num_kv_heads)
-    layer = attention + 3 * h * shape.intermediate_size + 2 * h
-    return shape.num_layers * layer + shape.vocab_size * h * (1 if tied else 2) + h
-
-
 def draft_shape_for(small: LlamaShape) -> str:
     for name in DRAFT_SHAPES:
         if SHAPES[name][0].head_dim == small.head_dim:

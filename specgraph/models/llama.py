@@ -32,6 +32,16 @@ class LlamaShape:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
 
+    def parameter_count(self, tied: bool) -> int:
+        """Parameters of a model of this shape (biases and per-head norms aside); `tied`: one embedding matrix."""
+        h, d = self.hidden_size, self.head_dim
+        attention = h * d * (2 * self.num_heads + 2 * self.num_kv_heads)
+        layer = attention + 3 * h * self.intermediate_size + 2 * h
+        return self.num_layers * layer + self.vocab_size * h * (1 if tied else 2) + h
+
+    def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str, batch: int = 1) -> KVCache:
+        return KVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity, dtype, device)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -127,9 +137,8 @@ class LlamaModel(nn.Module):
         self.served_vocab = shape.vocab_size  # logits cover token ids [0, served_vocab) (less when widened)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
-        s = self.shape
-        return KVCache(s.num_layers, batch, s.num_kv_heads, s.head_dim, capacity,
-                       self.embed_tokens.weight.dtype, self.embed_tokens.weight.device)
+        weight = self.embed_tokens.weight
+        return self.shape.new_cache(capacity, weight.dtype, weight.device, batch)
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, sin [B, 1, T, K], computed in fp32 like the reference."""

@@ -25,8 +25,6 @@ def plan_memory(graph: SpecGraph) -> SpecGraph:
         itemsize = node["dtype"].itemsize
         node["cache_slots"] = max_seq_len + step_tokens
         node["kv_bytes"] = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * node["cache_slots"] * itemsize
-        per_layer = (shape.hidden_size * shape.head_dim * (2 * shape.num_heads + 2 * shape.num_kv_heads)
-                     + 3 * shape.hidden_size * shape.intermediate_size + 2 * shape.hidden_size)
-        embeddings = shape.vocab_size * shape.hidden_size * (1 if node["config"].tie_word_embeddings else 2)
-        node["weight_bytes"] = (shape.num_layers * per_layer + embeddings + shape.hidden_size) * itemsize
+        tied = bool(node["config"].tie_word_embeddings)
+        node["weight_bytes"] = shape.parameter_count(tied) * itemsize
     return graph
