@@ -18,20 +18,28 @@ from torch import nn
 from specgraph.cache import KVCache
 from specgraph.tree import prefix_tree_mask
 
+
 class CapturedForward:
     """One CUDA graph of `model` for T tokens, replayed from static input buffers."""
 
-    def __init__(self, model: nn.Module, cache: KVCache, tokens, positions, slots, mask, pool):
-        # Static inputs: [1, T], [1, T], [T], [T, S].
-        self.inputs = [x.clone() for x in (tokens, positions, slots, mask)]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # the warm-up run is this call's real forward
-            self.first = model(*self.inputs[:2], cache, *self.inputs[2:])
-        torch.cuda.current_stream().wait_stream(stream)
+    def __init__(self, model: nn.Module, cache: KVCache, inputs: list[torch.Tensor], pool):
+        self.inputs = inputs  # static: tokens [1, T], positions [1, T], slots [T], mask [T, S]
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):  # recorded, not run
-            self.output = model(*self.inputs[:2], cache, *self.inputs[2:])
+            self.output = model(*inputs[:2], cache, *inputs[2:])
+
+    @classmethod
+    def capture(cls, model: nn.Module, cache: KVCache, tokens, positions, slots, mask,
+                pool) -> tuple[CapturedForward, torch.Tensor]:
+        """Run this call's forward once (the warm-up capture needs), then record it; returns the
+        graph and that run's logits."""
+        inputs = [x.clone() for x in (tokens, positions, slots, mask)]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            first = model(*inputs[:2], cache, *inputs[2:])
+        torch.cuda.current_stream().wait_stream(stream)
+        return cls(model, cache, inputs, pool), first
 
     def __call__(self, tokens, positions, slots, mask) -> torch.Tensor:
         for buffer, value in zip(self.inputs, (tokens, positions, slots, mask)):
@@ -67,8 +75,8 @@ class Stage:
         full[:, :end] = mask
         args = (tokens[None], positions[None], slots, full)
         if t not in self._graphs:
-            self._graphs[t] = CapturedForward(self.model, self.cache, *args, self._pool)
-            return self._graphs[t].first[0].clone()
+            self._graphs[t], first = CapturedForward.capture(self.model, self.cache, *args, self._pool)
+            return first[0].clone()
         return self._graphs[t](*args)[0]
 
     @torch.inference_mode()
