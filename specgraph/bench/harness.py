@@ -32,7 +32,7 @@ class BenchSpec:
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """Bytes read + written per second by a device-to-device copy (best of 5)."""
+    """Bytes read + written per second by a device-to-device copy (best of 6)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     best = float("inf")
@@ -161,7 +161,7 @@ def _bandwidth_bound(program: Program, device: torch.device, encoded: list[list[
     target = program.stages[program.graph.target]
     shape, itemsize = target.model.shape, target.model.embed_tokens.weight.element_size()
     weight_bytes = unique_bytes(target.model)
-    kv_per_position = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * itemsize
+    kv_per_position = shape.kv_bytes_per_slot(itemsize)
     mean_context = statistics.mean(len(ids) for ids in encoded) + ar["new_tokens"] / len(encoded) / 2
     bytes_per_token = weight_bytes + kv_per_position * mean_context
     bandwidth = measure_copy_bandwidth(device)

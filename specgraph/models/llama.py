@@ -39,6 +39,10 @@ class LlamaShape:
         layer = attention + 3 * h * self.intermediate_size + 2 * h
         return self.num_layers * layer + self.vocab_size * h * (1 if tied else 2) + h
 
+    def kv_bytes_per_slot(self, itemsize: int) -> int:
+        """Bytes of keys and values one cached token takes over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str, batch: int = 1) -> KVCache:
         return KVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity, dtype, device)
 

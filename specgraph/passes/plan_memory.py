@@ -24,7 +24,7 @@ def plan_memory(graph: SpecGraph) -> SpecGraph:
         shape = llama_shape(node["config"])
         itemsize = node["dtype"].itemsize
         node["cache_slots"] = max_seq_len + step_tokens
-        node["kv_bytes"] = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * node["cache_slots"] * itemsize
+        node["kv_bytes"] = shape.kv_bytes_per_slot(itemsize) * node["cache_slots"]
         tied = bool(node["config"].tie_word_embeddings)
         node["weight_bytes"] = shape.parameter_count(tied) * itemsize
     return graph
