@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specgraph.recipe import ChainTree, DynamicTree, StaticTree
+from specgraph.recipe import ChainTree, StaticTree
 
 
 @dataclass(frozen=True)
@@ -72,19 +72,6 @@ class TreeTopology:
         if spec.branching is not None:
             return cls.from_branching(spec.branching)
         return cls.from_paths(spec.paths)
-
-
-def node_budget(spec: ChainTree | StaticTree | DynamicTree) -> int:
-    """Draft nodes verified per step (the root not counted): the tree's static size."""
-    if isinstance(spec, DynamicTree):
-        return spec.nodes
-    return TreeTopology.from_spec(spec).nodes
-
-
-def tree_depth(spec: ChainTree | StaticTree | DynamicTree) -> int:
-    if isinstance(spec, DynamicTree):
-        return spec.depth
-    return TreeTopology.from_spec(spec).max_depth
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from specgraph.graph import SpecGraph
 from specgraph.passes.base import graph_pass
 from specgraph.recipe import ChainTree, DynamicTree
-from specgraph.tree import TreeTopology, node_budget, tree_depth
+from specgraph.tree import TreeTopology
 
 
 @graph_pass(requires=("config",), provides=("tree", "tree_nodes", "tree_depth"))
@@ -22,7 +22,9 @@ def plan_tree(graph: SpecGraph) -> SpecGraph:
             node.update(tree=None, tree_nodes=0, tree_depth=0)
             continue
         spec = node["spec"].tree or ChainTree()
-        node["tree"] = spec if isinstance(spec, DynamicTree) else TreeTopology.from_spec(spec)
-        node["tree_nodes"] = node_budget(spec)
-        node["tree_depth"] = tree_depth(spec)
+        if isinstance(spec, DynamicTree):
+            node.update(tree=spec, tree_nodes=spec.nodes, tree_depth=spec.depth)
+        else:
+            topo = TreeTopology.from_spec(spec)
+            node.update(tree=topo, tree_nodes=topo.nodes, tree_depth=topo.max_depth)
     return graph
