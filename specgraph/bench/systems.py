@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from specgraph.models.llama import LlamaModel
+from specgraph.models.llama import LlamaModel, hf_state
 from specgraph.runtime.serial import SerialExecutor
 
 
@@ -67,7 +67,7 @@ def hf_mirror(model: LlamaModel, config: PretrainedConfig) -> torch.nn.Module:
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in model.state_dict().items() if k != "inv_freq"}
+    state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in hf_state(model).items() if k != "inv_freq"}
     hf.load_state_dict(state, assign=True, strict=False)
     hf.model.rotary_emb = type(hf.model.rotary_emb)(cfg).to(device)
     if cfg.tie_word_embeddings:

@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from specgraph.errors import SpecgraphError
-from specgraph.models.llama import LlamaModel, LlamaShape
+from specgraph.models.llama import LlamaModel, LlamaShape, qkv_sizes
 
 # name -> (shape with the small model's norm eps filled in by `widen`, tied embeddings, real parameter count)
 SHAPES: dict[str, tuple[LlamaShape, bool, int]] = {
@@ -91,11 +91,13 @@ def widen(small: LlamaModel, name: str | LlamaShape, device: torch.device | str,
         put(wide.lm_head.weight, small.lm_head.weight, slice(0, v), slice(0, h))
     for a, b in zip(small.layers, wide.layers):
         sa, ba = a.self_attn, b.self_attn
-        for proj, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
-            src, dest = getattr(sa, proj), getattr(ba, proj)
-            put(dest.weight, src.weight, rows[:, None], torch.arange(h)[None, :])
-            if src.bias is not None:
-                put(dest.bias, src.bias, rows)
+        small_qkv, big_qkv = (qkv_sizes(x.num_heads, x.num_kv_heads, d) for x in (s, big))
+        for part, rows in enumerate((q_rows, kv_rows, kv_rows)):
+            src = [x.split(small_qkv)[part] for x in (sa.qkv_proj.weight, sa.qkv_proj.bias) if x is not None]
+            dest = [x.split(big_qkv)[part] for x in (ba.qkv_proj.weight, ba.qkv_proj.bias) if x is not None]
+            put(dest[0], src[0], rows[:, None], torch.arange(h)[None, :])
+            if len(src) > 1:
+                put(dest[1], src[1], rows)
         put(ba.o_proj.weight, sa.o_proj.weight, torch.arange(h)[:, None], q_rows[None, :])
         if sa.o_proj.bias is not None:
             put(ba.o_proj.bias, sa.o_proj.bias, slice(0, h))
@@ -103,8 +105,8 @@ def widen(small: LlamaModel, name: str | LlamaShape, device: torch.device | str,
             put(ba.q_norm.weight, sa.q_norm.weight, slice(None))
             put(ba.k_norm.weight, sa.k_norm.weight, slice(None))
         inter = s.intermediate_size
-        for proj in ("gate_proj", "up_proj"):
-            put(getattr(b.mlp, proj).weight, getattr(a.mlp, proj).weight, slice(0, inter), slice(0, h))
+        for src, dest in zip(a.mlp.gate_up_proj.weight.chunk(2), b.mlp.gate_up_proj.weight.chunk(2)):  # gate, up
+            put(dest, src, slice(0, inter), slice(0, h))
         put(b.mlp.down_proj.weight, a.mlp.down_proj.weight, slice(0, h), slice(0, inter))
         for norm in ("input_layernorm", "post_attention_layernorm"):
             put(getattr(b, norm).weight, getattr(a, norm).weight * norm_scale, slice(0, h))

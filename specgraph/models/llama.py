@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) for static caches and tree masks.
 
-Parameter names follow the Hugging Face checkpoints (minus the `model.` prefix),
-so a checkpoint loads with a plain `load_state_dict`.
+Parameter names follow the Hugging Face checkpoints (minus the `model.` prefix), except that
+q/k/v and gate/up are stored fused, so that a decoding step reads each layer's weights in three
+GEMMs (qkv, gate_up, down) and an output projection: `fuse_hf_state` and `hf_state` convert.
 """
 
 from __future__ import annotations
@@ -47,6 +48,43 @@ class LlamaShape:
         return KVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity, dtype, device)
 
 
+def qkv_sizes(heads: int, kv_heads: int, head_dim: int) -> list[int]:
+    """Row counts of q, k and v in the fused qkv projection."""
+    return [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+
+
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face parameter names -> ours: q/k/v and gate/up concatenated by rows."""
+    out = dict(state)
+    for fused, parts in FUSED.items():
+        for name in [n for n in state if f".{parts[0]}." in n]:  # e.g. layers.3.self_attn.q_proj.weight
+            names = [name.replace(parts[0], part) for part in parts]
+            if all(n in out for n in names):
+                out[name.replace(parts[0], fused)] = torch.cat([out.pop(n) for n in names])
+    return out
+
+
+def hf_state(model: LlamaModel) -> dict[str, torch.Tensor]:
+    """Our state -> Hugging Face names, as views of our tensors (no copy)."""
+    s = model.shape
+    sizes = {"self_attn.qkv_proj": qkv_sizes(s.num_heads, s.num_kv_heads, s.head_dim),
+             "mlp.gate_up_proj": [s.intermediate_size] * 2}
+    out = {}
+    for name, tensor in model.state_dict().items():
+        fused = next((f for f in FUSED if f".{f}." in name), None)
+        if fused is None:
+            out[name] = tensor
+            continue
+        stem, kind = name.split(f"{fused}.")
+        for part, piece in zip(FUSED[fused], tensor.split(sizes[fused])):
+            out[f"{stem}{part}.{kind}"] = piece
+    return out
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -75,9 +113,7 @@ class Attention(nn.Module):
         super().__init__()
         h, kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
-        self.q_proj = nn.Linear(shape.hidden_size, h * d, bias=shape.qkv_bias)
-        self.k_proj = nn.Linear(shape.hidden_size, kv * d, bias=shape.qkv_bias)
-        self.v_proj = nn.Linear(shape.hidden_size, kv * d, bias=shape.qkv_bias)
+        self.qkv_proj = nn.Linear(shape.hidden_size, (h + 2 * kv) * d, bias=shape.qkv_bias)  # rows: q, k, v
         self.o_proj = nn.Linear(h * d, shape.hidden_size, bias=shape.o_bias)
         if shape.qk_norm:
             self.q_norm = RMSNorm(d, shape.rms_norm_eps)
@@ -87,9 +123,10 @@ class Attention(nn.Module):
                 values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """keys, values [B, Hkv, S, K]: this layer's cache, written in place at `slots` [T]."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)  # [B, T, H, K]
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(qkv_sizes(self.num_heads, self.num_kv_heads, self.head_dim), dim=-1)
+        q = q.view(b, t, self.num_heads, self.head_dim)  # [B, T, H, K]
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, K]
@@ -105,12 +142,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, shape: LlamaShape):
         super().__init__()
-        self.gate_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=shape.mlp_bias)
-        self.up_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=shape.mlp_bias)
+        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=shape.mlp_bias)  # rows: gate, up
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

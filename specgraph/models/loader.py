@@ -15,7 +15,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from specgraph.errors import CheckpointError
-from specgraph.models.llama import LlamaModel, LlamaShape
+from specgraph.models.llama import LlamaModel, LlamaShape, fuse_hf_state
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -117,6 +117,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> Ll
             state[name.removeprefix("model.")] = tensor.to(dtype)
     if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False):
         state["lm_head.weight"] = state.get("embed_tokens.weight")
+    state = fuse_hf_state(state)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
