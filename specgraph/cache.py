@@ -1,16 +1,16 @@
-"""Static KV cache with a committed-prefix region and a tree region.
+"""Static KV cache of one stage: a committed prefix, then the region a step writes.
 
-Slots [0, length) hold the committed prefix. A step writes its new tokens
-(a catch-up chain, draft-tree nodes, or the tree being verified) at slots
-[length, length + T) and attends over all slots under a mask, so that every
-step of a given T has the same shapes (and can be captured as a CUDA graph).
-After verification, `commit` gathers the accepted path's rows to the end of
-the prefix; everything past it is garbage that the next step overwrites.
+Which slots are committed is the executor's to know (a device tensor, see runtime/serial.py):
+the cache is storage. A step writes its tokens (a catch-up, draft-tree nodes, the tree being
+verified) past the committed prefix; after verification, `move` gathers the accepted path's rows
+to the end of the prefix, and everything past it is garbage that later steps overwrite.
 """
 
 from __future__ import annotations
 
 import torch
+
+from specgraph.kernels.kv_move import kv_move_reference
 
 
 class KVCache:
@@ -22,22 +22,17 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
-        self.length = 0  # committed prefix length (slots)
+        self.move_rows = kv_move_reference  # the select_kernels pass may swap in the Triton kernel
 
     @classmethod
     def wrap(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:
         """A cache over existing key and value tensors [layers, B, Hkv, S, K] (an exported step's inputs)."""
         cache = cls.__new__(cls)
-        cache.k, cache.v, cache.capacity, cache.length = k, v, k.shape[3], 0
+        cache.k, cache.v, cache.capacity, cache.move_rows = k, v, k.shape[3], kv_move_reference
         return cache
 
-    def commit(self, slots: torch.Tensor) -> None:
-        """Append the rows at `slots` [A] (ascending, all >= length) to the committed prefix."""
-        count = slots.numel()
-        dest = slice(self.length, self.length + count)
-        self.k[:, :, :, dest] = self.k[:, :, :, slots]
-        self.v[:, :, :, dest] = self.v[:, :, :, slots]
-        self.length += count
-
-    def reset(self) -> None:
-        self.length = 0
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy rows src[i] -> dst[i] ([D] long) in order of i, for keys and values; needs
+        dst[i] <= src[i] and dst ascending (compaction), so no row is read after it is overwritten."""
+        self.move_rows(self.k, src, dst)
+        self.move_rows(self.v, src, dst)

@@ -1,14 +1,16 @@
 """Drafting: grow one draft tree per step on a drafting stage.
 
-The root (last committed token) is fed by the stage's catch-up. Every node that gets children
-is fed to the draft model once, in batches (one per depth for static trees, one per expansion
-step for dynamic trees), at draft-cache slots past the committed prefix, under a mask that shows
-it the prefix and its own fed ancestors. After verification, `commit` keeps the draft K/V of the
-accepted nodes that were fed; the next catch-up feeds the rest.
+With L tokens committed, the draft cache holds committed[:L - 2]: each step's catch-up feeds the
+last two committed tokens (the last accepted draft, which may not have been fed, and the bonus,
+which is the new root; re-feeding a fed token rewrites the same K/V). Every node that gets
+children is then fed once, in batches (one per depth for static trees, one per expansion step for
+dynamic trees), at draft-cache slots L + i, under a mask that shows it the prefix and its own fed
+ancestors. After verification, `commit` moves the K/V of the accepted nodes to slots L - 1 + depth.
 
 Chain and static trees are grown on the device with no host reads: their shape is known, so the
-feed batches, masks, positions and child slots are constants planned once (`_StaticPlan`).
-Dynamic trees choose what to expand from the scores, on the host.
+feed batches, masks, positions and child slots are constants planned once (`_StaticPlan`), and a
+whole draft can be captured as one CUDA graph. Dynamic trees choose what to expand from the
+scores, on the host.
 
 Children are chosen per node either deterministically (top-k of the draft logits: greedy and
 typical rules, and dynamic trees) or, for the sampling rule on chain and static trees, drawn
@@ -24,21 +26,20 @@ from typing import NamedTuple
 import torch
 
 from specgraph.recipe import DynamicTree, SamplingSpec
-from specgraph.runtime.stage import Stage
+from specgraph.runtime.stage import Stage, step_mask
 from specgraph.sampling import draw_without_replacement, probs_from_logits
-from specgraph.tree import Tree, TreeStructure, TreeTopology, prefix_tree_mask
+from specgraph.tree import Tree, TreeStructure, TreeTopology
 
 
 class _Growth:
-    """A dynamic tree under construction on the host, with the draft-cache slot of each fed node."""
+    """A dynamic tree under construction on the host; fed node i sits at draft-cache slot L + i."""
 
-    def __init__(self, stage: Stage, root: int):
-        self.stage = stage
-        self.prefix = stage.cache.length  # the root is the last prefix slot
-        self.tokens, self.parents, self.depths = [root], [-1], [0]
+    def __init__(self, stage: Stage, root: torch.Tensor, length: torch.Tensor, width: int):
+        self.stage, self.length, self.width = stage, length, width
+        self.root = root  # [1] the last committed token
+        self.tokens, self.parents, self.depths = [-1], [-1], [0]  # the root's token stays on the device
         self.proposals: list[torch.Tensor | None] = [None]
-        self.fed: list[int] = []  # nodes in feed order; node fed[i] sits at slot prefix + i
-        self.slot = {0: self.prefix - 1}
+        self.fed: list[int] = []  # nodes in feed order
 
     def add(self, token: int, parent: int, proposal: torch.Tensor | None) -> int:
         self.tokens.append(token)
@@ -58,36 +59,40 @@ class _Growth:
     def feed(self, nodes: list[int]) -> torch.Tensor:
         """Run the draft model on `nodes` (each with its fed ancestors) -> logits [T, V]."""
         device = self.stage.device
-        first = self.prefix + len(self.fed)
-        for node in nodes:
-            self.slot[node] = self.prefix + len(self.fed)
-            self.fed.append(node)
+        first = len(self.fed)
+        self.fed.extend(nodes)
+        offset = {node: i for i, node in enumerate(self.fed)}
         visible = torch.zeros(len(nodes), len(self.fed), dtype=torch.bool)  # [T, fed so far]
         for row, node in enumerate(nodes):
-            visible[row, [self.slot[a] - self.prefix for a in self.lineage(node)]] = True
-        mask = prefix_tree_mask(self.prefix, visible.to(device))  # [T, prefix + fed]
+            visible[row, [offset[a] for a in self.lineage(node)]] = True
         tokens = torch.tensor([self.tokens[n] for n in nodes], device=device)
-        positions = torch.tensor([self.prefix - 1 + self.depths[n] for n in nodes], device=device)
-        return self.stage.forward(tokens, positions, first, mask)
+        positions = self.length - 1 + torch.tensor([self.depths[n] for n in nodes], device=device)
+        slots = self.length + torch.arange(first, len(self.fed), device=device)
+        mask = step_mask(self.length, visible.to(device), self.width)
+        return self.stage.forward(tokens, positions, slots, mask)
 
-    def tree(self, keep: list[int]) -> tuple[Tree, list[int]]:
-        """The tree of the `keep` nodes (ascending, ancestor-closed, root included) and their slots (-1: not fed)."""
+    def tree(self, keep: list[int]) -> tuple[Tree, torch.Tensor]:
+        """The tree of the `keep` nodes (ascending, ancestor-closed, root included) and each one's
+        draft-cache slot offset past L (-1: not fed)."""
         index = {old: new for new, old in enumerate(keep)}
         device = self.stage.device
-        tokens = torch.tensor([self.tokens[n] for n in keep], device=device)
-        parents = torch.tensor([index.get(self.parents[n], -1) for n in keep], device=device)
+        tokens = torch.cat([self.root, torch.tensor([self.tokens[n] for n in keep[1:]], dtype=torch.long, device=device)])
+        parents = [index.get(self.parents[n], -1) for n in keep]
         proposals = None
         if self.proposals[-1] is not None:
             vocab = self.proposals[-1].numel()
             proposals = torch.stack([torch.zeros(vocab, device=device)] + [self.proposals[n] for n in keep[1:]])
-        structure = TreeStructure.of([index.get(self.parents[n], -1) for n in keep], device)
-        return Tree(tokens, parents, proposals, structure), [self.slot.get(n, -1) for n in keep]
+        offset = {node: i for i, node in enumerate(self.fed)}
+        fed_at = torch.tensor([offset.get(n, -1) for n in keep], device=device)
+        tree = Tree(tokens, torch.tensor(parents, device=device), proposals, TreeStructure.of(parents, device))
+        return tree, fed_at
 
 
 class _Level(NamedTuple):
     """One depth of a static tree's growth (device tensors)."""
 
     expanding: torch.Tensor  # [E] the nodes of this depth that have children, in feed order
+    offsets: torch.Tensor  # [E] their draft-cache slots past L
     visible: torch.Tensor  # [E, fed so far] bool: which fed nodes (this depth's included) each one sees
     width: int  # most children of one of them
     rows: torch.Tensor  # [M] for each child of this depth's nodes: the row of its parent in `expanding`
@@ -102,51 +107,73 @@ class _StaticPlan:
     def __init__(self, topo: TreeTopology, device: torch.device):
         self.structure = TreeStructure.of(topo.parents, device)
         self.parents = torch.tensor(topo.parents, device=device)
-        self.fed_at: dict[int, int] = {}  # node -> offset of its draft-cache slot past the prefix
+        fed_at: dict[int, int] = {}  # node -> offset of its draft-cache slot past L
         self.levels: list[_Level] = []
         for depth in range(topo.max_depth):
             expanding = topo.expanding(depth)
             if depth > 0:
                 for u in expanding:
-                    self.fed_at[u] = len(self.fed_at)
-            visible = torch.zeros(len(expanding), len(self.fed_at), dtype=torch.bool)
+                    fed_at[u] = len(fed_at)
+            visible = torch.zeros(len(expanding), len(fed_at), dtype=torch.bool)
             for row, u in enumerate(expanding):
                 while u > 0:  # u and its ancestors below the root (which is in the prefix)
-                    visible[row, self.fed_at[u]] = True
+                    visible[row, fed_at[u]] = True
                     u = topo.parents[u]
             rows, ranks, kids = zip(*[(row, rank, kid) for row, u in enumerate(expanding)
                                       for rank, kid in enumerate(topo.children(u))])
-            longs = [torch.tensor(x, dtype=torch.long, device=device) for x in (expanding, rows, ranks, kids)]
-            self.levels.append(_Level(longs[0], visible.to(device), max(ranks) + 1, *longs[1:]))
+            offsets = [fed_at.get(u, -1) for u in expanding]
+            longs = [torch.tensor(x, dtype=torch.long, device=device) for x in (expanding, offsets, rows, ranks, kids)]
+            self.levels.append(_Level(*longs[:2], visible.to(device), max(ranks) + 1, *longs[2:]))
+        self.fed_at = torch.tensor([fed_at.get(n, -1) for n in range(len(topo.parents))], device=device)  # [N + 1]
 
 
 class Drafter:
     def __init__(self, stage: Stage, plan: TreeTopology | DynamicTree, rule: str, sampling: SamplingSpec):
         self.stage, self.plan, self.rule, self.sampling = stage, plan, rule, sampling
-        self._static = None if isinstance(plan, DynamicTree) else _StaticPlan(plan, stage.device)
-        self._slots: list[int] = []  # draft-cache slot of each node of the last tree, -1 if not fed
+        device = stage.device
+        self._static = None if isinstance(plan, DynamicTree) else _StaticPlan(plan, device)
+        self.nodes = plan.nodes if isinstance(plan, DynamicTree) else len(plan.parents) - 1
+        self._fed_at: torch.Tensor | None = None  # [N + 1] draft-cache slot past L of each node of the last tree, -1 if not fed
+        self._feeds = 2  # committed tokens the next catch-up feeds (fewer only after a one-token prompt)
+        self._causal = {t: torch.ones(t, t, dtype=torch.bool, device=device).tril() for t in (1, 2)}
+
+    @property
+    def captures(self) -> bool:
+        """Whether a draft is a fixed sequence of device operations (capturable as one CUDA graph)."""
+        return self._static is not None and self.sampling.temperature == 0 and self._feeds == 2
 
     @torch.inference_mode()
-    def draft(self, committed: torch.Tensor, generator: torch.Generator) -> Tree:
-        """committed [L] -> a draft tree rooted at committed[-1]."""
-        root_logits = self.stage.catch_up(committed)
+    def prefill(self, prompt: torch.Tensor) -> None:
+        """Feed all but the last two prompt tokens [L] (the first catch-up feeds those)."""
+        if prompt.numel() > 2:
+            self.stage.prefill(prompt[:-2])
+        self._feeds = min(2, prompt.numel())
+
+    @torch.inference_mode()
+    def draft(self, committed: torch.Tensor, length: torch.Tensor, width: int, generator: torch.Generator | None) -> Tree:
+        """A draft tree rooted at the last of the `length` ([] long) tokens of `committed` [capacity];
+        forwards attend over `width` cache slots."""
+        feeds, self._feeds = self._feeds, 2
+        start = length - feeds
+        slots = start + torch.arange(feeds, device=self.stage.device)
+        mask = step_mask(start, self._causal[feeds], width)
+        root_logits = self.stage.forward(committed.index_select(0, slots), slots, slots, mask)[-1]  # [V]
+        root = committed.index_select(0, length.reshape(1) - 1)  # [1]
         if self._static is not None:
-            prefix = self.stage.cache.length
-            self._slots = [prefix + self._static.fed_at[n] if n in self._static.fed_at else -1
-                           for n in range(len(self.plan.parents))]
-            return self._grow_static(committed, root_logits, generator)
-        tree, self._slots = self._grow_dynamic(_Growth(self.stage, int(committed[-1])), root_logits)
+            self._fed_at = self._static.fed_at
+            return self._grow_static(root, root_logits, length, width, generator)
+        tree, self._fed_at = self._grow_dynamic(_Growth(self.stage, root, length, width), root_logits)
         return tree
 
-    def commit(self, path: list[int]) -> None:
-        """Keep the draft K/V of the accepted nodes (path: root first) that were fed, up to the first
-        one that was not."""
-        slots = []
-        for node in path[1:]:
-            if self._slots[node] < 0:
-                break
-            slots.append(self._slots[node])
-        self.stage.cache.commit(torch.tensor(slots, dtype=torch.long, device=self.stage.device))
+    @torch.inference_mode()
+    def commit(self, path: torch.Tensor, length: torch.Tensor) -> None:
+        """Move the draft K/V of the accepted nodes (path [D + 1], root first, -1 padded) to slots
+        L - 1 + depth, L = `length` before this step's tokens."""
+        nodes = path[1:]  # [D]
+        dst = length - 1 + torch.arange(1, path.numel(), device=path.device)
+        offset = self._fed_at.index_select(0, nodes.clamp(min=0))
+        src = torch.where((nodes >= 0) & (offset >= 0), length + offset, dst)  # unfed or rejected: stay
+        self.stage.cache.move(src, dst)
 
     def _choose(self, logits: torch.Tensor, k: int, draw: bool,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -168,21 +195,19 @@ class Drafter:
             remaining = remaining.scatter(1, token, 0.0)
         return tokens, torch.stack(proposals, dim=1)
 
-    def _grow_static(self, committed: torch.Tensor, root_logits: torch.Tensor,
-                     generator: torch.Generator) -> Tree:
+    def _grow_static(self, root: torch.Tensor, root_logits: torch.Tensor, length: torch.Tensor, width: int,
+                     generator: torch.Generator | None) -> Tree:
         plan, device = self._static, self.stage.device
-        prefix, fed = self.stage.cache.length, 0  # the root is the last prefix slot
         tokens = torch.empty(len(self.plan.parents), dtype=torch.long, device=device)  # [N + 1]
-        tokens[:1] = committed[-1:]
+        tokens[:1] = root
         proposals = None
         for depth, level in enumerate(plan.levels):
             if depth == 0:
                 logits = root_logits[None]  # [1, V]
             else:
-                positions = torch.full_like(level.expanding, prefix - 1 + depth)
-                mask = prefix_tree_mask(prefix, level.visible)  # [E, prefix + fed + E]
-                logits = self.stage.forward(tokens[level.expanding], positions, prefix + fed, mask)  # [E, V]
-                fed += level.expanding.numel()
+                positions = (length - 1 + depth).expand(level.expanding.numel())
+                mask = step_mask(length, level.visible, width)  # [E, width]
+                logits = self.stage.forward(tokens[level.expanding], positions, length + level.offsets, mask)  # [E, V]
             chosen, drawn_from = self._choose(logits, level.width, self.rule == "sampling", generator)
             tokens[level.kids] = chosen[level.rows, level.ranks]
             if drawn_from is not None:
@@ -191,7 +216,7 @@ class Drafter:
                 proposals[level.kids] = drawn_from[level.rows, level.ranks]
         return Tree(tokens, plan.parents, proposals, plan.structure)
 
-    def _grow_dynamic(self, growth: _Growth, root_logits: torch.Tensor) -> tuple[Tree, list[int]]:
+    def _grow_dynamic(self, growth: _Growth, root_logits: torch.Tensor) -> tuple[Tree, torch.Tensor]:
         spec: DynamicTree = self.plan
         scores = [0.0]  # cumulative draft log-probability per node
         leaves: list[int] = []

@@ -30,7 +30,7 @@ def compile_layers(model: nn.Module) -> None:
 
 class Program:
     """Stages loaded from the plan (or given as `models`, by stage name) and the executor over them,
-    lowered as the plan's `compile` and `graph_buckets` annotations say."""
+    lowered as the plan's `compile`, `static_shapes`, `graph_buckets` and `step_graphs` annotations say."""
 
     def __init__(self, graph: SpecGraph, models: dict[str, nn.Module] | None = None):
         self.graph = graph
@@ -42,7 +42,8 @@ class Program:
             model = models.get(name) or load_model(node["model"].path, node["dtype"], node["device"])
             if node["compile"]:
                 compile_layers(model)
-            self.stages[name] = Stage(name, model, node["cache_slots"], node["device"], node["graph_buckets"])
+            self.stages[name] = Stage(name, model, node["cache_slots"], node["device"], node["graph_buckets"],
+                                      node["static_shapes"])
         target = graph.node(graph.target)
         self.tokenizer = AutoTokenizer.from_pretrained(target["model"].path, trust_remote_code=False)
         self.verifier = Verifier(self.stages[graph.target], target["spec"].verify, target["rule"], self.recipe.sampling)
@@ -50,11 +51,15 @@ class Program:
         if (draft_name := graph.drafter_of(graph.target)) is not None:
             drafter = Drafter(self.stages[draft_name], graph.node(draft_name)["tree"], target["rule"],
                               self.recipe.sampling)
-        self.executor = SerialExecutor(self.verifier, drafter, target["eos_ids"], self.recipe.max_seq_len)
+        self.executor = SerialExecutor(self.verifier, drafter, target["eos_ids"], self.recipe.max_seq_len,
+                                       target["step_graphs"])
 
     def autoregressive(self) -> SerialExecutor:
-        """The target alone, one token per step, on the same loaded stage (the `ar` baseline)."""
-        return SerialExecutor(self.verifier, None, self.executor.eos_ids, self.recipe.max_seq_len)
+        """The target alone, one token per step, on the same loaded stage (the `ar` baseline), its
+        steps captured wherever the target's forwards have static shapes."""
+        target = self.graph.node(self.graph.target)
+        return SerialExecutor(self.verifier, None, self.executor.eos_ids, self.recipe.max_seq_len,
+                              target["static_shapes"])
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> Program:

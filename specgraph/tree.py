@@ -147,14 +147,3 @@ class Tree:
         return Tree(self.tokens.to(device), self.parents.to(device),
                     None if self.proposals is None else self.proposals.to(device),
                     TreeStructure.of(self.structure.parents, device))
-
-    @classmethod
-    def root_only(cls, token: int, device: torch.device | str) -> Tree:
-        return cls(torch.tensor([token], device=device), torch.tensor([-1], device=device))
-
-
-def prefix_tree_mask(prefix: int, ancestors: torch.Tensor) -> torch.Tensor:
-    """[T, prefix + T] bool: every row sees the whole prefix and its own ancestors among the new T."""
-    t = ancestors.shape[0]
-    seen = torch.ones(t, prefix, dtype=torch.bool, device=ancestors.device)
-    return torch.cat([seen, ancestors], dim=1)

@@ -29,15 +29,14 @@ class Verdict:
     path: torch.Tensor  # [D + 1] node indices: the root, then the accepted drafts by depth; -1 after them
     bonus: torch.Tensor  # [] the target's own token after the last accepted node
 
-    def read(self, tree: Tree) -> tuple[list[int], list[int]]:
-        """The step's one host read: the accepted path (root first) and the tokens it commits
-        (accepted drafts + the bonus)."""
-        tokens = tree.tokens[self.path.clamp(min=0)]  # [D + 1]
-        path, tokens, bonus = torch.cat([self.path, tokens, self.bonus.reshape(1)]).tensor_split(
-            [self.path.numel(), 2 * self.path.numel()])
-        path, tokens = path.tolist(), tokens.tolist()
-        accepted = sum(n >= 0 for n in path)
-        return path[:accepted], tokens[1:accepted] + bonus.tolist()
+    def accepted(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the device: the count [] of new tokens (accepted drafts + the bonus) and the new tokens
+        [D + 1] (the accepted drafts, then the bonus, then padding)."""
+        drafts = self.path[1:]  # [D]
+        count = (drafts >= 0).sum() + 1
+        new = torch.cat([tree.tokens.index_select(0, drafts.clamp(min=0)), self.bonus.reshape(1)])  # [D + 1]
+        index = torch.arange(new.numel(), device=new.device)
+        return count, torch.where(index == count - 1, self.bonus, new)
 
 
 def _at(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:

@@ -42,9 +42,7 @@ class MarkovModel(nn.Module):
 @torch.no_grad()
 def chain_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """ids [T] run causally from an empty cache -> logits [T, V]."""
-    t = ids.numel()
-    stage = Stage("test", model, t + 8, torch.device("cpu"))
-    return stage.forward(ids, torch.arange(t), 0, torch.ones(t, t, dtype=torch.bool).tril())
+    return Stage("test", model, ids.numel() + 8, torch.device("cpu")).prefill(ids)
 
 
 class HostReads(TorchDispatchMode):

@@ -7,6 +7,7 @@ from conftest import EMBEDDED
 from helpers import two_stage
 
 from specgraph.program import Program
+from specgraph.runtime.serial import _Clock
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -20,15 +21,42 @@ def on_gpu(tree: dict, **fields) -> Program:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graphs_replay_the_eager_program(dtype):
-    tree = {"shape": "static", "branching": [2, 2, 1]}
+@pytest.mark.parametrize("tree", [{"shape": "static", "branching": [2, 2, 1]}, {"shape": "dynamic", "width": 3, "depth": 3, "nodes": 8}],
+                         ids=["static", "dynamic"])
+def test_cuda_graphs_replay_the_eager_program(dtype, tree):
     graphed = on_gpu(tree, dtype=dtype, max_new_tokens=64, lowering={"compile": False})
     eager = on_gpu(tree, dtype=dtype, max_new_tokens=64, lowering={"compile": False, "cuda_graphs": False})
-    assert graphed.graph.node("target")["graph_buckets"] == (1, 9)
     for text in PROMPTS:
         ids = graphed.encode(text)
         assert graphed.generate(ids).output_ids == eager.generate(ids).output_ids
-    assert graphed.stages["target"]._graphs and not eager.stages["target"]._graphs
+    if tree["shape"] == "static":  # whole steps captured
+        assert set(graphed.executor._graphs) == {"draft", "verify"}
+    else:  # dynamic growth reads on the host: forwards are captured one by one
+        assert graphed.stages["target"]._graphs and graphed.stages["draft"]._graphs
+    assert not eager.executor._graphs and not eager.stages["target"]._graphs
+
+
+@pytest.mark.parametrize("lowering", [{"compile": False}, {"compile": False, "cuda_graphs": False}], ids=["graphs", "eager"])
+def test_a_decoding_step_never_waits_for_the_host(lowering):
+    program = on_gpu({"shape": "static", "branching": [2, 2, 1]}, max_new_tokens=8, lowering=lowering)
+    executor = program.executor
+    ids = program.encode(PROMPTS[0])
+    executor.generate(ids, 8)  # warm-up: prefill, graph capture
+    length = int(executor.sequence.length)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = executor._step(length, (None, None), _Clock(torch.device("cpu")))  # raises on any sync
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(result[0]) >= 1
+
+
+def test_sampling_runs_on_gpu():
+    program = on_gpu({"shape": "static", "branching": [2, 2]}, max_new_tokens=32,
+                     sampling={"temperature": 0.8, "top_k": 50})
+    assert not program.graph.node("target")["step_graphs"]
+    assert len(program.generate(program.encode(PROMPTS[1])).output_ids) == 32
 
 
 def test_fp32_speculation_on_gpu_equals_autoregressive():

@@ -8,8 +8,8 @@ from helpers import chain_logits
 
 from specgraph.errors import CheckpointError
 from specgraph.models.loader import load_model
-from specgraph.runtime.stage import Stage
-from specgraph.tree import Tree, prefix_tree_mask
+from specgraph.runtime.stage import Stage, step_mask
+from specgraph.tree import Tree
 
 FP32_TOL = 1e-4  # max |logit difference| between our fp32 forward and transformers' fp32 forward
 
@@ -37,9 +37,11 @@ def test_incremental_decoding_matches_one_pass():
     ids = torch.randint(0, 4096, (1, 20))
     full = our_logits(model, ids)
     stage = Stage("t", model, 32, torch.device("cpu"))
+    one = torch.ones(1, 1, dtype=torch.bool)
     with torch.no_grad():
-        steps = [stage.forward(ids[0, :12], torch.arange(12), 0, torch.ones(12, 12, dtype=torch.bool).tril())]
-        steps += [stage.forward(ids[0, i:i + 1], torch.tensor([i]), i, None) for i in range(12, 20)]
+        steps = [stage.prefill(ids[0, :12])]  # then one token at a time, attending over all 32 slots
+        steps += [stage.forward(ids[0, i:i + 1], torch.tensor([i]), torch.tensor([i]), step_mask(torch.tensor(i), one, 32))
+                  for i in range(12, 20)]
     assert (torch.cat(steps) - full).abs().max() < FP32_TOL
 
 
@@ -50,8 +52,9 @@ def test_tree_attention_equals_each_path_run_alone():
     tree = Tree(tokens=torch.randint(0, 4096, (7,)), parents=torch.tensor([-1, 0, 0, 1, 1, 2, 5]))
     stage = Stage("t", model, 32, torch.device("cpu"))
     with torch.no_grad():
-        stage.catch_up(prefix[0])
-        logits = stage.forward(tree.tokens, 10 + tree.depths, 10, prefix_tree_mask(10, tree.ancestors))
+        stage.prefill(prefix[0])
+        start = torch.tensor(10)
+        logits = stage.forward(tree.tokens, 10 + tree.depths, 10 + torch.arange(7), step_mask(start, tree.ancestors, 20))
     for node in range(tree.size):
         path = tree.ancestors[node].nonzero().flatten()
         alone = our_logits(model, torch.cat([prefix[0], tree.tokens[path]])[None])
@@ -65,11 +68,10 @@ def test_commit_moves_the_accepted_path_into_the_prefix():
     stage, fresh_stage = Stage("a", model, 16, torch.device("cpu")), Stage("b", model, 16, torch.device("cpu"))
     cache, fresh = stage.cache, fresh_stage.cache
     with torch.no_grad():
-        stage.catch_up(prefix[0])
-        stage.forward(tree.tokens, 6 + tree.depths, 6, prefix_tree_mask(6, tree.ancestors))
-        cache.commit(6 + torch.tensor([0, 2, 3]))  # root, node 2, node 3
-        fresh_stage.catch_up(torch.cat([prefix[0], tree.tokens[[0, 2, 3]]]))
-    assert cache.length == 9
+        stage.prefill(prefix[0])
+        stage.forward(tree.tokens, 6 + tree.depths, 6 + torch.arange(5), step_mask(torch.tensor(6), tree.ancestors, 16))
+        cache.move(6 + torch.tensor([0, 2, 3]), 6 + torch.arange(3))  # root, node 2, node 3
+        fresh_stage.prefill(torch.cat([prefix[0], tree.tokens[[0, 2, 3]]]))
     assert (cache.k[:, :, :, :9] - fresh.k[:, :, :, :9]).abs().max() < 1e-5
     assert (cache.v[:, :, :, :9] - fresh.v[:, :, :, :9]).abs().max() < 1e-5
 

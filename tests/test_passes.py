@@ -93,12 +93,20 @@ def test_capture_graphs_lists_the_step_sizes_of_each_stage():
     for name in gpu.stages():
         gpu.node(name)["device"] = torch.device("cuda:0")  # plan for a GPU without needing one
     gpu = capture_graphs(plan_tree(gpu))
-    assert gpu.node("target")["graph_buckets"] == (1, 1 + 3 + 6 + 6)
-    assert gpu.node("draft")["graph_buckets"] == (1, 2, 3, 6)  # catch-up 1-2, then 3 and 6 nodes expanded
+    assert gpu.node("target")["step_graphs"] and gpu.node("target")["static_shapes"]
+    assert gpu.node("target")["graph_buckets"] == ()  # whole steps are captured: no per-forward graphs
+    sampled = place(validate(graph(tree={"shape": "static", "branching": [3, 2, 1]}, sampling={"temperature": 0.7})))
+    for name in sampled.stages():
+        sampled.node(name)["device"] = torch.device("cuda:0")
+    sampled = capture_graphs(plan_tree(sampled))  # draws: forwards are captured one by one instead
+    assert not sampled.node("target")["step_graphs"]
+    assert sampled.node("target")["graph_buckets"] == (1, 1 + 3 + 6 + 6)
+    assert sampled.node("draft")["graph_buckets"] == (2, 3, 6)  # catch-up, then 3 and 6 nodes expanded
     dyn = place(validate(graph(tree={"shape": "dynamic", "width": 5, "depth": 3, "nodes": 20}, lowering={"cuda_graphs": False})))
     assert capture_graphs(plan_tree(dyn)).node("draft")["graph_buckets"] == ()
     dyn.node("draft")["device"] = dyn.node("target")["device"] = torch.device("cuda:0")
-    assert capture_graphs(plan_tree(dyn)).node("draft")["graph_buckets"] == ()  # turned off in the recipe
+    off = capture_graphs(plan_tree(dyn))  # turned off in the recipe
+    assert off.node("draft")["graph_buckets"] == () and not off.node("draft")["static_shapes"]
 
 
 def test_pass_requirements_are_enforced():

@@ -33,6 +33,16 @@ def drafter(plan, rule="greedy", sampling=SamplingSpec()):
     return Drafter(Stage("draft", model, 128, torch.device("cpu")), plan, rule, sampling)
 
 
+def draft(d: Drafter, committed: torch.Tensor, seed: int = 0, prefill: bool = True) -> Tree:
+    """A tree from `committed` [L] (prefilled into the draft cache first unless `prefill` is False)."""
+    buffer = torch.zeros(64, dtype=torch.long)
+    buffer[: committed.numel()] = committed
+    if prefill:
+        d.prefill(committed)
+    length = committed.numel()
+    return d.draft(buffer, torch.tensor(length), d.stage.width(length, 40), torch.Generator().manual_seed(seed))
+
+
 def check_well_formed(tree: Tree, size: int):
     assert tree.size == size
     assert all(0 <= int(p) < i for i, p in enumerate(tree.parents.tolist()) if i > 0)  # topological
@@ -44,7 +54,7 @@ def check_well_formed(tree: Tree, size: int):
 def test_static_drafts_follow_the_draft_models_ranking():
     d = drafter(TreeTopology.from_spec(StaticTree(branching=[3, 2])))
     committed = torch.randint(0, 4096, (12,))
-    tree = d.draft(committed, torch.Generator().manual_seed(0))
+    tree = draft(d, committed)
     check_well_formed(tree, 1 + 3 + 6)
     model = d.stage.model
     logits = chain_logits(model, committed)[-1]
@@ -57,7 +67,7 @@ def test_static_drafts_follow_the_draft_models_ranking():
 def test_dynamic_tree_keeps_the_most_likely_nodes():
     spec = DynamicTree(width=3, depth=4, nodes=10)
     d = drafter(spec)
-    tree = d.draft(torch.randint(0, 4096, (9,)), torch.Generator().manual_seed(0))
+    tree = draft(d, torch.randint(0, 4096, (9,)))
     check_well_formed(tree, 11)
     assert int(tree.depths.max()) <= 4
     assert int(tree.depths.max()) >= 2  # expansion went deeper than the root's children
@@ -66,7 +76,7 @@ def test_dynamic_tree_keeps_the_most_likely_nodes():
 def test_sampling_drafts_record_their_proposals():
     d = drafter(TreeTopology.from_spec(StaticTree(branching=[3])), rule="sampling",
                 sampling=SamplingSpec(temperature=1.0, top_k=50))
-    tree = d.draft(torch.randint(0, 4096, (5,)), torch.Generator().manual_seed(3))
+    tree = draft(d, torch.randint(0, 4096, (5,)), seed=3)
     q = tree.proposals  # [4, V]
     assert torch.allclose(q[1:].sum(-1), torch.ones(3))
     assert q[2, tree.tokens[1]] == 0 and q[3, tree.tokens[1]] == 0 and q[3, tree.tokens[2]] == 0  # without replacement
@@ -77,8 +87,8 @@ def test_static_drafting_reads_nothing_on_the_host():
     for rule, sampling in (("greedy", SamplingSpec()), ("sampling", SamplingSpec(temperature=0.9, top_k=40))):
         d = drafter(TreeTopology.from_spec(StaticTree(branching=[3, 2, 1])), rule, sampling)
         committed = torch.randint(0, 4096, (10,))
-        d.draft(committed, torch.Generator().manual_seed(0))  # first step: the catch-up prefill
-        d.commit([0])
+        draft(d, committed)
         with HostReads() as reads:
-            tree = d.draft(torch.cat([committed, torch.tensor([7])]), torch.Generator().manual_seed(1))
+            d.commit(torch.tensor([0, 1, -1, -1]), torch.tensor(10))  # one draft accepted
+            tree = draft(d, torch.cat([committed, torch.tensor([7, 8])]), seed=1, prefill=False)
         assert reads.seen == [] and tree.size == 1 + 3 + 6 + 6

@@ -23,11 +23,13 @@ def test_greedy_walks_the_matching_children():
         logits[node, best] = 1.0
     verdict = verify_greedy(tree, logits)
     assert verdict.path.tolist() == [0, 2, 4, 5] and verdict.bonus == 3
-    assert verdict.read(tree) == ([0, 2, 4, 5], [2, 4, 0, 3])
+    count, new = verdict.accepted(tree)
+    assert count == 4 and new.tolist() == [2, 4, 0, 3]
     logits[0] = 0
     logits[0, 3] = 1  # no child of the root matches: bonus only
     verdict = verify_greedy(tree, logits)
-    assert verdict.path.tolist() == [0, -1, -1, -1] and verdict.read(tree) == ([0], [3])
+    count, new = verdict.accepted(tree)
+    assert verdict.path.tolist() == [0, -1, -1, -1] and count == 1 and new[0] == 3
 
 
 def test_typical_accepts_probable_children_and_rejects_improbable():
@@ -35,7 +37,7 @@ def test_typical_accepts_probable_children_and_rejects_improbable():
     logits = torch.tensor([[0.0, -9.0, 3.0, 0.0, 0.0, 0.0]] * 3)
     verdict = verify_typical(tree, logits, SamplingSpec(temperature=1.0), VerifySpec(rule="typical"),
                              torch.Generator().manual_seed(0))
-    assert verdict.read(tree)[0] == [0, 2]  # token 2 is likely, token 1 is not
+    assert verdict.path.tolist() == [0, 2]  # token 2 is likely, token 1 is not
 
 
 def test_verification_makes_no_host_reads():
@@ -46,7 +48,8 @@ def test_verification_makes_no_host_reads():
     with HostReads() as reads:
         verdicts = [verify_greedy(tree, logits), verify_sampling(tree, logits, sampling, g),
                     verify_typical(tree, logits, sampling, VerifySpec(rule="typical"), g)]
-    assert reads.seen == []
+        counts = [v.accepted(tree) for v in verdicts]
+    assert reads.seen == [] and all(new.shape == (4,) for _, new in counts)
     assert all(v.path.shape == (4,) and v.bonus.shape == () for v in verdicts)
     with HostReads() as reads:
         torch.tensor([1, 2]).nonzero()

@@ -1,7 +1,15 @@
 """The serial executor: draft, then verify, in lockstep on one host thread.
 
-It is the baseline every other executor is measured against, and with no drafter it is plain
-autoregressive decoding through the same path (a root-only tree per step).
+Decoding state lives on the device (`Sequence`: the committed tokens and their count), and a
+step is two phases that read and write only device tensors:
+  draft   - the drafter's catch-up and tree growth (static trees: no host reads);
+  verify  - the target scores the tree, the rule picks the path and bonus, both caches move the
+            accepted K/V into place and the new tokens are appended.
+With L tokens committed, the target cache holds committed[:L - 1] and the tree's root is
+committed[L - 1], written at slot L - 1 with the tree after it. The host reads once per step:
+the number of new tokens and the tokens. When every phase is a fixed sequence of device
+operations on one GPU, each is captured as one CUDA graph and a step is two replays.
+With no drafter it is plain autoregressive decoding through the same path (a root-only tree).
 """
 
 from __future__ import annotations
@@ -13,8 +21,8 @@ import torch
 
 from specgraph.draft import Drafter
 from specgraph.recipe import SamplingSpec, VerifySpec
-from specgraph.runtime.stage import Stage
-from specgraph.tree import Tree, prefix_tree_mask
+from specgraph.runtime.stage import Graph, Stage, step_mask
+from specgraph.tree import Tree, TreeStructure
 from specgraph.verify import Verdict, verify
 
 
@@ -25,8 +33,29 @@ class Generation:
     accepted_lengths: list[int] = field(default_factory=list)  # per target step: accepted drafts + bonus
     seconds: float = 0.0
     first_token_seconds: float = 0.0  # prompt in, first step's tokens out
-    draft_seconds: float = 0.0
+    draft_seconds: float = 0.0  # device time of the draft phases (GPU: CUDA events)
     verify_seconds: float = 0.0
+
+
+class Sequence:
+    """The committed tokens on a device: `tokens` [capacity] long, the first `length` ([] long) valid."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+
+    def start(self, prompt: torch.Tensor) -> None:
+        self.tokens[: prompt.numel()] = prompt
+        self.length.fill_(prompt.numel())
+
+    def append(self, new: torch.Tensor, count: torch.Tensor) -> None:
+        """Commit new[:count] (new [D + 1]; the rest is written past the end and ignored)."""
+        self.tokens.index_copy_(0, self.length + torch.arange(new.numel(), device=new.device), new)
+        self.length += count
+
+    def copy_(self, other: Sequence) -> None:
+        self.tokens.copy_(other.tokens)
+        self.length.copy_(other.length)
 
 
 class Verifier:
@@ -38,60 +67,152 @@ class Verifier:
         self.spec = spec.model_copy(update={"rule": rule})
         self.sampling = sampling
 
+    @property
+    def captures(self) -> bool:
+        """Whether verification is a fixed sequence of device operations with no random draws."""
+        return self.sampling.temperature == 0
+
     @torch.inference_mode()
-    def step(self, committed: torch.Tensor, tree: Tree, generator: torch.Generator) -> Verdict:
-        """committed [L]: the target's cache holds committed[:-1]; tree is rooted at committed[-1]."""
-        self.stage.catch_up(committed[:-1])
-        prefix = self.stage.cache.length
-        mask = None if tree.size == 1 else prefix_tree_mask(prefix, tree.ancestors)  # [N+1, prefix+N+1]
-        logits = self.stage.forward(tree.tokens, prefix + tree.depths, prefix, mask)  # [N + 1, V]
+    def prefill(self, prompt: torch.Tensor) -> None:
+        """Feed all but the last prompt token [L] (the root of the first tree)."""
+        if prompt.numel() > 1:
+            self.stage.prefill(prompt[:-1])
+
+    @torch.inference_mode()
+    def step(self, tree: Tree, length: torch.Tensor, width: int, generator: torch.Generator | None) -> Verdict:
+        """Score `tree` (root = the last of `length` committed tokens) over `width` cache slots."""
+        root = length - 1
+        slots = root + torch.arange(tree.size, device=self.device)
+        mask = step_mask(root, tree.ancestors, width)  # [N + 1, width]
+        logits = self.stage.forward(tree.tokens, root + tree.depths, slots, mask)  # [N + 1, V]
         return verify(tree, logits, self.spec, self.sampling, generator)
 
-    def commit(self, path: list[int]) -> None:
-        """Keep the K/V of the accepted path (root first), written at the tree's slots."""
-        prefix = self.stage.cache.length
-        self.stage.cache.commit(torch.tensor(path, device=self.device) + prefix)
+    @torch.inference_mode()
+    def commit(self, path: torch.Tensor, length: torch.Tensor) -> None:
+        """Move the K/V of the accepted path (path [D + 1], root first, -1 padded) to slots L - 1 + depth."""
+        dst = length - 1 + torch.arange(path.numel(), device=self.device)
+        self.stage.cache.move(torch.where(path >= 0, length - 1 + path, dst), dst)
+
+
+class _Clock:
+    """Phase boundaries of one step: CUDA events on a GPU (read after the step's one host read), host time on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Seconds between consecutive marks (after the step's host read: no extra wait)."""
+        pairs = zip(self.marks, self.marks[1:])
+        if self.cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in pairs]
+        return [b - a for a, b in pairs]
 
 
 class SerialExecutor:
-    def __init__(self, verifier: Verifier, drafter: Drafter | None, eos_ids: tuple[int, ...], max_seq_len: int):
+    def __init__(self, verifier: Verifier, drafter: Drafter | None, eos_ids: tuple[int, ...], max_seq_len: int,
+                 step_graphs: bool = False):
+        """`step_graphs`: capture each phase as a CUDA graph where it is a fixed sequence of device
+        operations with no draws (needs every stage on the target's GPU with static shapes)."""
         self.verifier, self.drafter = verifier, drafter
         self.eos_ids = tuple(eos_ids)
         self.max_seq_len = max_seq_len
-        self.device = verifier.stage.device
+        self.device = verifier.device
+        self.nodes = drafter.nodes if drafter is not None else 0
+        capacity = max_seq_len + self.nodes + 1  # a step appends at most N + 1 tokens
+        self.sequence = Sequence(capacity, self.device)
+        self._draft_sequence = self.sequence
+        if drafter is not None and drafter.stage.device != self.device:
+            self._draft_sequence = Sequence(capacity, drafter.stage.device)
+        self._root, self._root_parents = TreeStructure.of([-1], self.device), torch.tensor([-1], device=self.device)
+        stages = [verifier.stage] + ([drafter.stage] if drafter is not None else [])
+        if step_graphs and not all(s.static_shapes and s.device == self.device for s in stages):
+            raise ValueError("step graphs need every stage on the target's device with static shapes")
+        self.step_graphs = step_graphs
+        self._graphs: dict[str, Graph] = {}
 
-    def _reset(self) -> None:
-        self.verifier.stage.cache.reset()
+    def _draft(self, length: int, generator: torch.Generator | None) -> Tree:
+        seq = self._draft_sequence
+        if seq is not self.sequence:
+            seq.copy_(self.sequence)
+        width = self.drafter.stage.width(length, self.nodes + 1)
+        return self.drafter.draft(seq.tokens, seq.length, width, generator).to(self.device)
+
+    def _verify(self, tree: Tree, length: int, generator: torch.Generator | None) -> torch.Tensor:
+        """-> [D + 2]: the count of new tokens, then the new tokens (padded)."""
+        seq = self.sequence
+        width = self.verifier.stage.width(length, self.nodes + 1)
+        verdict = self.verifier.step(tree, seq.length, width, generator)
+        count, new = verdict.accepted(tree)
+        self.verifier.commit(verdict.path, seq.length)
         if self.drafter is not None:
-            self.drafter.stage.cache.reset()
+            self.drafter.commit(verdict.path.to(self.drafter.stage.device), self._draft_sequence.length)
+        seq.append(new, count)
+        return torch.cat([count[None], new])
+
+    def _root_tree(self) -> Tree:
+        """The autoregressive step's tree: the last committed token alone."""
+        tokens = self.sequence.tokens.index_select(0, self.sequence.length.reshape(1) - 1)  # [1]
+        return Tree(tokens, self._root_parents, None, self._root)
+
+    def _step(self, length: int, generators: tuple, clock: _Clock) -> torch.Tensor:
+        """One step from device state -> [D + 2] (see `_verify`); `length` (host) sizes eager forwards."""
+        draft_generator, generator = generators
+        clock.mark()
+        if not (self.step_graphs and self.verifier.captures and (self.drafter is None or self.drafter.captures)):
+            tree = self._root_tree() if self.drafter is None else self._draft(length, draft_generator)
+            clock.mark()
+            return self._verify(tree, length, generator)
+        if self.drafter is None:
+            clock.mark()
+            return self._replay("verify", lambda: self._verify(self._root_tree(), length, None))
+        tokens = self._replay("draft", lambda: self._draft(length, None).tokens)
+        clock.mark()
+        plan = self.drafter._static
+        return self._replay("verify", lambda t: self._verify(Tree(t, plan.parents, None, plan.structure), length, None),
+                            tokens)
+
+    def _replay(self, name: str, fn, *inputs: torch.Tensor):
+        """fn(*inputs) through its CUDA graph, recorded on first use (that call runs it for real)."""
+        if name not in self._graphs:
+            self._graphs[name] = Graph(fn, inputs, self.verifier.stage.pool)
+            return self._graphs[name].first
+        return self._graphs[name](*inputs)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        self._reset()
+        start = time.perf_counter()
         generator = torch.Generator(self.device).manual_seed(seed)  # verification's draws
         draft_generator = None  # the drafter's draws, on its own device
+        prompt = torch.tensor(prompt_ids, device=self.device)  # [L]
+        self.sequence.start(prompt)
+        self.verifier.prefill(prompt)
         if self.drafter is not None:
             draft_generator = torch.Generator(self.drafter.stage.device).manual_seed(seed + 1)
-        committed = torch.tensor(prompt_ids, device=self.device)  # [L]
-        budget = min(max_new_tokens, self.max_seq_len - len(prompt_ids))
+            self.drafter.prefill(prompt.to(self.drafter.stage.device))
+        length = len(prompt_ids)
+        budget = min(max_new_tokens, self.max_seq_len - length)
         out = Generation(output_ids=[])
-        start = time.perf_counter()
         while len(out.output_ids) < budget:
-            t0 = time.perf_counter()
-            if self.drafter is None:
-                tree = Tree.root_only(int(committed[-1]), self.device)
-            else:
-                tree = self.drafter.draft(committed.to(self.drafter.stage.device), draft_generator).to(self.device)
-            t1 = time.perf_counter()
-            path, new = self.verifier.step(committed, tree, generator).read(tree)  # the step's one host read
-            self.verifier.commit(path)
-            if self.drafter is not None:
-                self.drafter.commit(path)
-            out.draft_seconds += t1 - t0
-            out.verify_seconds += time.perf_counter() - t1
+            clock = _Clock(self.device)
+            result = self._step(length, (draft_generator, generator), clock)
+            clock.mark()
+            count, *new = result.tolist()  # the step's one host read
+            draft_s, verify_s = clock.seconds()
+            new = new[:count]
+            out.draft_seconds += draft_s
+            out.verify_seconds += verify_s
             out.target_steps += 1
-            out.accepted_lengths.append(len(new))
+            out.accepted_lengths.append(count)
+            length += count
             new = new[: budget - len(out.output_ids)]
             hit_eos = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
             if hit_eos is not None:
@@ -99,7 +220,6 @@ class SerialExecutor:
             out.output_ids.extend(new)
             if out.target_steps == 1:
                 out.first_token_seconds = time.perf_counter() - start
-            committed = torch.cat([committed, torch.tensor(new, device=self.device)])
             if hit_eos is not None:
                 break
         out.seconds = time.perf_counter() - start

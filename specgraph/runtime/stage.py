@@ -1,94 +1,91 @@
-"""A stage: one model and its cache on its device — the unit that executors schedule.
+"""A stage: one model and its KV cache on its device — the unit that executors schedule.
 
-A stage's cache holds a prefix of the committed tokens. `catch_up` feeds whatever committed
-tokens it lacks; `forward` runs new tokens (draft-tree nodes, or a tree to verify) past the
-prefix without committing them; `cache.commit` keeps the accepted ones.
-
-Every forward of T tokens can have the same shapes (the model attends over the whole cache under a
-mask), so on a GPU the stage captures one CUDA graph for each T in its `graph_buckets` (planned by
-the capture_graphs pass) on first use and replays it afterwards: a step then costs one graph
-launch instead of hundreds of kernel launches. Other sizes (prefill) run eagerly over the used slots.
+Forwards place their tokens at cache slots and attend under a mask over the first `width` slots.
+Slots and masks are built on the device from device tensors (the committed length lives there),
+so no forward needs a host read. With `width` = the cache's capacity every forward of T tokens has
+the same shapes: on a GPU the stage then replays one CUDA graph per T in its `graph_buckets`
+(planned by the capture_graphs pass), unless the whole step around it is being captured.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
 
 from specgraph.cache import KVCache
-from specgraph.tree import prefix_tree_mask
 
 
-class CapturedForward:
-    """One CUDA graph of `model` for T tokens, replayed from static input buffers."""
+def step_mask(start: torch.Tensor, visible: torch.Tensor, width: int) -> torch.Tensor:
+    """[T, width] bool: row i sees every slot before `start` ([] long) and slot start + j where
+    visible[i, j] ([T, R] bool: the region of R slots from `start` that this step writes)."""
+    region = visible.shape[1]
+    offset = torch.arange(width, device=visible.device) - start  # [width]: slot - start
+    seen = visible.index_select(1, offset.clamp(0, region - 1))  # [T, width]
+    return (offset < 0) | (seen & (offset < region))
 
-    def __init__(self, model: nn.Module, cache: KVCache, inputs: list[torch.Tensor], pool):
-        self.inputs = inputs  # static: tokens [1, T], positions [1, T], slots [T], mask [T, S]
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):  # recorded, not run
-            self.output = model(*inputs[:2], cache, *inputs[2:])
 
-    @classmethod
-    def capture(cls, model: nn.Module, cache: KVCache, tokens, positions, slots, mask,
-                pool) -> tuple[CapturedForward, torch.Tensor]:
-        """Run this call's forward once (the warm-up capture needs), then record it; returns the
-        graph and that run's logits."""
-        inputs = [x.clone() for x in (tokens, positions, slots, mask)]
+class Graph:
+    """`fn(*inputs)` recorded as one CUDA graph and replayed from static copies of its inputs.
+
+    Building it runs `fn` once for real (capture needs a warm-up run; its result is `first`),
+    then records it without running. Outputs are static: each replay overwrites them."""
+
+    def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...], pool):
+        self.inputs = tuple(x.clone() for x in inputs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            first = model(*inputs[:2], cache, *inputs[2:])
+            self.first = fn(*self.inputs)
         torch.cuda.current_stream().wait_stream(stream)
-        return cls(model, cache, inputs, pool), first
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):  # recorded, not run
+            self.output = fn(*self.inputs)
 
-    def __call__(self, tokens, positions, slots, mask) -> torch.Tensor:
-        for buffer, value in zip(self.inputs, (tokens, positions, slots, mask)):
+    def __call__(self, *inputs: torch.Tensor):
+        for buffer, value in zip(self.inputs, inputs):
             buffer.copy_(value)
         self.graph.replay()
-        return self.output.clone()  # the next replay overwrites the static output
+        return self.output
 
 
 class Stage:
     def __init__(self, name: str, model: nn.Module, capacity: int, device: torch.device,
-                 graph_buckets: tuple[int, ...] = ()):
+                 graph_buckets: tuple[int, ...] = (), static_shapes: bool = False):
         self.name = name
         self.model = model
         self.device = device
         self.cache: KVCache = model.new_cache(capacity)
         self.graph_buckets = frozenset(graph_buckets)
-        self._graphs: dict[int, CapturedForward] = {}
-        self._pool = torch.cuda.graph_pool_handle() if graph_buckets else None
+        self.static_shapes = static_shapes or bool(graph_buckets)  # attend over the whole cache
+        self._graphs: dict[int, Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """tokens, positions [T] at slots [slot, slot + T); mask [T, slot + T] (None: all visible) -> logits [T, V]."""
-        t, end = tokens.numel(), slot + tokens.numel()
-        if end > self.cache.capacity:
-            raise RuntimeError(f"stage {self.name}: {end} slots exceed the cache's {self.cache.capacity}; "
-                               "plan_memory sized it too small")
-        slots = torch.arange(slot, end, device=self.device)
-        if mask is None:
-            mask = torch.ones(t, end, dtype=torch.bool, device=self.device)
-        if t not in self.graph_buckets:  # eager: attend over the used slots only
+    def width(self, length: int, step_tokens: int) -> int:
+        """Slots a step's forwards attend over, `length` tokens committed and `step_tokens` written past them."""
+        return self.cache.capacity if self.static_shapes else min(self.cache.capacity, length + step_tokens)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """tokens, positions, slots [T]; mask [T, width] -> logits [T, V]. Writes K/V at `slots`."""
+        t = tokens.numel()
+
+        def run(tokens, positions, slots, mask):
             return self.model(tokens[None], positions[None], self.cache, slots, mask)[0]
-        full = torch.zeros(t, self.cache.capacity, dtype=torch.bool, device=self.device)  # [T, S]: static shape
-        full[:, :end] = mask
-        args = (tokens[None], positions[None], slots, full)
+
+        static = mask.shape[1] == self.cache.capacity and t in self.graph_buckets
+        if not static or torch.cuda.is_current_stream_capturing():  # a captured step records the model itself
+            return run(tokens, positions, slots, mask)
         if t not in self._graphs:
-            self._graphs[t], first = CapturedForward.capture(self.model, self.cache, *args, self._pool)
-            return first[0].clone()
-        return self._graphs[t](*args)[0]
+            self._graphs[t] = Graph(run, (tokens, positions, slots, mask), self.pool)
+            return self._graphs[t].first
+        return self._graphs[t](tokens, positions, slots, mask).clone()  # the next replay overwrites it
 
     @torch.inference_mode()
-    def catch_up(self, committed: torch.Tensor) -> torch.Tensor | None:
-        """Feed committed[length:] [T] and commit it; logits [V] of the last token, None if none was fed."""
-        start, end = self.cache.length, committed.numel()
-        if end == start:
-            return None
-        t = end - start
-        positions = torch.arange(start, end, device=self.device)
-        chain = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()  # each sees its predecessors
-        mask = None if t == 1 else prefix_tree_mask(start, chain)
-        logits = self.forward(committed[start:], positions, start, mask)
-        self.cache.length = end
-        return logits[-1]
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed tokens [T] at slots [0, T) -> logits [T, V] (an eager forward over T slots)."""
+        t = tokens.numel()
+        slots = torch.arange(t, device=self.device)
+        causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
+        return self.forward(tokens, slots, slots, causal)
