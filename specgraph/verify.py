@@ -56,8 +56,7 @@ def _path_to(tree: Tree, last: torch.Tensor) -> torch.Tensor:
 def verify_greedy(tree: Tree, logits: torch.Tensor) -> Verdict:
     """logits [N + 1, V]. Siblings carry distinct tokens, so at most one child matches."""
     best = logits.argmax(-1)  # [N + 1]
-    matches = tree.tokens == best[tree.parents.clamp(min=0)]  # [N + 1]
-    matches[0] = True
+    matches = (tree.tokens == best[tree.parents.clamp(min=0)]) | (tree.parents < 0)  # [N + 1]: the root always
     on_path = ~(tree.ancestors & ~matches[None, :]).any(-1)  # node and all its ancestors matched
     last = torch.where(on_path, tree.depths, -1).argmax()
     return Verdict(_path_to(tree, last), _at(best, last))
@@ -68,8 +67,7 @@ def _walk(tree: Tree, probs: torch.Tensor, try_child) -> tuple[torch.Tensor, tor
     `try_child(p, node, child) -> (accept [] bool, p after a rejection [V])`.
     Returns the path [D + 1], the stopping node [] and the distribution p [V] left there."""
     device = probs.device
-    path = torch.full((tree.max_depth + 1,), -1, dtype=torch.long, device=device)
-    path[0] = 0
+    path = -(torch.arange(tree.max_depth + 1, device=device) > 0).long()  # [0, -1, ..., -1]
     node = torch.zeros((), dtype=torch.long, device=device)
     stopped = torch.zeros((), dtype=torch.bool, device=device)
     final = probs[0]

@@ -46,9 +46,10 @@ def chain_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 class HostReads(TorchDispatchMode):
-    """Records the ops that would make a GPU wait for the host: scalar reads and data-dependent shapes."""
+    """Records the ops that would make a GPU wait for the host (scalar reads, data-dependent shapes)
+    or copy from the host (Python values turned into tensors), neither of which a CUDA graph can hold."""
 
-    SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "unique"}
+    SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "lift_fresh"}
 
     def __init__(self):
         super().__init__()

@@ -47,3 +47,19 @@ def test_a_useless_draft_still_yields_the_target_tokens():
 def test_generation_is_clipped_to_max_seq_len():
     gen = executor(eos=(), max_seq_len=10).generate([1, 2, 3], 100)
     assert len(gen.output_ids) == 7
+
+
+def test_a_static_tree_step_touches_only_device_tensors():
+    """What a captured step needs: no host reads and no host values copied in, in either phase."""
+    from helpers import HostReads
+
+    from specgraph.runtime.serial import _Clock
+
+    speculative = executor(eos=(), length=3)
+    autoregressive = SerialExecutor(speculative.verifier, None, eos_ids=(), max_seq_len=64)
+    for ex, depth in ((speculative, 3), (autoregressive, 0)):
+        ex.generate([1, 2], 4)  # prefill and a first step
+        length = int(ex.sequence.length)
+        with HostReads() as reads:
+            result = ex._step(length, (None, None), _Clock(CPU))
+        assert reads.seen == [] and result.shape == (depth + 2,)

@@ -88,7 +88,10 @@ def test_static_drafting_reads_nothing_on_the_host():
         d = drafter(TreeTopology.from_spec(StaticTree(branching=[3, 2, 1])), rule, sampling)
         committed = torch.randint(0, 4096, (10,))
         draft(d, committed)
+        buffer = torch.cat([committed, torch.tensor([7, 8]), torch.zeros(20, dtype=torch.long)])
+        path, old, new = torch.tensor([0, 1, -1, -1]), torch.tensor(10), torch.tensor(12)  # one draft accepted
+        generator = torch.Generator().manual_seed(1)
         with HostReads() as reads:
-            d.commit(torch.tensor([0, 1, -1, -1]), torch.tensor(10))  # one draft accepted
-            tree = draft(d, torch.cat([committed, torch.tensor([7, 8])]), seed=1, prefill=False)
+            d.commit(path, old)
+            tree = d.draft(buffer, new, d.stage.width(12, 40), generator)
         assert reads.seen == [] and tree.size == 1 + 3 + 6 + 6
