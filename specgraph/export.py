@@ -22,6 +22,7 @@ from torch.export import Dim
 
 from specgraph.cache import KVCache
 from specgraph.errors import SpecgraphError
+from specgraph.kernels import Kernels
 from specgraph.models.llama import LlamaShape
 from specgraph.recipe import Recipe
 
@@ -96,6 +97,7 @@ def export_program(program, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     stages = {}
     for name, stage in program.stages.items():
+        stage.model.use_kernels(Kernels())  # AOTInductor compiles the plain-PyTorch ops (ours are Python custom ops)
         t, kv = Dim("t", min=1, max=MAX_STEP_TOKENS), Dim("kv", min=1, max=stage.cache.capacity)
         example = (torch.zeros(1, 2, dtype=torch.long, device=stage.device), torch.arange(2, device=stage.device)[None],
                    stage.cache.k, stage.cache.v, torch.arange(2, device=stage.device),

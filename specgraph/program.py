@@ -8,6 +8,8 @@ from transformers import AutoTokenizer
 from specgraph.draft import Drafter
 from specgraph.errors import SpecgraphError
 from specgraph.graph import SpecGraph
+from specgraph.kernels import Kernels
+from specgraph.models.llama import LlamaModel
 from specgraph.models.loader import load_model
 from specgraph.passes import run_pipeline
 from specgraph.recipe import Recipe
@@ -30,7 +32,7 @@ def compile_layers(model: nn.Module) -> None:
 
 class Program:
     """Stages loaded from the plan (or given as `models`, by stage name) and the executor over them,
-    lowered as the plan's `compile`, `static_shapes`, `graph_buckets` and `step_graphs` annotations say."""
+    lowered as the plan's `kernels`, `compile`, `static_shapes`, `graph_buckets` and `step_graphs` annotations say."""
 
     def __init__(self, graph: SpecGraph, models: dict[str, nn.Module] | None = None):
         self.graph = graph
@@ -40,13 +42,18 @@ class Program:
         for name in graph.stages():
             node = graph.node(name)
             model = models.get(name) or load_model(node["model"].path, node["dtype"], node["device"])
+            kernels = Kernels.select(node["kernels"])
+            if isinstance(model, LlamaModel):  # (an exported package has its ops built in)
+                model.use_kernels(kernels)
             if node["compile"]:
                 compile_layers(model)
-            self.stages[name] = Stage(name, model, node["cache_slots"], node["device"], node["graph_buckets"],
-                                      node["static_shapes"])
+            stage = Stage(name, model, node["cache_slots"], node["device"], node["graph_buckets"], node["static_shapes"])
+            stage.cache.move_rows = kernels.kv_move
+            self.stages[name] = stage
         target = graph.node(graph.target)
         self.tokenizer = AutoTokenizer.from_pretrained(target["model"].path, trust_remote_code=False)
-        self.verifier = Verifier(self.stages[graph.target], target["spec"].verify, target["rule"], self.recipe.sampling)
+        self.verifier = Verifier(self.stages[graph.target], target["spec"].verify, target["rule"], self.recipe.sampling,
+                                 Kernels.select(target["kernels"]).accept_greedy)
         drafter = None
         if (draft_name := graph.drafter_of(graph.target)) is not None:
             drafter = Drafter(self.stages[draft_name], graph.node(draft_name)["tree"], target["rule"],

@@ -126,7 +126,9 @@ class LoweringSpec(_Strict):
     """How stages are lowered to step programs."""
 
     compile: bool | None = Field(None, description="torch.compile the decoder layers; default: on GPUs, not on the CPU")
-    cuda_graphs: bool = Field(True, description="capture and replay one CUDA graph per forward size (GPU)")
+    cuda_graphs: bool = Field(True, description="capture and replay CUDA graphs: whole steps where they allow, else one per forward size (GPU)")
+    kernels: Literal["auto", "reference", "triton"] = Field(
+        "auto", description="fused-op implementations: auto (Triton where it pays on a GPU), reference (plain PyTorch), triton")
 
 
 class Recipe(_Strict):

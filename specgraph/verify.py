@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specgraph.kernels.accept import accept_greedy_reference
 from specgraph.recipe import SamplingSpec, VerifySpec
 from specgraph.sampling import probs_from_logits
 from specgraph.tree import Tree
@@ -44,22 +45,10 @@ def _at(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, i.reshape(1))[0]
 
 
-def _path_to(tree: Tree, last: torch.Tensor) -> torch.Tensor:
-    """[D + 1] the nodes from the root to `last` by depth, -1 after them."""
-    d = tree.max_depth
-    slots = torch.where(_at(tree.ancestors, last), tree.depths, d + 1)  # non-ancestors go to a spare slot
-    path = torch.full((d + 2,), -1, dtype=torch.long, device=tree.tokens.device)
-    path.scatter_(0, slots, torch.arange(tree.size, device=path.device))
-    return path[: d + 1]
-
-
-def verify_greedy(tree: Tree, logits: torch.Tensor) -> Verdict:
-    """logits [N + 1, V]. Siblings carry distinct tokens, so at most one child matches."""
+def verify_greedy(tree: Tree, logits: torch.Tensor, accept=accept_greedy_reference) -> Verdict:
+    """logits [N + 1, V]; `accept`: the acceptance kernel (see kernels/accept)."""
     best = logits.argmax(-1)  # [N + 1]
-    matches = (tree.tokens == best[tree.parents.clamp(min=0)]) | (tree.parents < 0)  # [N + 1]: the root always
-    on_path = ~(tree.ancestors & ~matches[None, :]).any(-1)  # node and all its ancestors matched
-    last = torch.where(on_path, tree.depths, -1).argmax()
-    return Verdict(_path_to(tree, last), _at(best, last))
+    return Verdict(*accept(tree.tokens, tree.parents, tree.ancestors, tree.depths, best, tree.max_depth))
 
 
 def _walk(tree: Tree, probs: torch.Tensor, try_child) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -122,9 +111,9 @@ def verify_typical(tree: Tree, logits: torch.Tensor, sampling: SamplingSpec, spe
 
 
 def verify(tree: Tree, logits: torch.Tensor, spec: VerifySpec, sampling: SamplingSpec,
-           generator: torch.Generator) -> Verdict:
+           generator: torch.Generator, accept_greedy=accept_greedy_reference) -> Verdict:
     if spec.rule == "greedy":
-        return verify_greedy(tree, logits)
+        return verify_greedy(tree, logits, accept_greedy)
     if spec.rule == "sampling":
         return verify_sampling(tree, logits, sampling, generator)
     return verify_typical(tree, logits, sampling, spec, generator)

@@ -13,9 +13,11 @@ from specgraph.errors import CheckpointError, RecipeError
 from specgraph.graph import SpecGraph
 from specgraph.passes import PIPELINE, run_pipeline
 from specgraph.passes.capture_graphs import capture_graphs
+from specgraph.passes.compile_stages import compile_stages
 from specgraph.passes.place import place
 from specgraph.passes.plan_memory import plan_memory
 from specgraph.passes.plan_tree import plan_tree
+from specgraph.passes.select_kernels import select_kernels
 from specgraph.passes.validate import validate
 from specgraph.recipe import DynamicTree, Recipe, apply_override
 from specgraph.tree import TreeTopology
@@ -29,7 +31,7 @@ def graph(draft=DRAFT, tree=None, **fields) -> SpecGraph:
 
 def test_pipeline_order_is_the_documented_one():
     assert [p.__name__ for p in PIPELINE] == ["validate", "place", "plan_tree", "plan_memory", "compile_stages",
-                                              "capture_graphs"]
+                                              "select_kernels", "capture_graphs"]
 
 
 def test_validate_reads_configs_and_resolves_rules():
@@ -181,3 +183,20 @@ def test_three_stage_hierarchy_needs_the_pipeline_executor():
                                           {"name": "c", "model": "t", "verifies": "b"}]})
     with pytest.raises(RecipeError, match="3 stages form a hierarchy, which needs execution: pipeline"):
         run_pipeline(SpecGraph.from_recipe(recipe))
+
+
+def test_select_kernels_picks_triton_where_it_pays():
+    cpu = run_pipeline(graph())
+    assert set(cpu.node("target")["kernels"].values()) == {"reference"}
+    gpu = place(validate(graph()))
+    for name in gpu.stages():
+        gpu.node(name)["device"] = torch.device("cuda:0")
+    gpu = compile_stages(gpu)  # compiled by default on a GPU
+    chosen = select_kernels(gpu).node("target")["kernels"]
+    assert chosen == {"attention": "triton", "add_rmsnorm": "reference", "swiglu": "reference",
+                      "kv_move": "triton", "accept_greedy": "triton"}  # Inductor fuses the elementwise ops
+    eager = gpu.copy()
+    eager.node("target")["compile"] = False
+    assert set(select_kernels(eager).node("target")["kernels"].values()) == {"triton"}
+    forced = run_pipeline(graph(lowering={"kernels": "triton"}))
+    assert set(forced.node("draft")["kernels"].values()) == {"triton"}

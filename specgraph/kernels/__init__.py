@@ -1,2 +1,38 @@
 """Kernels: each op has reference.py (plain PyTorch, the definition) and triton.py (the fast path)
-with the same signature."""
+with the same signature. `Kernels` is one choice per op, made by the select_kernels pass."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from specgraph.kernels.accept import accept_greedy_reference
+from specgraph.kernels.attention import attention_reference
+from specgraph.kernels.kv_move import kv_move_reference
+from specgraph.kernels.norm import add_rmsnorm_reference
+from specgraph.kernels.swiglu import swiglu_reference
+
+# op -> (module of its Triton implementation, function name)
+TRITON = {"attention": ("attention", "attention"), "add_rmsnorm": ("norm", "add_rmsnorm"),
+          "swiglu": ("swiglu", "swiglu"), "kv_move": ("kv_move", "kv_move"),
+          "accept_greedy": ("accept", "accept_greedy")}
+
+
+@dataclass(frozen=True)
+class Kernels:
+    attention: Callable = attention_reference
+    add_rmsnorm: Callable = add_rmsnorm_reference
+    swiglu: Callable = swiglu_reference
+    kv_move: Callable = kv_move_reference
+    accept_greedy: Callable = accept_greedy_reference
+
+    @classmethod
+    def select(cls, choice: dict[str, str]) -> Kernels:
+        """choice: op -> "triton" or "reference" (Triton modules are imported only when chosen)."""
+        fast = {}
+        for op, kind in choice.items():
+            if kind == "triton":
+                module, name = TRITON[op]
+                fast[op] = getattr(importlib.import_module(f"specgraph.kernels.{module}.triton"), name)
+        return cls(**fast)

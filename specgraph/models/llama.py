@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specgraph.cache import KVCache
+from specgraph.kernels import Kernels
+from specgraph.kernels.norm import rmsnorm_reference
 
 
 @dataclass(frozen=True)
@@ -92,10 +93,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight, as the reference does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rmsnorm_reference(x, self.weight, self.eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -118,6 +116,7 @@ class Attention(nn.Module):
         if shape.qk_norm:
             self.q_norm = RMSNorm(d, shape.rms_norm_eps)
             self.k_norm = RMSNorm(d, shape.rms_norm_eps)
+        self.kernels = Kernels()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -133,9 +132,7 @@ class Attention(nn.Module):
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, K]
         keys.index_copy_(2, slots, k)
         values.index_copy_(2, slots, v.transpose(1, 2))
-        seen = mask.shape[-1]  # attend over slots [0, seen): all S for a static shape, fewer when eager
-        out = F.scaled_dot_product_attention(q, keys[:, :, :seen], values[:, :, :seen], attn_mask=mask,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        out = self.kernels.attention(q, keys, values, mask, slots)  # [B, H, T, K]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -144,10 +141,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=shape.mlp_bias)  # rows: gate, up
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
+        self.kernels = Kernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.kernels.swiglu(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -157,10 +154,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(shape)
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.kernels = Kernels()
 
     def forward(self, x, cos, sin, keys, values, slots, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, slots, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        norm = self.post_attention_layernorm
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, keys, values, slots, mask)
+        x, h = self.kernels.add_rmsnorm(x, attended, norm.weight, norm.eps)  # x + attended, and its norm
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -180,6 +180,11 @@ class LlamaModel(nn.Module):
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         weight = self.embed_tokens.weight
         return self.shape.new_cache(capacity, weight.dtype, weight.device, batch)
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Run attention, add + RMSNorm and SwiGLU through `kernels` (before compiling the layers)."""
+        for layer in self.layers:
+            layer.kernels = layer.self_attn.kernels = layer.mlp.kernels = kernels
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, sin [B, 1, T, K], computed in fp32 like the reference."""

@@ -11,6 +11,7 @@ from specgraph.passes.compile_stages import compile_stages
 from specgraph.passes.place import place
 from specgraph.passes.plan_memory import plan_memory
 from specgraph.passes.plan_tree import plan_tree
+from specgraph.passes.select_kernels import select_kernels
 from specgraph.passes.validate import validate
 
 PIPELINE = [
@@ -19,6 +20,7 @@ PIPELINE = [
     plan_tree,       # draft-tree topology and node budget per drafter
     plan_memory,     # cache slots and byte counts per stage
     compile_stages,  # whose decoder layers torch.compile lowers
+    select_kernels,  # Triton or reference implementation of each fused op, per stage
     capture_graphs,  # which forward sizes each stage replays as CUDA graphs
 ]
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specgraph.draft import Drafter
+from specgraph.kernels.accept import accept_greedy_reference
 from specgraph.recipe import SamplingSpec, VerifySpec
 from specgraph.runtime.stage import Graph, Stage, step_mask
 from specgraph.tree import Tree, TreeStructure
@@ -61,11 +62,13 @@ class Sequence:
 class Verifier:
     """The target stage: scores a draft tree in one forward pass and commits the accepted path."""
 
-    def __init__(self, stage: Stage, spec: VerifySpec, rule: str, sampling: SamplingSpec):
+    def __init__(self, stage: Stage, spec: VerifySpec, rule: str, sampling: SamplingSpec,
+                 accept_greedy=accept_greedy_reference):
         self.stage = stage
         self.device = stage.device
         self.spec = spec.model_copy(update={"rule": rule})
         self.sampling = sampling
+        self.accept_greedy = accept_greedy
 
     @property
     def captures(self) -> bool:
@@ -85,7 +88,7 @@ class Verifier:
         slots = root + torch.arange(tree.size, device=self.device)
         mask = step_mask(root, tree.ancestors, width)  # [N + 1, width]
         logits = self.stage.forward(tree.tokens, root + tree.depths, slots, mask)  # [N + 1, V]
-        return verify(tree, logits, self.spec, self.sampling, generator)
+        return verify(tree, logits, self.spec, self.sampling, generator, self.accept_greedy)
 
     @torch.inference_mode()
     def commit(self, path: torch.Tensor, length: torch.Tensor) -> None:

@@ -1,0 +1,24 @@
+"""The Triton kernels wired into a whole program (the interpreter on the CPU) decode the reference
+program's greedy tokens: attention, add + RMSNorm, SwiGLU, KV moves and acceptance all in use."""
+
+from conftest import EMBEDDED
+from helpers import two_stage
+
+from specgraph.kernels.attention.triton import attention
+from specgraph.kernels.kv_move.triton import kv_move
+from specgraph.program import Program
+
+
+def test_triton_kernels_decode_the_reference_tokens():
+    def program(kernels: str) -> Program:
+        recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "static", "branching": [2, 1]},
+                           max_new_tokens=12, lowering={"kernels": kernels})
+        return Program.from_recipe(recipe)
+
+    fused, reference = program("triton"), program("reference")
+    assert fused.stages["target"].model.layers[0].self_attn.kernels.attention is attention
+    assert fused.stages["draft"].cache.move_rows is kv_move
+    ids = fused.encode("def parse(path):\n    with open(path) as f:\n")
+    result = fused.generate(ids)
+    assert result.output_ids == reference.generate(ids).output_ids
+    assert max(result.accepted_lengths) > 1  # drafts were accepted, so KV moves ran on real paths
