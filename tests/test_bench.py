@@ -37,6 +37,10 @@ def test_bench_reports_measured_ratios(tmp_path, capsys):
     assert spec["mean_accepted_length"] > 1 and spec["draft_step_ms"] > 0 and spec["verify_step_ms"] > 0
     assert report["systems"]["ar"]["mean_accepted_length"] == 1.0
     bound = report["bandwidth_bound"]
+    target = load_model(EMBEDDED / "target", torch.float32, "cpu")
+    params = sum(p.numel() for p in {id(p): p for p in target.parameters()}.values())
+    unread = 0 if target.lm_head.weight is target.embed_tokens.weight else (target.shape.vocab_size - 1) * target.shape.hidden_size
+    assert bound["weight_bytes"] == (params - unread) * 4  # the embedding table: one row per token
     assert bound["ar_fraction"] == pytest.approx(report["systems"]["ar"]["tokens_per_second"]["median"]
                                                  / bound["tokens_per_second"])
     assert png.stat().st_size > 10_000

@@ -160,10 +160,14 @@ def run_bench(spec: BenchSpec) -> dict:
 
 
 def _bandwidth_bound(program: Program, device: torch.device, encoded: list[list[int]], ar: dict) -> dict:
-    """Autoregressive decoding reads every weight and the KV of the context once per token."""
+    """Autoregressive decoding reads every weight once per token (of the embedding table, one row,
+    unless the head shares it) and the KV of the context."""
     target = program.stages[program.graph.target]
-    shape, itemsize = target.model.shape, target.model.embed_tokens.weight.element_size()
-    weight_bytes = unique_bytes(target.model)
+    model = target.model
+    shape, itemsize = model.shape, model.embed_tokens.weight.element_size()
+    weight_bytes = unique_bytes(model)
+    if model.lm_head.weight is not model.embed_tokens.weight:
+        weight_bytes -= (shape.vocab_size - 1) * shape.hidden_size * itemsize
     kv_per_position = shape.kv_bytes_per_slot(itemsize)
     mean_context = statistics.mean(len(ids) for ids in encoded) + ar["new_tokens"] / len(encoded) / 2
     bytes_per_token = weight_bytes + kv_per_position * mean_context
