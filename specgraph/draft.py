@@ -133,6 +133,7 @@ class Drafter:
         device = stage.device
         self._static = None if isinstance(plan, DynamicTree) else _StaticPlan(plan, device)
         self.nodes = plan.nodes if isinstance(plan, DynamicTree) else len(plan.parents) - 1
+        self.max_depth = plan.depth if isinstance(plan, DynamicTree) else plan.max_depth
         self._fed_at: torch.Tensor | None = None  # [N + 1] draft-cache slot past L of each node of the last tree, -1 if not fed
         self._feeds = 2  # committed tokens the next catch-up feeds (fewer only after a one-token prompt)
         self._causal = {t: torch.ones(t, t, dtype=torch.bool, device=device).tril() for t in (1, 2)}

@@ -140,6 +140,11 @@ class SerialExecutor:
             raise ValueError("step graphs need every stage on the target's device with static shapes")
         self.step_graphs = step_graphs
         self._graphs: dict[str, Graph] = {}
+        self.max_step_tokens = 1 + (drafter.max_depth if drafter is not None else 0)  # accepted drafts + bonus
+        self.lookahead = self.device.type == "cuda"  # enqueue the next step before reading this one
+        if self.lookahead:  # pinned landing buffers for two steps in flight
+            self._host = [torch.empty(1 + self.max_step_tokens, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self._flip = 0
 
     def _draft(self, length: int, generator: torch.Generator | None) -> Tree:
         seq = self._draft_sequence
@@ -189,7 +194,24 @@ class SerialExecutor:
             return self._graphs[name].first
         return self._graphs[name](*inputs)
 
+    def _launch(self, length: int, generators: tuple) -> tuple[torch.Tensor, torch.cuda.Event | None, _Clock]:
+        """Enqueue one step and the copy of its result to the host; returns (host copy, its event, clock)."""
+        clock = _Clock(self.device)
+        result = self._step(length, generators, clock)
+        clock.mark()
+        if self.device.type != "cuda":
+            return result, None, clock
+        host = self._host[self._flip]
+        self._flip ^= 1
+        host.copy_(result, non_blocking=True)  # before the next step's replay overwrites `result`
+        done = torch.cuda.Event()
+        done.record()
+        return host, done, clock
+
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
+        """On a GPU the next step is enqueued before this step's result is read (when this step
+        cannot use up the budget), so the GPU does not wait for the host's bookkeeping; a step
+        past an end-of-sequence token is discarded."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         start = time.perf_counter()
@@ -201,29 +223,34 @@ class SerialExecutor:
         if self.drafter is not None:
             draft_generator = torch.Generator(self.drafter.stage.device).manual_seed(seed + 1)
             self.drafter.prefill(prompt.to(self.drafter.stage.device))
+        generators = (draft_generator, generator)
         length = len(prompt_ids)
         budget = min(max_new_tokens, self.max_seq_len - length)
         out = Generation(output_ids=[])
-        while len(out.output_ids) < budget:
-            clock = _Clock(self.device)
-            result = self._step(length, (draft_generator, generator), clock)
-            clock.mark()
+        pending = self._launch(length, generators) if budget > 0 else None
+        while pending is not None:
+            ahead = None
+            if self.lookahead and budget - len(out.output_ids) > self.max_step_tokens:
+                ahead = self._launch(length + self.max_step_tokens, generators)  # length: an upper bound
+            result, done, clock = pending
+            if done is not None:
+                done.synchronize()
             count, *new = result.tolist()  # the step's one host read
             draft_s, verify_s = clock.seconds()
-            new = new[:count]
             out.draft_seconds += draft_s
             out.verify_seconds += verify_s
             out.target_steps += 1
             out.accepted_lengths.append(count)
             length += count
-            new = new[: budget - len(out.output_ids)]
+            new = new[:count][: budget - len(out.output_ids)]
             hit_eos = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
             if hit_eos is not None:
                 new = new[: hit_eos + 1]
             out.output_ids.extend(new)
             if out.target_steps == 1:
                 out.first_token_seconds = time.perf_counter() - start
-            if hit_eos is not None:
+            if hit_eos is not None or len(out.output_ids) >= budget:
                 break
+            pending = ahead or self._launch(length, generators)
         out.seconds = time.perf_counter() - start
         return out
