@@ -4,8 +4,9 @@ Grid (B * Hkv, row blocks, splits). A program takes BLOCK_M rows of (query head 
 token) for one KV head, so each key/value tile is read once per group, and one split of the slots
 [0, end), end = max(slots) + 1 read on the device (no host length): slots past the last written
 one are never read. It keeps an online softmax over its split and writes the partial output and
-its (max, sum); `_combine` merges the splits. Masked entries come from the step mask, one byte
-per (token, slot) shared by every head: no per-head mask is built.
+its (max, sum); the last split of a row block to finish (an atomic counter, reset by it for the
+next call) merges them, so one launch does the whole attention. Masked entries come from the step
+mask, one byte per (token, slot) shared by every head: no per-head mask is built.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _partial(q, k, v, mask, slots, part_o, part_m, part_l, T, H_KV, ROWS, scale,
-             s_qb, s_qh, s_qt, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_mt,
+def _step_attention(q, k, v, mask, slots, part_o, part_m, part_l, counters, o, T, H_KV, ROWS, scale,
+             s_qb, s_qh, s_qt, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_mt, s_ob, s_oh, s_ot,
              GROUP: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_T: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
     i_bk, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -63,15 +64,18 @@ def _partial(q, k, v, mask, slots, part_o, part_m, part_l, T, H_KV, ROWS, scale,
     tl.store(part_o + base[:, None] * D + o_d[None, :], acc, mask=m_rows[:, None] & m_d[None, :])
     tl.store(part_m + base, m_i, mask=m_rows)
     tl.store(part_l + base, l_i, mask=m_rows)
+    ticket = counters + i_bk * tl.num_programs(1) + i_m
+    tl.debug_barrier()  # every thread's partial stores precede the ticket's release
+    if tl.atomic_add(ticket, 1) == SPLITS - 1:  # acq_rel: the other splits' partials are visible
+        tl.atomic_xchg(ticket, 0)
+        _merge(part_o, part_m, part_l, o, i_b, i_kv, i_bk, rows, m_rows, T, ROWS, s_ob, s_oh, s_ot,
+               GROUP, SPLITS, BLOCK_M, D, BLOCK_D)
 
 
 @triton.jit
-def _combine(part_o, part_m, part_l, o, T, H_KV, ROWS, s_ob, s_oh, s_ot,
-             GROUP: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    i_bk, i_m = tl.program_id(0), tl.program_id(1)
-    i_b, i_kv = i_bk // H_KV, i_bk % H_KV
-    rows = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_rows = rows < ROWS
+def _merge(part_o, part_m, part_l, o, i_b, i_kv, i_bk, rows, m_rows, T, ROWS, s_ob, s_oh, s_ot,
+           GROUP: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merge the SPLITS partial (output, max, sum) of `rows` and store the normalised output."""
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
     m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -91,6 +95,9 @@ def _combine(part_o, part_m, part_l, o, T, H_KV, ROWS, s_ob, s_oh, s_ot,
     tl.store(p_o, out.to(o.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
 
 
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}  # per device and size; zero between calls
+
+
 @torch.library.custom_op("specgraph::attention", mutates_args=())
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
               slots: torch.Tensor) -> torch.Tensor:
@@ -108,16 +115,17 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mas
     part_l = torch.empty_like(part_m)
     out = torch.empty_like(q)
     row_blocks = triton.cdiv(rows, block_m)
+    key = (q.device, b * h_kv * row_blocks)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(key[1], dtype=torch.int32, device=q.device)
     block_d = max(16, triton.next_power_of_2(d))
-    _partial[(b * h_kv, row_blocks, splits)](
-        q, k_cache, v_cache, mask.view(torch.uint8), slots, part_o, part_m, part_l, t, h_kv, rows, 1.0 / math.sqrt(d),
+    _step_attention[(b * h_kv, row_blocks, splits)](
+        q, k_cache, v_cache, mask.view(torch.uint8), slots, part_o, part_m, part_l, _COUNTERS[key], out,
+        t, h_kv, rows, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), mask.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), mask.stride(0), out.stride(0), out.stride(1), out.stride(2),
         GROUP=group, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=32, BLOCK_T=max(16, triton.next_power_of_2(t)),
         D=d, BLOCK_D=block_d)
-    _combine[(b * h_kv, row_blocks)](
-        part_o, part_m, part_l, out, t, h_kv, rows, out.stride(0), out.stride(1), out.stride(2),
-        GROUP=group, SPLITS=splits, BLOCK_M=block_m, D=d, BLOCK_D=block_d)
     return out
 
 
