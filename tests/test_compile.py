@@ -20,3 +20,15 @@ def test_compiled_and_eager_programs_give_identical_greedy_tokens():
         result = compiled.generate(ids)
         assert result.output_ids == eager.generate(ids).output_ids
         assert max(result.accepted_lengths) > 1
+
+
+def test_reference_attention_compiles_with_symbolic_grouped_heads():
+    """Regional compilation marks head counts dynamic; grouped-query attention must still trace."""
+    import torch
+
+    from specgraph.kernels.attention import attention_reference
+
+    compiled = torch.compile(attention_reference, dynamic=True, fullgraph=True)
+    q, k, v = torch.randn(1, 8, 3, 16), torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16)
+    mask, slots = torch.ones(3, 12, dtype=torch.bool).tril(9), torch.arange(9, 12)
+    assert torch.allclose(compiled(q, k, v, mask, slots), attention_reference(q, k, v, mask, slots), atol=1e-5)
