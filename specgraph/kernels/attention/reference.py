@@ -16,6 +16,7 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     slots [T]: where the queries' own keys were written (every visible slot is at most their max).
     Returns [B, H, T, K] in q's dtype, softmax scale 1/sqrt(K)."""
     width = mask.shape[1]
-    grouped = bool(q.shape[1] != k_cache.shape[1])  # a plain bool under torch.compile's symbolic head counts
+    # enable_gqa always (a group of one when H == Hkv): computed from the shapes it would be a
+    # symbolic bool under torch.compile with dynamic head counts, which SDPA refuses
     return F.scaled_dot_product_attention(q, k_cache[:, :, :width], v_cache[:, :, :width], attn_mask=mask,
-                                          enable_gqa=grouped)
+                                          enable_gqa=True)
