@@ -31,8 +31,7 @@ common=(--prompts "$OUT/prompts.jsonl" --max-new-tokens "$NEW_TOKENS" --repeats 
 mid=(--set models.draft.path=../.fixtures/mid)
 
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py || echo "GPU TESTS FAILED"
-sg bench recipes/tree.yaml "${common[@]}" --baselines ar --json "$OUT/$SHAPE-tree-draft.json"
+python3 scripts/bench_attention.py --json "$OUT/attention.json"
+sg bench recipes/tree.yaml "${common[@]}" --baselines hf,hf-assisted,ar --json "$OUT/$SHAPE-tree-draft.json"
 sg bench recipes/chain.yaml "${common[@]}" --baselines ar --json "$OUT/$SHAPE-chain-draft.json"
-sg bench recipes/chain.yaml "${common[@]}" "${mid[@]}" --baselines ar --json "$OUT/$SHAPE-chain-mid.json"
 sg bench recipes/dynamic.yaml "${common[@]}" "${mid[@]}" --baselines ar --json "$OUT/$SHAPE-dynamic-mid.json"
-sg bench recipes/dynamic.yaml "${common[@]}" --baselines hf,hf-assisted,ar --json "$OUT/$SHAPE-dynamic-draft.json"

@@ -20,10 +20,10 @@ def cycle_table(v: int = 5) -> torch.Tensor:
     return table / table.sum(-1, keepdim=True)
 
 
-def executor(eos=(0,), draft_table=None, length=3, max_seq_len=64):
+def executor(eos=(0,), draft_table=None, length=3, max_seq_len=64, plan=None):
     verifier = Verifier(Stage("t", MarkovModel(cycle_table()), max_seq_len + 8, CPU), VerifySpec(), "greedy", SamplingSpec())
     drafter = Drafter(Stage("d", MarkovModel(cycle_table() if draft_table is None else draft_table), max_seq_len + 8, CPU),
-                      TreeTopology.from_spec(ChainTree(length=length)), "greedy", SamplingSpec())
+                      plan or TreeTopology.from_spec(ChainTree(length=length)), "greedy", SamplingSpec())
     return SerialExecutor(verifier, drafter, eos_ids=eos, max_seq_len=max_seq_len)
 
 
@@ -63,3 +63,18 @@ def test_a_static_tree_step_touches_only_device_tensors():
         with HostReads() as reads:
             result = ex._step(length, (None, None), _Clock(CPU))
         assert reads.seen == [] and result.shape == (depth + 2,)
+
+
+def test_enqueueing_ahead_changes_no_token():
+    """The GPU's lookahead (next step enqueued before this one is read), forced on here: same tokens,
+    for static and dynamic trees (whose verdicts vary in length) and at an end-of-sequence token."""
+    from specgraph.recipe import DynamicTree
+
+    for plan in (TreeTopology.from_spec(ChainTree(length=3)), DynamicTree(width=2, depth=3, nodes=4)):
+        half_wrong = torch.roll(cycle_table(), 1, dims=1) * 0.5 + cycle_table() * 0.5
+        outputs = []
+        for lookahead in (False, True):
+            ex = executor(eos=(0,), draft_table=half_wrong, plan=plan)
+            ex.lookahead = lookahead
+            outputs.append([ex.generate([1], 40).output_ids, ex.generate([2, 3], 3).output_ids])
+        assert outputs[0] == outputs[1] and outputs[0][0][-1] == 0

@@ -142,9 +142,9 @@ class SerialExecutor:
         self._graphs: dict[str, Graph] = {}
         self.max_step_tokens = 1 + (drafter.max_depth if drafter is not None else 0)  # accepted drafts + bonus
         self.lookahead = self.device.type == "cuda"  # enqueue the next step before reading this one
-        if self.lookahead:  # pinned landing buffers for two steps in flight
-            self._host = [torch.empty(1 + self.max_step_tokens, dtype=torch.long, pin_memory=True) for _ in range(2)]
-            self._flip = 0
+        pinned = self.device.type == "cuda"  # landing buffers on the host for two steps in flight
+        self._host = [torch.empty(1 + self.max_step_tokens, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._flip = 0
 
     def _draft(self, length: int, generator: torch.Generator | None) -> Tree:
         seq = self._draft_sequence
@@ -197,15 +197,17 @@ class SerialExecutor:
     def _launch(self, length: int, generators: tuple) -> tuple[torch.Tensor, torch.cuda.Event | None, _Clock]:
         """Enqueue one step and the copy of its result to the host; returns (host copy, its event, clock)."""
         clock = _Clock(self.device)
-        result = self._step(length, generators, clock)
+        result = self._step(length, generators, clock)  # [D + 2], D this step's tree depth
         clock.mark()
-        if self.device.type != "cuda":
+        if not self.lookahead:
             return result, None, clock
-        host = self._host[self._flip]
+        host = self._host[self._flip][: result.numel()]
         self._flip ^= 1
         host.copy_(result, non_blocking=True)  # before the next step's replay overwrites `result`
-        done = torch.cuda.Event()
-        done.record()
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
         return host, done, clock
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
