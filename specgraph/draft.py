@@ -131,7 +131,7 @@ class Drafter:
     def __init__(self, stage: Stage, plan: TreeTopology | DynamicTree, rule: str, sampling: SamplingSpec):
         self.stage, self.plan, self.rule, self.sampling = stage, plan, rule, sampling
         device = stage.device
-        self._static = None if isinstance(plan, DynamicTree) else _StaticPlan(plan, device)
+        self.static = None if isinstance(plan, DynamicTree) else _StaticPlan(plan, device)  # the constants of a fixed shape
         self.nodes = plan.nodes if isinstance(plan, DynamicTree) else len(plan.parents) - 1
         self.max_depth = plan.depth if isinstance(plan, DynamicTree) else plan.max_depth
         self._fed_at: torch.Tensor | None = None  # [N + 1] draft-cache slot past L of each node of the last tree, -1 if not fed
@@ -141,7 +141,7 @@ class Drafter:
     @property
     def captures(self) -> bool:
         """Whether a draft is a fixed sequence of device operations (capturable as one CUDA graph)."""
-        return self._static is not None and self.sampling.temperature == 0 and self._feeds == 2
+        return self.static is not None and self.sampling.temperature == 0 and self._feeds == 2
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor) -> None:
@@ -160,8 +160,8 @@ class Drafter:
         mask = step_mask(start, self._causal[feeds], width)
         root_logits = self.stage.forward(committed.index_select(0, slots), slots, slots, mask)[-1]  # [V]
         root = committed.index_select(0, length.reshape(1) - 1)  # [1]
-        if self._static is not None:
-            self._fed_at = self._static.fed_at
+        if self.static is not None:
+            self._fed_at = self.static.fed_at
             return self._grow_static(root, root_logits, length, width, generator)
         tree, self._fed_at = self._grow_dynamic(_Growth(self.stage, root, length, width), root_logits)
         return tree
@@ -198,7 +198,7 @@ class Drafter:
 
     def _grow_static(self, root: torch.Tensor, root_logits: torch.Tensor, length: torch.Tensor, width: int,
                      generator: torch.Generator | None) -> Tree:
-        plan, device = self._static, self.stage.device
+        plan, device = self.static, self.stage.device
         tokens = torch.empty(len(self.plan.parents), dtype=torch.long, device=device)  # [N + 1]
         tokens[:1] = root
         proposals = None

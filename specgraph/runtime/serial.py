@@ -183,15 +183,15 @@ class SerialExecutor:
             return self._replay("verify", lambda: self._verify(self._root_tree(), length, None))
         tokens = self._replay("draft", lambda: self._draft(length, None).tokens)
         clock.mark()
-        plan = self.drafter._static
+        plan = self.drafter.static
         return self._replay("verify", lambda t: self._verify(Tree(t, plan.parents, None, plan.structure), length, None),
                             tokens)
 
     def _replay(self, name: str, fn, *inputs: torch.Tensor):
         """fn(*inputs) through its CUDA graph, recorded on first use (that call runs it for real)."""
         if name not in self._graphs:
-            self._graphs[name] = Graph(fn, inputs, self.verifier.stage.pool)
-            return self._graphs[name].first
+            self._graphs[name], first = Graph.record(fn, inputs, self.verifier.stage.pool)
+            return first
         return self._graphs[name](*inputs)
 
     def _launch(self, length: int, generators: tuple) -> tuple[torch.Tensor, torch.cuda.Event | None, _Clock]:

@@ -27,21 +27,26 @@ def step_mask(start: torch.Tensor, visible: torch.Tensor, width: int) -> torch.T
 
 
 class Graph:
-    """`fn(*inputs)` recorded as one CUDA graph and replayed from static copies of its inputs.
-
-    Building it runs `fn` once for real (capture needs a warm-up run; its result is `first`),
-    then records it without running. Outputs are static: each replay overwrites them."""
+    """`fn(*inputs)` recorded as one CUDA graph and replayed from static input buffers.
+    Outputs are static: each replay overwrites them."""
 
     def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...], pool):
-        self.inputs = tuple(x.clone() for x in inputs)
+        self.inputs = inputs
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):  # recorded, not run
+            self.output = fn(*inputs)
+
+    @classmethod
+    def record(cls, fn: Callable, inputs: tuple[torch.Tensor, ...], pool):
+        """Run `fn` once for real on copies of `inputs` (capture needs a warm-up run), then record
+        it; returns the graph and that run's result."""
+        inputs = tuple(x.clone() for x in inputs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.first = fn(*self.inputs)
+            first = fn(*inputs)
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):  # recorded, not run
-            self.output = fn(*self.inputs)
+        return cls(fn, inputs, pool), first
 
     def __call__(self, *inputs: torch.Tensor):
         for buffer, value in zip(self.inputs, inputs):
@@ -78,8 +83,8 @@ class Stage:
         if not static or torch.cuda.is_current_stream_capturing():  # a captured step records the model itself
             return run(tokens, positions, slots, mask)
         if t not in self._graphs:
-            self._graphs[t] = Graph(run, (tokens, positions, slots, mask), self.pool)
-            return self._graphs[t].first
+            self._graphs[t], first = Graph.record(run, (tokens, positions, slots, mask), self.pool)
+            return first
         return self._graphs[t](tokens, positions, slots, mask).clone()  # the next replay overwrites it
 
     @torch.inference_mode()
