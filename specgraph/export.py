@@ -108,9 +108,12 @@ def export_program(program, out: Path) -> dict:
         _log(f"compiling stage {name} with AOTInductor")
         package = f"{name}.pt2"
         torch._inductor.aoti_compile_and_package(exported, package_path=str(out / package))
+        node = program.graph.node(name)
         stages[name] = {"package": package, "shape": dataclasses.asdict(stage.model.shape),
                         "served_vocab": stage.model.served_vocab, "dtype": str(stage.cache.k.dtype).removeprefix("torch."),
-                        "device": str(stage.device)}
+                        "device": str(stage.device), "verifies": program.graph.drafter_of(name),
+                        "tree_nodes": node["tree_nodes"], "cache_slots": node["cache_slots"],
+                        "graph_buckets": list(node["graph_buckets"]), "step_graphs": node["step_graphs"]}
     manifest = {"key": key, "versions": versions(), "recipe": recipe.model_dump(mode="json"), "stages": stages}
     manifest_path.write_text(json.dumps(manifest, indent=1))
     _log(f"wrote {out} ({', '.join(stages)})")

@@ -26,6 +26,9 @@ def compiled(tmp_path_factory):
 
 def test_exported_program_reloads_in_a_fresh_process_with_the_same_tokens(compiled, tmp_path):
     assert {p.name for p in compiled.iterdir()} == {"manifest.json", "draft.pt2", "target.pt2"}
+    stages = json.loads((compiled / "manifest.json").read_text())["stages"]
+    assert stages["target"]["verifies"] == "draft" and stages["draft"]["verifies"] is None  # the topology
+    assert stages["draft"]["tree_nodes"] == 5 and stages["target"]["cache_slots"] == 400 + 1 + 5  # chain 5
     result = tmp_path / "out.json"
     proc = subprocess.run([sys.executable, "-m", "specgraph.cli", "run", "--program", str(compiled), "--prompt", PROMPT,
                            "--max-new-tokens", "40", "--json", str(result)], capture_output=True, text=True)
