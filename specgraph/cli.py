@@ -101,6 +101,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from specgraph.export import load_program
+    from specgraph.launch import is_reporter
     from specgraph.program import Program
 
     if args.program is not None:
@@ -135,13 +136,14 @@ def cmd_run(args: argparse.Namespace) -> None:
         print(prompts[0]["prompt"] + results[0]["text"])
     print(f"{summary['new_tokens']} new tokens in {summary['wall_seconds']:.2f} s: "
           f"{summary['tokens_per_second']:.1f} tokens/s, mean accepted length {summary['mean_accepted_length']:.2f}")
-    if args.json is not None:
+    if args.json is not None and is_reporter():
         args.json.write_text(json.dumps({"recipe": recipe.name, "results": results, "summary": summary}, indent=1))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
     from specgraph.bench.harness import BenchSpec, run_bench
     from specgraph.bench.report import plot, print_table
+    from specgraph.launch import is_reporter
 
     recipe, prompts = _load_recipe(args)
     if args.repeats < 1:
@@ -149,6 +151,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     spec = BenchSpec(recipe, prompts, args.max_new_tokens or recipe.max_new_tokens, args.repeats,
                      tuple(b.strip() for b in args.baselines.split(",") if b.strip()), args.widen)
     report = run_bench(spec)
+    if not is_reporter():
+        return
     print_table(report)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))
@@ -185,10 +189,19 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
         if getattr(args, "max_new_tokens", None) is not None and args.max_new_tokens < 1:
             raise SpecgraphError(f"--max-new-tokens: must be at least 1 (got {args.max_new_tokens})")
+        if args.command in ("run", "bench") and getattr(args, "recipe", None) is not None:
+            from specgraph.launch import launch, tensor_parallel_devices
+            from specgraph.parallel import rank_and_world
+            from specgraph.recipe import Recipe
+
+            devices = tensor_parallel_devices(Recipe.from_yaml(args.recipe, args.overrides))
+            if devices and rank_and_world()[1] == 1:
+                return launch(argv, devices)
         commands = {"run": cmd_run, "bench": cmd_bench, "compile": cmd_compile, "export": cmd_compile,
                     "inspect": cmd_inspect}
         commands[args.command](args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 from transformers import AutoTokenizer
 
@@ -11,6 +12,7 @@ from specgraph.graph import SpecGraph
 from specgraph.kernels import Kernels
 from specgraph.models.llama import LlamaModel
 from specgraph.models.loader import load_model
+from specgraph.parallel import rank_and_world, shard_model
 from specgraph.passes import run_pipeline
 from specgraph.recipe import Recipe
 from specgraph.runtime.serial import Generation, SerialExecutor, Verifier
@@ -30,6 +32,14 @@ def compile_layers(model: nn.Module) -> None:
         layer.compile(dynamic=True, fullgraph=True)
 
 
+def _load(name: str, node: dict, rank: int, world: int) -> LlamaModel:
+    """The stage's model on its device; a tensor-parallel stage's shard is cut on the host first."""
+    if node["tp"] == 1:
+        return load_model(node["model"].path, node["dtype"], node["device"])
+    whole = load_model(node["model"].path, node["dtype"], "cpu")
+    return shard_model(whole, rank, world, dist.group.WORLD, f"stage {name}").to(node["device"])
+
+
 class Program:
     """Stages loaded from the plan (or given as `models`, by stage name) and the executor over them,
     lowered as the plan's `kernels`, `compile`, `static_shapes`, `graph_buckets` and `step_graphs` annotations say."""
@@ -39,9 +49,14 @@ class Program:
         self.recipe = graph.recipe
         models = models or {}
         self.stages = {}
+        rank, world = rank_and_world()
         for name in graph.stages():
             node = graph.node(name)
-            model = models.get(name) or load_model(node["model"].path, node["dtype"], node["device"])
+            if node["tp"] > 1 and node["tp"] != world:
+                raise SpecgraphError(f"stage {name} is tensor-parallel over {node['tp']} devices, which needs one process "
+                                     f"per device: `specgraph run` and `specgraph bench` start them (this process group "
+                                     f"has {world})")
+            model = models.get(name) or _load(name, node, rank, world)
             kernels = Kernels.select(node["kernels"])
             if isinstance(model, LlamaModel):  # (an exported package has its ops built in)
                 model.use_kernels(kernels)

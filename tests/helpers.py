@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from specgraph.bench.widen import widen
 from specgraph.cache import KVCache
+from specgraph.models.llama import hf_state
+from specgraph.models.loader import load_model
 from specgraph.recipe import Recipe
 from specgraph.runtime.stage import Stage
 
@@ -59,3 +66,32 @@ class HostReads(TorchDispatchMode):
         if func.__name__.split(".")[0] in self.SYNCING:
             self.seen.append(func.__name__)
         return func(*args, **(kwargs or {}))
+
+
+PROMPT = "def parse(path):\n    with open(path) as f:\n"
+
+
+def splittable_recipe(folder: Path, devices: str = "cpu") -> Path:
+    """A recipe in `folder`: the draft fixture drafting for the target fixture widened (same function)
+    to 6 query heads over 2 KV heads, saved as a checkpoint, so that it splits over two devices."""
+    embedded = Path(__file__).resolve().parent.parent / "recipes" / "models"
+    small = load_model(embedded / "target", torch.float32, "cpu")
+    wide = widen(small, replace(small.shape, num_heads=6, num_kv_heads=2), "cpu", torch.float32, tied=True)
+    checkpoint = folder / "target"
+    checkpoint.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(embedded / "target" / name, checkpoint / name)
+    config = json.loads((embedded / "target" / "config.json").read_text())
+    config.update(num_attention_heads=6, num_key_value_heads=2)
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    state = {f"model.{k}": v.contiguous() for k, v in hf_state(wide).items() if k not in ("inv_freq", "lm_head.weight")}
+    save_file(state, checkpoint / "model.safetensors")
+    recipe = folder / "tp.yaml"
+    recipe.write_text(f"""name: tp
+models: {{target: {{path: {checkpoint}, dtype: float32}}, draft: {{path: {embedded / 'draft'}, dtype: float32}}}}
+stages:
+  - {{name: draft, model: draft, devices: [{devices}], tree: {{shape: chain, length: 3}}}}
+  - {{name: target, model: target, devices: [{devices}], verifies: draft}}
+max_new_tokens: 24
+""")
+    return recipe

@@ -9,12 +9,14 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specgraph.bench.systems import HFSystem, Run, SpecgraphSystem, hf_mirror
 from specgraph.bench.widen import draft_shape_for, widen
 from specgraph.errors import SpecgraphError
 from specgraph.models.loader import load_model
+from specgraph.parallel import rank_and_world
 from specgraph.program import Program, plan
 from specgraph.recipe import Recipe
 
@@ -56,11 +58,13 @@ def _load_models(graph, widen_to: str | None) -> dict[str, torch.nn.Module]:
     models = {}
     for name in graph.stages():
         node = graph.node(name)
-        small = load_model(node["model"].path, node["dtype"], "cpu" if widen_to else node["device"])
-        if widen_to:
-            shape = widen_to if name == graph.target else draft_shape_for(small.shape)
-            small = widen(small, shape, node["device"], node["dtype"])
-        models[name] = small
+        if not widen_to:
+            continue  # Program loads it (and cuts a tensor-parallel stage's shard)
+        small = load_model(node["model"].path, node["dtype"], "cpu")
+        shape = widen_to if name == graph.target else draft_shape_for(small.shape)
+        rank, world = rank_and_world()
+        shard = (rank, world, dist.group.WORLD) if node["tp"] > 1 else None
+        models[name] = widen(small, shape, node["device"], node["dtype"], shard=shard)
     return models
 
 
@@ -87,6 +91,8 @@ def build_systems(spec: BenchSpec) -> tuple[Program, list, dict[str, str]]:
             systems.append(SpecgraphSystem("ar", program.autoregressive(), f"specgraph, target alone, serial, {ar_how}"))
         elif name == "serial":
             skipped[name] = "the recipe already runs on the serial executor"
+        elif target_node["tp"] > 1:
+            skipped[name] = f"transformers baselines run on one device; the target is tensor-parallel over {target_node['tp']}"
         elif target_node["rule"] != "greedy":
             skipped[name] = "transformers baselines are measured greedy; the recipe samples"
         elif name == "hf-assisted" and drafter is None:

@@ -19,6 +19,7 @@ import torch
 
 from specgraph.errors import SpecgraphError
 from specgraph.models.llama import LlamaModel, LlamaShape, qkv_sizes
+from specgraph.parallel import shard_layer, sharded_shape
 
 # name -> (shape with the small model's norm eps filled in by `widen`, tied embeddings, real parameter count)
 SHAPES: dict[str, tuple[LlamaShape, bool, int]] = {
@@ -60,20 +61,30 @@ def widened_shape(small: LlamaShape, name: str | LlamaShape, tied: bool = False)
 
 @torch.no_grad()
 def widen(small: LlamaModel, name: str | LlamaShape, device: torch.device | str, dtype: torch.dtype,
-          tied: bool = False) -> LlamaModel:
-    """A model of shape `name` on `device`, built there directly, computing `small`'s function."""
+          tied: bool = False, shard: tuple[int, int, object] | None = None) -> LlamaModel:
+    """A model of shape `name` on `device`, built there directly, computing `small`'s function.
+    `shard` = (rank, world, process group): keep only that rank's tensor-parallel shard; layers
+    are built and sharded one at a time, so the whole model is never on one device."""
     s = small.shape
     big, tied = widened_shape(s, name, tied)
+    if shard is not None:
+        sharded_shape(big, shard[1], f"--widen {name if isinstance(name, str) else 'shape'}")  # fail before building
     with torch.device("meta"):
         wide = LlamaModel(big)
-    wide.to_empty(device=device)
-    wide.to(dtype)
+
+    def materialize(module: torch.nn.Module) -> None:
+        module.to_empty(device=device)
+        module.to(dtype)
+        for p in module.parameters():
+            p.zero_()
+
+    for module in (wide.embed_tokens, wide.norm, wide.lm_head):
+        materialize(module)
     if tied:
         wide.lm_head.weight = wide.embed_tokens.weight
-    for p in wide.parameters():
-        p.zero_()
     h, d, v = s.hidden_size, s.head_dim, s.vocab_size
     norm_scale = math.sqrt(h / big.hidden_size)
+    eps = s.rms_norm_eps * h / big.hidden_size
     group, big_group = s.num_heads // s.num_kv_heads, big.num_heads // big.num_kv_heads
     # small query head i (kv head i // group) -> big head (i // group) * big_group + i % group
     q_rows = torch.cat([torch.arange(d) + d * ((i // group) * big_group + i % group) for i in range(s.num_heads)])
@@ -89,31 +100,37 @@ def widen(small: LlamaModel, name: str | LlamaShape, device: torch.device | str,
     put(wide.embed_tokens.weight, small.embed_tokens.weight, slice(0, v), slice(0, h))
     if not tied:
         put(wide.lm_head.weight, small.lm_head.weight, slice(0, v), slice(0, h))
-    for a, b in zip(small.layers, wide.layers):
-        sa, ba = a.self_attn, b.self_attn
-        small_qkv, big_qkv = (qkv_sizes(x.num_heads, x.num_kv_heads, d) for x in (s, big))
-        for part, rows in enumerate((q_rows, kv_rows, kv_rows)):
-            src = [x.split(small_qkv)[part] for x in (sa.qkv_proj.weight, sa.qkv_proj.bias) if x is not None]
-            dest = [x.split(big_qkv)[part] for x in (ba.qkv_proj.weight, ba.qkv_proj.bias) if x is not None]
-            put(dest[0], src[0], rows[:, None], torch.arange(h)[None, :])
-            if len(src) > 1:
-                put(dest[1], src[1], rows)
-        put(ba.o_proj.weight, sa.o_proj.weight, torch.arange(h)[:, None], q_rows[None, :])
-        if sa.o_proj.bias is not None:
-            put(ba.o_proj.bias, sa.o_proj.bias, slice(0, h))
-        if s.qk_norm:
-            put(ba.q_norm.weight, sa.q_norm.weight, slice(None))
-            put(ba.k_norm.weight, sa.k_norm.weight, slice(None))
-        inter = s.intermediate_size
-        for src, dest in zip(a.mlp.gate_up_proj.weight.chunk(2), b.mlp.gate_up_proj.weight.chunk(2)):  # gate, up
-            put(dest, src, slice(0, inter), slice(0, h))
-        put(b.mlp.down_proj.weight, a.mlp.down_proj.weight, slice(0, h), slice(0, inter))
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            put(getattr(b, norm).weight, getattr(a, norm).weight * norm_scale, slice(0, h))
+    for i, b in enumerate(wide.layers):
+        materialize(b)  # layers past the small model's stay zero: they pass the residual through
+        if i < len(small.layers):
+            a = small.layers[i]
+            sa, ba = a.self_attn, b.self_attn
+            small_qkv, big_qkv = (qkv_sizes(x.num_heads, x.num_kv_heads, d) for x in (s, big))
+            for part, rows in enumerate((q_rows, kv_rows, kv_rows)):
+                src = [x.split(small_qkv)[part] for x in (sa.qkv_proj.weight, sa.qkv_proj.bias) if x is not None]
+                dest = [x.split(big_qkv)[part] for x in (ba.qkv_proj.weight, ba.qkv_proj.bias) if x is not None]
+                put(dest[0], src[0], rows[:, None], torch.arange(h)[None, :])
+                if len(src) > 1:
+                    put(dest[1], src[1], rows)
+            put(ba.o_proj.weight, sa.o_proj.weight, torch.arange(h)[:, None], q_rows[None, :])
+            if sa.o_proj.bias is not None:
+                put(ba.o_proj.bias, sa.o_proj.bias, slice(0, h))
+            if s.qk_norm:
+                put(ba.q_norm.weight, sa.q_norm.weight, slice(None))
+                put(ba.k_norm.weight, sa.k_norm.weight, slice(None))
+            inter = s.intermediate_size
+            for src, dest in zip(a.mlp.gate_up_proj.weight.chunk(2), b.mlp.gate_up_proj.weight.chunk(2)):  # gate, up
+                put(dest, src, slice(0, inter), slice(0, h))
+            put(b.mlp.down_proj.weight, a.mlp.down_proj.weight, slice(0, h), slice(0, inter))
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                put(getattr(b, norm).weight, getattr(a, norm).weight * norm_scale, slice(0, h))
+        b.input_layernorm.eps = b.post_attention_layernorm.eps = eps
+        if shard is not None:
+            shard_layer(b, big, *shard)
     put(wide.norm.weight, small.norm.weight * norm_scale, slice(0, h))
-    for norm in [wide.norm] + [getattr(layer, n) for layer in wide.layers
-                               for n in ("input_layernorm", "post_attention_layernorm")]:
-        norm.eps = s.rms_norm_eps * h / big.hidden_size
+    wide.norm.eps = eps
+    if shard is not None:
+        wide.shape = sharded_shape(big, shard[1])
     wide.inv_freq = small.inv_freq.to(device)
     wide.rope_scale = small.rope_scale
     wide.served_vocab = small.served_vocab

@@ -96,6 +96,11 @@ class RMSNorm(nn.Module):
         return rmsnorm_reference(x, self.weight, self.eps)
 
 
+def unsharded(x: torch.Tensor) -> torch.Tensor:
+    """A whole layer's output needs no sum over ranks."""
+    return x
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -117,6 +122,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, shape.rms_norm_eps)
             self.k_norm = RMSNorm(d, shape.rms_norm_eps)
         self.kernels = Kernels()
+        self.reduce = unsharded  # tensor parallelism: the sum over ranks (see parallel.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -133,7 +139,7 @@ class Attention(nn.Module):
         keys.index_copy_(2, slots, k)
         values.index_copy_(2, slots, v.transpose(1, 2))
         out = self.kernels.attention(q, keys, values, mask, slots)  # [B, H, T, K]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return self.reduce(self.o_proj(out.transpose(1, 2).reshape(b, t, -1)))
 
 
 class MLP(nn.Module):
@@ -142,9 +148,10 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=shape.mlp_bias)  # rows: gate, up
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
         self.kernels = Kernels()
+        self.reduce = unsharded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.swiglu(self.gate_up_proj(x)))
+        return self.reduce(self.down_proj(self.kernels.swiglu(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):

@@ -1,7 +1,12 @@
 """place: resolve each stage's device partition and dtype.
 
 Before: stages carry `spec.devices` as written (cpu, cuda:N, auto).
-After:  + `device` (torch.device), `dtype` (torch.dtype; `auto` = float32 on cpu, bfloat16 on cuda).
+After:  + `tp` (int): the stage's tensor-parallel degree, the length of its device list; every
+          stage with more than one device must list the same number, one per process (rank);
+        + `device` (torch.device): this process's device for the stage — entry `rank` of the list
+          (rank 0's when planning outside a process group, as `inspect` does); a stage listing one
+          device runs whole on that device in every process;
+        + `dtype` (torch.dtype; `auto` = float32 on cpu, bfloat16 on cuda).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import torch
 from specgraph.errors import RecipeError
 from specgraph.graph import SpecGraph
 from specgraph.models.loader import resolve_dtype
+from specgraph.parallel import rank_and_world
 from specgraph.passes.base import graph_pass
 
 
@@ -31,15 +37,23 @@ def resolve_device(name: str, where: str) -> torch.device:
     return torch.device(name)
 
 
-@graph_pass(requires=("config",), provides=("device", "dtype"))
+@graph_pass(requires=("config",), provides=("tp", "device", "dtype"))
 def place(graph: SpecGraph) -> SpecGraph:
+    rank, _ = rank_and_world()
+    degrees = {}
     for name in graph.stages():
         node = graph.node(name)
         spec, index = node["spec"], node["index"]
         devices = [resolve_device(d, f"stages.{index}.devices.{i}") for i, d in enumerate(spec.devices)]
+        gpus = [d for d in devices if d.type == "cuda"]
+        if len(set(gpus)) < len(gpus):
+            raise RecipeError(f"stages.{index}.devices: a GPU is listed twice; give each tensor-parallel rank its own")
         if len(devices) > 1:
-            raise RecipeError(f"stages.{index}.devices: tensor parallelism over {len(devices)} devices is not "
-                              "implemented yet; give one device")
-        node["device"] = devices[0]
-        node["dtype"] = resolve_dtype(node["model"].dtype, devices[0])
+            degrees[index] = len(devices)
+        node["tp"] = len(devices)
+        node["device"] = devices[rank] if len(devices) > 1 else devices[0]
+        node["dtype"] = resolve_dtype(node["model"].dtype, node["device"])
+    if len(set(degrees.values())) > 1:
+        listed = ", ".join(f"stages.{i}: {n}" for i, n in degrees.items())
+        raise RecipeError(f"stages.*.devices: tensor-parallel stages must list the same number of devices ({listed})")
     return graph

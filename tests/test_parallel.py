@@ -1,0 +1,78 @@
+"""Tensor parallelism on the CPU (gloo): `specgraph run` and `bench` start one process per device,
+and a target split over two ranks decodes the single-device tokens.
+
+The fixtures have 3 query heads and 1 KV head, which do not split in two, so the target is first
+widened (same function) to 6 query heads over 2 KV heads and saved as a checkpoint."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import EMBEDDED
+from helpers import PROMPT, splittable_recipe
+
+from specgraph.bench.widen import widen
+from specgraph.cli import main
+from specgraph.errors import SpecgraphError
+from specgraph.models.loader import load_model
+from specgraph.program import Program
+from specgraph.recipe import Recipe
+
+
+@pytest.fixture(scope="module")
+def splittable(tmp_path_factory):
+    return splittable_recipe(tmp_path_factory.mktemp("tp"))
+
+
+def test_a_target_split_over_two_processes_decodes_the_single_device_tokens(splittable, tmp_path):
+    single = Program.from_recipe(Recipe.from_yaml(splittable))
+    expected = single.generate(single.encode(PROMPT))
+    fixture = Program.from_recipe(Recipe.from_yaml(splittable, [f"models.target.path={EMBEDDED / 'target'}"]))
+    assert expected.output_ids == fixture.generate(fixture.encode(PROMPT)).output_ids  # widening kept the function
+    out = tmp_path / "tp.json"
+    status = main(["run", str(splittable), "--set", "stages.1.devices=[cpu,cpu]", "--prompt", PROMPT, "--json", str(out)])
+    assert status == 0
+    result = json.loads(out.read_text())["results"][0]
+    assert result["output_ids"] == expected.output_ids
+    assert result["accepted_lengths"] == expected.accepted_lengths
+
+
+def test_bench_runs_split_and_says_why_transformers_cannot(splittable, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": PROMPT}) + "\n")
+    out = tmp_path / "bench.json"
+    status = main(["bench", str(splittable), "--set", "stages.1.devices=[cpu,cpu]", "--prompts", str(prompts),
+                   "--max-new-tokens", "16", "--repeats", "1", "--baselines", "hf,ar", "--json", str(out)])
+    assert status == 0
+    report = json.loads(out.read_text())
+    assert set(report["systems"]) == {"specgraph", "ar"}
+    assert "tensor-parallel over 2" in report["skipped"]["hf"]
+    assert report["systems"]["specgraph"]["same_tokens_as_ar"] == 1.0
+
+
+def test_a_split_stage_needs_its_processes(splittable):
+    with pytest.raises(SpecgraphError, match="tensor-parallel over 2 devices, which needs one process per device"):
+        Program.from_recipe(Recipe.from_yaml(splittable, ["stages.1.devices=[cpu,cpu]"]))
+
+
+def test_widening_builds_each_ranks_shard_directly():
+    """`widen(..., shard=)` (layer by layer, for models no device holds whole) equals widening then sharding."""
+    from specgraph.parallel import shard_model
+
+    small = load_model(EMBEDDED / "target", torch.float32, "cpu")
+    shape = replace(small.shape, num_heads=6, num_kv_heads=2, num_layers=small.shape.num_layers + 1)
+    for rank in range(2):
+        direct = widen(small, shape, "cpu", torch.float32, tied=True, shard=(rank, 2, None))
+        after = shard_model(widen(small, shape, "cpu", torch.float32, tied=True), rank, 2, None)
+        assert direct.shape == after.shape and direct.shape.num_kv_heads == 1
+        for (name, a), (_, b) in zip(direct.state_dict().items(), after.state_dict().items()):
+            assert torch.equal(a, b), name
+
+
+def test_heads_that_do_not_split_are_a_one_line_error(capfd):
+    demo = EMBEDDED.parent / "demo.yaml"
+    assert main(["run", str(demo), "--set", "stages.1.devices=[cpu,cpu]", "--max-new-tokens", "4"]) == 2
+    err = capfd.readouterr().err
+    assert "specgraph: error: stage target: num_heads 3, num_kv_heads 1 do not split over 2 devices" in err
+    assert "Traceback" not in err
