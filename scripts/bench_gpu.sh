@@ -35,3 +35,9 @@ python3 scripts/bench_attention.py --json "$OUT/attention.json"
 sg bench recipes/tree.yaml "${common[@]}" --baselines hf,hf-assisted,ar --json "$OUT/$SHAPE-tree-draft.json"
 sg bench recipes/chain.yaml "${common[@]}" --baselines ar --json "$OUT/$SHAPE-chain-draft.json"
 sg bench recipes/dynamic.yaml "${common[@]}" "${mid[@]}" --baselines ar --json "$OUT/$SHAPE-dynamic-mid.json"
+# Llama-3-70B on two GPUs: both stages tensor-parallel over cuda:0 and cuda:1 (one process per GPU)
+if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  sg bench recipes/tree.yaml --prompts "$OUT/prompts.jsonl" --max-new-tokens "$NEW_TOKENS" --repeats "$REPEATS" \
+    --widen llama-3-70b --set 'stages.0.devices=[cuda:0,cuda:1]' --set 'stages.1.devices=[cuda:0,cuda:1]' \
+    --baselines hf,ar --json "$OUT/llama-3-70b-tree-draft-tp2.json"
+fi
