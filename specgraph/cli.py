@@ -162,10 +162,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_compile(args: argparse.Namespace) -> None:
     from specgraph.export import export_program
+    from specgraph.launch import tensor_parallel_devices
     from specgraph.program import Program
     from specgraph.recipe import Recipe
 
     recipe = Recipe.from_yaml(args.recipe, [*args.overrides, "lowering.compile=false"])
+    if devices := tensor_parallel_devices(recipe):
+        raise SpecgraphError(f"compile: stages split over {len(devices)} devices cannot be exported yet; "
+                             "give each stage one device")
     export_program(Program.from_recipe(recipe), args.output)
 
 

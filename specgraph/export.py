@@ -84,9 +84,6 @@ def _first_difference(old, new, where: str = "") -> str | None:
 def export_program(program, out: Path) -> dict:
     """Write one package per stage of the lowered `program` and the manifest; reuse an up-to-date folder."""
     recipe = program.recipe
-    parallel = [name for name in program.stages if program.graph.node(name)["tp"] > 1]
-    if parallel:
-        raise SpecgraphError(f"compile: stage {parallel[0]} is tensor-parallel; exporting sharded stages is not supported yet")
     manifest_path = out / "manifest.json"
     key = program_key(recipe)
     if manifest_path.is_file():

@@ -76,3 +76,9 @@ def test_heads_that_do_not_split_are_a_one_line_error(capfd):
     err = capfd.readouterr().err
     assert "specgraph: error: stage target: num_heads 3, num_kv_heads 1 do not split over 2 devices" in err
     assert "Traceback" not in err
+
+
+def test_split_stages_are_not_exported(capsys, tmp_path):
+    demo = EMBEDDED.parent / "demo.yaml"
+    assert main(["compile", str(demo), "-o", str(tmp_path), "--set", "stages.1.devices=[cpu,cpu]"]) == 2
+    assert "compile: stages split over 2 devices cannot be exported yet" in capsys.readouterr().err
