@@ -77,18 +77,20 @@ def build_systems(spec: BenchSpec) -> tuple[Program, list, dict[str, str]]:
     program = Program(graph, _load_models(graph, spec.widen))
     target_node = graph.node(graph.target)
     drafter = graph.drafter_of(graph.target)
-    layers = ["compiled layers"] if target_node["compile"] else []
-    forwards = "CUDA graphs per forward" if target_node["graph_buckets"] else "eager forwards"
-    how = ", ".join(layers + ["CUDA graphs per step" if target_node["step_graphs"] else forwards])
-    ar_graphs = target_node["static_shapes"] and spec.recipe.sampling.temperature == 0
-    ar_how = ", ".join(layers + ["CUDA graphs per step" if ar_graphs else forwards])
-    systems = [SpecgraphSystem("specgraph", program.executor, f"recipe {spec.recipe.name}, serial executor, {how}")]
+    def how(executor) -> str:
+        steps = "CUDA graphs per step" if executor.step_graphs else (
+            "CUDA graphs per forward" if target_node["graph_buckets"] else "eager forwards")
+        return ", ".join((["compiled layers"] if target_node["compile"] else []) + [steps])
+
+    systems = [SpecgraphSystem("specgraph", program.executor,
+                               f"recipe {spec.recipe.name}, serial executor, {how(program.executor)}")]
     skipped: dict[str, str] = {}
     target_model = program.stages[graph.target].model
     hf_target = None
     for name in spec.baselines:
         if name == "ar":
-            systems.append(SpecgraphSystem("ar", program.autoregressive(), f"specgraph, target alone, serial, {ar_how}"))
+            autoregressive = program.autoregressive()
+            systems.append(SpecgraphSystem("ar", autoregressive, f"specgraph, target alone, serial, {how(autoregressive)}"))
         elif name == "serial":
             skipped[name] = "the recipe already runs on the serial executor"
         elif target_node["tp"] > 1:

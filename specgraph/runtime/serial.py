@@ -138,7 +138,8 @@ class SerialExecutor:
         stages = [verifier.stage] + ([drafter.stage] if drafter is not None else [])
         if step_graphs and not all(s.static_shapes and s.device == self.device for s in stages):
             raise ValueError("step graphs need every stage on the target's device with static shapes")
-        self.step_graphs = step_graphs
+        # whether steps are captured, unless a first step is not a fixed sequence (see Drafter.captures)
+        self.step_graphs = step_graphs and verifier.captures and (drafter is None or drafter.static is not None)
         self._graphs: dict[str, Graph] = {}
         self.max_step_tokens = 1 + (drafter.max_depth if drafter is not None else 0)  # accepted drafts + bonus
         self.lookahead = self.device.type == "cuda"  # enqueue the next step before reading this one
@@ -174,7 +175,7 @@ class SerialExecutor:
         """One step from device state -> [D + 2] (see `_verify`); `length` (host) sizes eager forwards."""
         draft_generator, generator = generators
         clock.mark()
-        if not (self.step_graphs and self.verifier.captures and (self.drafter is None or self.drafter.captures)):
+        if not (self.step_graphs and (self.drafter is None or self.drafter.captures)):
             tree = self._root_tree() if self.drafter is None else self._draft(length, draft_generator)
             clock.mark()
             return self._verify(tree, length, generator)
