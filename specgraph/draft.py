@@ -39,7 +39,7 @@ class _Growth:
         self.root = root  # [1] the last committed token
         self.tokens, self.parents, self.depths = [-1], [-1], [0]  # the root's token stays on the device
         self.proposals: list[torch.Tensor | None] = [None]
-        self.fed: list[int] = []  # nodes in feed order
+        self.fed_at: dict[int, int] = {}  # fed node -> its slot offset past L, in feed order
 
     def add(self, token: int, parent: int, proposal: torch.Tensor | None) -> int:
         self.tokens.append(token)
@@ -59,15 +59,15 @@ class _Growth:
     def feed(self, nodes: list[int]) -> torch.Tensor:
         """Run the draft model on `nodes` (each with its fed ancestors) -> logits [T, V]."""
         device = self.stage.device
-        first = len(self.fed)
-        self.fed.extend(nodes)
-        offset = {node: i for i, node in enumerate(self.fed)}
-        visible = torch.zeros(len(nodes), len(self.fed), dtype=torch.bool)  # [T, fed so far]
+        first = len(self.fed_at)
+        for node in nodes:
+            self.fed_at[node] = len(self.fed_at)
+        visible = torch.zeros(len(nodes), len(self.fed_at), dtype=torch.bool)  # [T, fed so far]
         for row, node in enumerate(nodes):
-            visible[row, [offset[a] for a in self.lineage(node)]] = True
+            visible[row, [self.fed_at[a] for a in self.lineage(node)]] = True
         tokens = torch.tensor([self.tokens[n] for n in nodes], device=device)
         positions = self.length - 1 + torch.tensor([self.depths[n] for n in nodes], device=device)
-        slots = self.length + torch.arange(first, len(self.fed), device=device)
+        slots = self.length + torch.arange(first, len(self.fed_at), device=device)
         mask = step_mask(self.length, visible.to(device), self.width)
         return self.stage.forward(tokens, positions, slots, mask)
 
@@ -82,8 +82,7 @@ class _Growth:
         if self.proposals[-1] is not None:
             vocab = self.proposals[-1].numel()
             proposals = torch.stack([torch.zeros(vocab, device=device)] + [self.proposals[n] for n in keep[1:]])
-        offset = {node: i for i, node in enumerate(self.fed)}
-        fed_at = torch.tensor([offset.get(n, -1) for n in keep], device=device)
+        fed_at = torch.tensor([self.fed_at.get(n, -1) for n in keep], device=device)
         tree = Tree(tokens, torch.tensor(parents, device=device), proposals, TreeStructure.of(parents, device))
         return tree, fed_at
 

@@ -89,6 +89,7 @@ def widen(small: LlamaModel, name: str | LlamaShape, device: torch.device | str,
     # small query head i (kv head i // group) -> big head (i // group) * big_group + i % group
     q_rows = torch.cat([torch.arange(d) + d * ((i // group) * big_group + i % group) for i in range(s.num_heads)])
     kv_rows = torch.arange(s.num_kv_heads * d)
+    small_qkv, big_qkv = (qkv_sizes(x.num_heads, x.num_kv_heads, d) for x in (s, big))
 
     def put(dest: torch.Tensor, src: torch.Tensor, rows, cols=None) -> None:
         src = src.to(device=device, dtype=dtype)
@@ -105,7 +106,6 @@ def widen(small: LlamaModel, name: str | LlamaShape, device: torch.device | str,
         if i < len(small.layers):
             a = small.layers[i]
             sa, ba = a.self_attn, b.self_attn
-            small_qkv, big_qkv = (qkv_sizes(x.num_heads, x.num_kv_heads, d) for x in (s, big))
             for part, rows in enumerate((q_rows, kv_rows, kv_rows)):
                 src = [x.split(small_qkv)[part] for x in (sa.qkv_proj.weight, sa.qkv_proj.bias) if x is not None]
                 dest = [x.split(big_qkv)[part] for x in (ba.qkv_proj.weight, ba.qkv_proj.bias) if x is not None]
