@@ -71,24 +71,30 @@ class HostReads(TorchDispatchMode):
 PROMPT = "def parse(path):\n    with open(path) as f:\n"
 
 
-def splittable_recipe(folder: Path, devices: str = "cpu") -> Path:
-    """A recipe in `folder`: the draft fixture drafting for the target fixture widened (same function)
-    to 6 query heads over 2 KV heads, saved as a checkpoint, so that it splits over two devices."""
-    embedded = Path(__file__).resolve().parent.parent / "recipes" / "models"
-    small = load_model(embedded / "target", torch.float32, "cpu")
+def _splittable_checkpoint(name: str, folder: Path) -> Path:
+    """The embedded fixture `name` widened (same function) to 6 query heads over 2 KV heads, saved in `folder`."""
+    embedded = Path(__file__).resolve().parent.parent / "recipes" / "models" / name
+    small = load_model(embedded, torch.float32, "cpu")
     wide = widen(small, replace(small.shape, num_heads=6, num_kv_heads=2), "cpu", torch.float32, tied=True)
-    checkpoint = folder / "target"
+    checkpoint = folder / name
     checkpoint.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(embedded / "target" / name, checkpoint / name)
-    config = json.loads((embedded / "target" / "config.json").read_text())
+    for file in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(embedded / file, checkpoint / file)
+    config = json.loads((embedded / "config.json").read_text())
     config.update(num_attention_heads=6, num_key_value_heads=2)
     (checkpoint / "config.json").write_text(json.dumps(config))
     state = {f"model.{k}": v.contiguous() for k, v in hf_state(wide).items() if k not in ("inv_freq", "lm_head.weight")}
     save_file(state, checkpoint / "model.safetensors")
+    return checkpoint
+
+
+def splittable_recipe(folder: Path, devices: str = "cpu") -> Path:
+    """A recipe in `folder`: the draft fixture drafting for the target fixture, both widened (same
+    function) to 6 query heads over 2 KV heads and saved as checkpoints, so that either splits over two devices."""
+    target, draft = (_splittable_checkpoint(name, folder) for name in ("target", "draft"))
     recipe = folder / "tp.yaml"
     recipe.write_text(f"""name: tp
-models: {{target: {{path: {checkpoint}, dtype: float32}}, draft: {{path: {embedded / 'draft'}, dtype: float32}}}}
+models: {{target: {{path: {target}, dtype: float32}}, draft: {{path: {draft}, dtype: float32}}}}
 stages:
   - {{name: draft, model: draft, devices: [{devices}], tree: {{shape: chain, length: 3}}}}
   - {{name: target, model: target, devices: [{devices}], verifies: draft}}

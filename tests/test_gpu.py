@@ -81,7 +81,7 @@ def test_compiled_layers_give_the_eager_tokens_on_gpu():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tensor_parallel_target_on_two_gpus_decodes_the_single_gpu_tokens(tmp_path):
-    """fp32; the target split over cuda:0 and cuda:1 (NCCL all-reduces inside captured steps)."""
+    """fp32; draft and target split over cuda:0 and cuda:1 (NCCL all-reduces inside captured steps)."""
     import json
 
     from helpers import PROMPT, splittable_recipe
@@ -93,6 +93,7 @@ def test_tensor_parallel_target_on_two_gpus_decodes_the_single_gpu_tokens(tmp_pa
     single = Program.from_recipe(Recipe.from_yaml(recipe))
     expected = single.generate(single.encode(PROMPT)).output_ids
     out = tmp_path / "tp.json"
-    assert main(["run", str(recipe), "--set", "stages.1.devices=[cuda:0,cuda:1]", "--prompt", PROMPT,
-                 "--json", str(out)]) == 0
+    split = "[cuda:0,cuda:1]"
+    assert main(["run", str(recipe), "--set", f"stages.0.devices={split}", "--set", f"stages.1.devices={split}",
+                 "--prompt", PROMPT, "--json", str(out)]) == 0
     assert json.loads(out.read_text())["results"][0]["output_ids"] == expected

@@ -31,7 +31,8 @@ def test_a_target_split_over_two_processes_decodes_the_single_device_tokens(spli
     fixture = Program.from_recipe(Recipe.from_yaml(splittable, [f"models.target.path={EMBEDDED / 'target'}"]))
     assert expected.output_ids == fixture.generate(fixture.encode(PROMPT)).output_ids  # widening kept the function
     out = tmp_path / "tp.json"
-    status = main(["run", str(splittable), "--set", "stages.1.devices=[cpu,cpu]", "--prompt", PROMPT, "--json", str(out)])
+    status = main(["run", str(splittable), "--set", "stages.0.devices=[cpu,cpu]", "--set", "stages.1.devices=[cpu,cpu]",
+                   "--prompt", PROMPT, "--json", str(out)])
     assert status == 0
     result = json.loads(out.read_text())["results"][0]
     assert result["output_ids"] == expected.output_ids
@@ -82,3 +83,16 @@ def test_split_stages_are_not_exported(capsys, tmp_path):
     demo = EMBEDDED.parent / "demo.yaml"
     assert main(["compile", str(demo), "-o", str(tmp_path), "--set", "stages.1.devices=[cpu,cpu]"]) == 2
     assert "compile: stages split over 2 devices cannot be exported yet" in capsys.readouterr().err
+
+
+def test_a_gpu_shared_by_the_ranks_is_refused(splittable, monkeypatch):
+    """Every rank runs a one-device stage; beside stages split over GPUs it would run twice on one GPU."""
+    import sys
+
+    from specgraph.program import plan
+
+    monkeypatch.setattr(sys.modules["specgraph.passes.place"], "present_devices", lambda: ["cpu", "cuda:0", "cuda:1"])
+    recipe = Recipe.from_yaml(splittable, ["stages.0.devices=[cuda:0]", "stages.1.devices=[cuda:0,cuda:1]"])
+    with pytest.raises(SpecgraphError, match=r"^stages.0.devices: cuda:0 would be shared by the 2 processes of the "
+                                             r"tensor-parallel stages; list 2 GPUs here too, or cpu$"):
+        plan(recipe)

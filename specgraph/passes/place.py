@@ -5,7 +5,8 @@ After:  + `tp` (int): the stage's tensor-parallel degree, the length of its devi
           stage with more than one device must list the same number, one per process (rank);
         + `device` (torch.device): this process's device for the stage — entry `rank` of the list
           (rank 0's when planning outside a process group, as `inspect` does); a stage listing one
-          device runs whole on that device in every process;
+          device runs whole on that device in every process, so beside tensor-parallel stages it
+          must be the CPU (one GPU shared by every rank's process would serialise them);
         + `dtype` (torch.dtype; `auto` = float32 on cpu, bfloat16 on cuda).
 """
 
@@ -56,4 +57,11 @@ def place(graph: SpecGraph) -> SpecGraph:
     if len(set(degrees.values())) > 1:
         listed = ", ".join(f"stages.{i}: {n}" for i, n in degrees.items())
         raise RecipeError(f"stages.*.devices: tensor-parallel stages must list the same number of devices ({listed})")
+    if degrees:
+        world = next(iter(degrees.values()))
+        for name in graph.stages():
+            node = graph.node(name)
+            if node["tp"] == 1 and node["device"].type == "cuda":
+                raise RecipeError(f"stages.{node['index']}.devices: {node['device']} would be shared by the "
+                                  f"{world} processes of the tensor-parallel stages; list {world} GPUs here too, or cpu")
     return graph
