@@ -15,6 +15,8 @@ from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.kernels.kv_move.triton import kv_move
 from specgraph.kernels.norm import add_rmsnorm_reference
 from specgraph.kernels.norm.triton import add_rmsnorm
+from specgraph.kernels.rope import rope_write_reference
+from specgraph.kernels.rope.triton import rope_write
 from specgraph.kernels.swiglu import swiglu_reference
 from specgraph.kernels.swiglu.triton import swiglu
 from specgraph.runtime.stage import step_mask
@@ -51,6 +53,26 @@ def test_step_attention_matches_reference(b, h, hkv, t, d, prefix, width, dtype)
     got = attention(q, k, v, mask, slots)
     assert got.dtype == dtype and got.shape == q.shape
     assert (got.float() - expected).abs().max() < TOL[dtype]
+
+
+@pytest.mark.parametrize("b, t, h, hkv, d, dtype", [
+    (1, 1, 6, 2, 60, torch.float32),  # one token, odd half head dim (30), GQA 3:1
+    (2, 5, 3, 3, 32, torch.float32),  # batch 2, several tokens, as many KV heads as query heads
+    (1, 7, 4, 1, 128, torch.bfloat16),
+])
+def test_rope_write_matches_reference(b, t, h, hkv, d, dtype):
+    g = torch.Generator().manual_seed(t * 7 + d)
+    qkv = torch.randn(b, t, (h + 2 * hkv) * d, generator=g).to(dtype)  # the projection's output
+    q, k, v = (x.view(b, t, -1, d) for x in qkv.split([h * d, hkv * d, hkv * d], dim=-1))
+    angles = torch.randn(b, 1, t, d // 2, generator=g).repeat(1, 1, 1, 2) * 3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.randperm(t + 4, generator=g)[:t]  # anywhere in the cache, out of order
+    caches = [torch.randn(b, hkv, t + 4, d, generator=g).to(dtype) for _ in range(2)]
+    expected_keys, expected_values = (c.clone() for c in caches)
+    expected = rope_write_reference(q, k, v, cos, sin, expected_keys, expected_values, slots)
+    got = rope_write(q, k, v, cos, sin, *caches, slots)
+    assert got.shape == (b, h, t, d) and close(got, expected)
+    assert close(caches[0], expected_keys) and torch.equal(caches[1], expected_values)
 
 
 @pytest.mark.parametrize("rows, c, dtype", [(1, 37, torch.float32), (5, 300, torch.float32), (3, 129, torch.bfloat16)])

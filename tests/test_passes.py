@@ -194,7 +194,7 @@ def test_select_kernels_picks_triton_where_it_pays():
         gpu.node(name)["device"] = torch.device("cuda:0")
     gpu = compile_stages(gpu)  # compiled by default on a GPU
     chosen = select_kernels(gpu).node("target")["kernels"]
-    assert chosen == {"attention": "triton", "add_rmsnorm": "reference", "swiglu": "reference",
+    assert chosen == {"attention": "triton", "rope_write": "triton", "add_rmsnorm": "reference", "swiglu": "reference",
                       "kv_move": "triton", "accept_greedy": "triton"}  # Inductor fuses the elementwise ops
     eager = gpu.copy()
     eager.node("target")["compile"] = False

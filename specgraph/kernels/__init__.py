@@ -11,10 +11,12 @@ from specgraph.kernels.accept import accept_greedy_reference
 from specgraph.kernels.attention import attention_reference
 from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.kernels.norm import add_rmsnorm_reference
+from specgraph.kernels.rope import rope_write_reference
 from specgraph.kernels.swiglu import swiglu_reference
 
 # op -> (module of its Triton implementation, function name)
-TRITON = {"attention": ("attention", "attention"), "add_rmsnorm": ("norm", "add_rmsnorm"),
+TRITON = {"attention": ("attention", "attention"), "rope_write": ("rope", "rope_write"),
+          "add_rmsnorm": ("norm", "add_rmsnorm"),
           "swiglu": ("swiglu", "swiglu"), "kv_move": ("kv_move", "kv_move"),
           "accept_greedy": ("accept", "accept_greedy")}
 
@@ -22,6 +24,7 @@ TRITON = {"attention": ("attention", "attention"), "add_rmsnorm": ("norm", "add_
 @dataclass(frozen=True)
 class Kernels:
     attention: Callable = attention_reference
+    rope_write: Callable = rope_write_reference
     add_rmsnorm: Callable = add_rmsnorm_reference
     swiglu: Callable = swiglu_reference
     kv_move: Callable = kv_move_reference

@@ -101,16 +101,6 @@ def unsharded(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, K]; cos, sin [B, 1, T, K]."""
-    return x * cos + rotate_half(x) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, shape: LlamaShape):
         super().__init__()
@@ -134,10 +124,7 @@ class Attention(nn.Module):
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, K]
-        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, K]
-        keys.index_copy_(2, slots, k)
-        values.index_copy_(2, slots, v.transpose(1, 2))
+        q = self.kernels.rope_write(q, k, v, cos, sin, keys, values, slots)  # [B, H, T, K]; k, v cached
         out = self.kernels.attention(q, keys, values, mask, slots)  # [B, H, T, K]
         return self.reduce(self.o_proj(out.transpose(1, 2).reshape(b, t, -1)))
 
@@ -163,11 +150,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.kernels = Kernels()
 
-    def forward(self, x, cos, sin, keys, values, slots, mask):
-        norm = self.post_attention_layernorm
-        attended = self.self_attn(self.input_layernorm(x), cos, sin, keys, values, slots, mask)
-        x, h = self.kernels.add_rmsnorm(x, attended, norm.weight, norm.eps)  # x + attended, and its norm
-        return x + self.mlp(h)
+    def forward(self, x, delta, cos, sin, keys, values, slots, mask):
+        """x [B, T, hidden]: the residual stream without `delta`, the previous layer's MLP output,
+        whose addition is fused with this layer's first norm. Returns this layer's (x, delta)."""
+        first, second = self.input_layernorm, self.post_attention_layernorm
+        x, h = self.kernels.add_rmsnorm(x, delta, first.weight, first.eps)  # x + delta, and its norm
+        attended = self.self_attn(h, cos, sin, keys, values, slots, mask)
+        x, h = self.kernels.add_rmsnorm(x, attended, second.weight, second.eps)
+        return x, self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -183,13 +173,15 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", torch.ones(shape.head_dim // 2), persistent=False)
         self.rope_scale = 1.0
         self.served_vocab = shape.vocab_size  # logits cover token ids [0, served_vocab) (less when widened)
+        self.kernels = Kernels()
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         weight = self.embed_tokens.weight
         return self.shape.new_cache(capacity, weight.dtype, weight.device, batch)
 
     def use_kernels(self, kernels: Kernels) -> None:
-        """Run attention, add + RMSNorm and SwiGLU through `kernels` (before compiling the layers)."""
+        """Run the layers' fused ops (and the final add + norm) through `kernels` (before compiling the layers)."""
+        self.kernels = kernels
         for layer in self.layers:
             layer.kernels = layer.self_attn.kernels = layer.mlp.kernels = kernels
 
@@ -208,6 +200,8 @@ class LlamaModel(nn.Module):
         Returns logits [B, T, V] in fp32, V = served_vocab."""
         x = self.embed_tokens(tokens)  # [B, T, hidden]
         cos, sin = self.rotary(positions, x.dtype)
+        delta = torch.zeros_like(x)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], slots, mask)
-        return self.lm_head(self.norm(x))[..., : self.served_vocab].float()
+            x, delta = layer(x, delta, cos, sin, cache.k[i], cache.v[i], slots, mask)
+        _, h = self.kernels.add_rmsnorm(x, delta, self.norm.weight, self.norm.eps)
+        return self.lm_head(h)[..., : self.served_vocab].float()

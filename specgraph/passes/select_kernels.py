@@ -1,10 +1,11 @@
 """select_kernels: choose the implementation of each fused op per stage.
 
 Before: stages carry `device` and `compile`.
-After:  + `kernels` {op: "triton" | "reference"} for attention, add_rmsnorm, swiglu, kv_move and
-        accept_greedy. `lowering.kernels`: "reference" or "triton" force one kind everywhere
+After:  + `kernels` {op: "triton" | "reference"} for attention, rope_write, add_rmsnorm, swiglu,
+        kv_move and accept_greedy. `lowering.kernels`: "reference" or "triton" force one kind everywhere
         (Triton on the CPU runs only under TRITON_INTERPRET=1, for tests); "auto" picks, on a GPU,
-        Triton for attention (it reads only the slots a step can see), kv_move and accept_greedy,
+        Triton for attention (it reads only the slots a step can see), rope_write (one kernel
+        where Inductor makes three: q's rotation, k's rotation and write, v's write), kv_move and accept_greedy,
         and for add_rmsnorm and swiglu when the stage is not compiled (a compiled stage's
         Inductor fuses them with their neighbours already); on the CPU, the references.
 """
