@@ -1,5 +1,7 @@
 """The Triton kernels wired into a whole program (the interpreter on the CPU) decode the reference
-program's greedy tokens: attention, add + RMSNorm, SwiGLU, KV moves and acceptance all in use."""
+program's greedy tokens: attention, rotary + cache write, the token projections with their fused
+norm and SwiGLU (one token: the drafter's steps and autoregressive decoding), add + RMSNorm, KV moves
+and acceptance all in use."""
 
 from conftest import EMBEDDED
 from helpers import two_stage
@@ -22,3 +24,5 @@ def test_triton_kernels_decode_the_reference_tokens():
     result = fused.generate(ids)
     assert result.output_ids == reference.generate(ids).output_ids
     assert max(result.accepted_lengths) > 1  # drafts were accepted, so KV moves ran on real paths
+    single_token = fused.autoregressive().generate(ids, 12).output_ids  # the target's one-token projections
+    assert single_token == reference.autoregressive().generate(ids, 12).output_ids == result.output_ids
