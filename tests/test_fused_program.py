@@ -1,7 +1,6 @@
 """The Triton kernels wired into a whole program (the interpreter on the CPU) decode the reference
-program's greedy tokens: attention, rotary + cache write, the token projections with their fused
-norm and SwiGLU (one token: the drafter's steps and autoregressive decoding), add + RMSNorm, KV moves
-and acceptance all in use."""
+program's greedy tokens: attention, rotary + cache write, the one-token projection (the drafter's
+steps and autoregressive decoding), add + RMSNorm, SwiGLU, KV moves and acceptance all in use."""
 
 from conftest import EMBEDDED
 from helpers import two_stage

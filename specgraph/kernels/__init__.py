@@ -10,15 +10,15 @@ from typing import Callable
 from specgraph.kernels.accept import accept_greedy_reference
 from specgraph.kernels.attention import attention_reference
 from specgraph.kernels.kv_move import kv_move_reference
-from specgraph.kernels.linear import linear_reference, norm_linear_reference, swiglu_linear_reference
+from specgraph.kernels.linear import linear_reference
 from specgraph.kernels.norm import add_rmsnorm_reference
 from specgraph.kernels.rope import rope_write_reference
+from specgraph.kernels.swiglu import swiglu_reference
 
 # op -> (module of its Triton implementation, function name)
-TRITON = {"attention": ("attention", "attention"), "rope_write": ("rope", "rope_write"),
-          "linear": ("linear", "linear"), "norm_linear": ("linear", "norm_linear"),
-          "swiglu_linear": ("linear", "swiglu_linear"), "add_rmsnorm": ("norm", "add_rmsnorm"),
-          "kv_move": ("kv_move", "kv_move"),
+TRITON = {"attention": ("attention", "attention"), "rope_write": ("rope", "rope_write"), "linear": ("linear", "linear"),
+          "add_rmsnorm": ("norm", "add_rmsnorm"),
+          "swiglu": ("swiglu", "swiglu"), "kv_move": ("kv_move", "kv_move"),
           "accept_greedy": ("accept", "accept_greedy")}
 
 
@@ -27,9 +27,8 @@ class Kernels:
     attention: Callable = attention_reference
     rope_write: Callable = rope_write_reference
     linear: Callable = linear_reference
-    norm_linear: Callable = norm_linear_reference
-    swiglu_linear: Callable = swiglu_linear_reference
     add_rmsnorm: Callable = add_rmsnorm_reference
+    swiglu: Callable = swiglu_reference
     kv_move: Callable = kv_move_reference
     accept_greedy: Callable = accept_greedy_reference
 

@@ -114,20 +114,18 @@ class Attention(nn.Module):
         self.kernels = Kernels()
         self.reduce = unsharded  # tensor parallelism: the sum over ranks (see parallel.py)
 
-    def forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """qkv [B, T, (H + 2 Hkv) K]: the input's projection (fused with the norm before it, by the
-        layer); keys, values [B, Hkv, S, K]: this layer's cache, written in place at `slots` [T]."""
-        b, t, _ = qkv.shape
-        q, k, v = qkv.split(qkv_sizes(self.num_heads, self.num_kv_heads, self.head_dim), dim=-1)
+        """keys, values [B, Hkv, S, K]: this layer's cache, written in place at `slots` [T]."""
+        b, t, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(qkv_sizes(self.num_heads, self.num_kv_heads, self.head_dim), dim=-1)
         q = q.view(b, t, self.num_heads, self.head_dim)  # [B, T, H, K]
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.kernels.rope_write(q, k, v, cos, sin, keys, values, slots)  # [B, H, T, K]; k, v cached
-        out = self.kernels.attention(q, keys, values, mask, slots)  # [B, H, T, K]
-        out = out.transpose(1, 2).reshape(b, t, -1)
+        out = self.kernels.attention(q, keys, values, mask, slots).transpose(1, 2).reshape(b, t, -1)  # [B, T, H K]
         return self.reduce(self.kernels.linear(out, self.o_proj.weight, self.o_proj.bias))
 
 
@@ -141,7 +139,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
-        return self.reduce(self.kernels.swiglu_linear(self.gate_up_proj(x), down.weight, down.bias))
+        return self.reduce(self.kernels.linear(self.kernels.swiglu(self.gate_up_proj(x)), down.weight, down.bias))
 
 
 class DecoderLayer(nn.Module):
@@ -156,9 +154,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x, delta, cos, sin, keys, values, slots, mask):
         """x [B, T, hidden]: the residual stream without `delta`, the previous layer's MLP output,
         whose addition is fused with this layer's first norm. Returns this layer's (x, delta)."""
-        first, second, qkv = self.input_layernorm, self.post_attention_layernorm, self.self_attn.qkv_proj
-        x, projected = self.kernels.norm_linear(x, delta, first.weight, first.eps, qkv.weight, qkv.bias)  # x + delta
-        attended = self.self_attn(projected, cos, sin, keys, values, slots, mask)
+        first, second = self.input_layernorm, self.post_attention_layernorm
+        x, h = self.kernels.add_rmsnorm(x, delta, first.weight, first.eps)  # x + delta, and its norm
+        attended = self.self_attn(h, cos, sin, keys, values, slots, mask)
         x, h = self.kernels.add_rmsnorm(x, attended, second.weight, second.eps)
         return x, self.mlp(h)
 

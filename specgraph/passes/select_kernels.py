@@ -1,12 +1,15 @@
 """select_kernels: choose the implementation of each fused op per stage.
 
 Before: stages carry `device` and `compile`.
-After:  + `kernels` {op: "triton" | "reference"} for each op of `Kernels`. `lowering.kernels`:
-        "reference" or "triton" force one kind everywhere (Triton on the CPU runs only under
-        TRITON_INTERPRET=1, for tests); "auto" picks, on a GPU, Triton for every op (attention reads
-        only the slots a step can see; rope_write is one kernel where Inductor makes three; the
-        projections of one token read their weights at HBM speed with the op before them fused in)
-        except add_rmsnorm in a compiled stage, which Inductor fuses as well; on the CPU, the references.
+After:  + `kernels` {op: "triton" | "reference"} for attention, rope_write, linear, add_rmsnorm,
+        swiglu, kv_move and accept_greedy. `lowering.kernels`: "reference" or "triton" force one kind everywhere
+        (Triton on the CPU runs only under TRITON_INTERPRET=1, for tests); "auto" picks, on a GPU,
+        Triton for attention (it reads only the slots a step can see), rope_write (one kernel
+        where Inductor makes three: q's rotation, k's rotation and write, v's write), linear (the
+        output and down projections of one token in one kernel, without cuBLAS's split-K
+        reduction), kv_move and accept_greedy,
+        and for add_rmsnorm and swiglu when the stage is not compiled (a compiled stage's
+        Inductor fuses them with their neighbours already); on the CPU, the references.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from specgraph.graph import SpecGraph
 from specgraph.kernels import TRITON
 from specgraph.passes.base import graph_pass
 
-INDUCTOR_FUSES = ("add_rmsnorm",)  # as well as our kernel, where the stage is compiled
+ELEMENTWISE = ("add_rmsnorm", "swiglu")
 
 
 @graph_pass(requires=("device", "compile"), provides=("kernels",))
@@ -27,6 +30,6 @@ def select_kernels(graph: SpecGraph) -> SpecGraph:
             node["kernels"] = dict.fromkeys(TRITON, wanted)
             continue
         gpu = node["device"].type == "cuda"
-        node["kernels"] = {op: "triton" if gpu and not (op in INDUCTOR_FUSES and node["compile"]) else "reference"
+        node["kernels"] = {op: "triton" if gpu and not (op in ELEMENTWISE and node["compile"]) else "reference"
                            for op in TRITON}
     return graph

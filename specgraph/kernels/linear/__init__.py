@@ -1,6 +1,5 @@
-"""Projections with the elementwise op before them fused in: plain, after residual add + RMSNorm,
-after SwiGLU."""
+"""A projection (nn.Linear's function), with a matrix-vector kernel for one token."""
 
-from specgraph.kernels.linear.reference import linear_reference, norm_linear_reference, swiglu_linear_reference
+from specgraph.kernels.linear.reference import linear_reference
 
-__all__ = ["linear_reference", "norm_linear_reference", "swiglu_linear_reference"]
+__all__ = ["linear_reference"]
