@@ -39,5 +39,5 @@ sg bench recipes/dynamic.yaml "${common[@]}" "${mid[@]}" --baselines ar --json "
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   sg bench recipes/tree.yaml --prompts "$OUT/prompts.jsonl" --max-new-tokens "$NEW_TOKENS" --repeats "$REPEATS" \
     --widen llama-3-70b --set 'stages.0.devices=[cuda:0,cuda:1]' --set 'stages.1.devices=[cuda:0,cuda:1]' \
-    --baselines hf,ar --json "$OUT/llama-3-70b-tree-draft-tp2.json"
+    --baselines hf,hf-assisted,ar --json "$OUT/llama-3-70b-tree-draft-tp2.json"
 fi
