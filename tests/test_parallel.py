@@ -1,8 +1,8 @@
 """Tensor parallelism on the CPU (gloo): `specgraph run` and `bench` start one process per device,
-and a target split over two ranks decodes the single-device tokens.
+and stages split over two ranks decode the single-device tokens.
 
-The fixtures have 3 query heads and 1 KV head, which do not split in two, so the target is first
-widened (same function) to 6 query heads over 2 KV heads and saved as a checkpoint."""
+The fixtures have 3 query heads and 1 KV head, which do not split in two, so draft and target are
+first widened (same function) to 6 query heads over 2 KV heads and saved as checkpoints."""
 
 import json
 from dataclasses import replace
