@@ -11,6 +11,7 @@ from specgraph.kernels.accept import accept_greedy_reference
 from specgraph.kernels.accept.triton import accept_greedy
 from specgraph.kernels.attention import attention_reference
 from specgraph.kernels.attention.triton import attention
+from specgraph.kernels.gated_delta import gated_delta_commit_reference, gated_delta_tree_reference
 from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.kernels.kv_move.triton import kv_move
 from specgraph.kernels.linear import linear_reference
@@ -135,3 +136,33 @@ def test_projection_matches_reference(rows, k, n, bias, dtype):
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     got = linear(x, weight, b)
     assert got.shape == (1, rows, n) and close(got, linear_reference(x, weight, b))
+
+
+def sequential_gated_delta(q, k, v, g, beta, state, parents):
+    """The gated delta rule token by token, each node from its parent's state -> outputs, states."""
+    outs, states = [], []
+    for i, parent in enumerate(parents):
+        s = state if parent < 0 else states[parent]
+        s = s * g[:, i].exp()[..., None, None]
+        delta = (v[:, i] - torch.einsum("bhkv,bhk->bhv", s, k[:, i])) * beta[:, i, :, None]
+        s = s + k[:, i, :, :, None] * delta[:, :, None, :]
+        states.append(s)
+        outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, i]))
+    return torch.stack(outs, 1), states
+
+
+@pytest.mark.parametrize("b, t, h, dk, dv", [(1, 1, 1, 4, 4), (2, 13, 3, 5, 7), (1, 63, 2, 60, 33)])
+def test_gated_delta_tree_and_commit_match_the_recurrence(b, t, h, dk, dv):
+    gen = torch.Generator().manual_seed(t)
+    tree = random_tree(t, gen)
+    q, k = torch.randn(b, t, h, dk, generator=gen), torch.nn.functional.normalize(torch.randn(b, t, h, dk, generator=gen), dim=-1)
+    v, state = torch.randn(b, t, h, dv, generator=gen), torch.randn(b, h, dk, dv, generator=gen)
+    g, beta = -torch.rand(b, t, h, generator=gen) * 2, torch.rand(b, t, h, generator=gen)
+    out, u, decay = gated_delta_tree_reference(q, k, v, g, beta, state, tree.ancestors)
+    expected, states = sequential_gated_delta(q, k, v, g, beta, state, tree.parents.tolist())
+    assert (out - expected).abs().max() < 1e-4
+    leaf = t - 1
+    path = tree.ancestors[leaf].nonzero().flatten()  # root first
+    committed = state.clone()
+    gated_delta_commit_reference(committed, k, u, decay, torch.cat([path, torch.full((2,), -1)]))
+    assert (committed - states[leaf]).abs().max() < 1e-4
