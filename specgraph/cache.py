@@ -4,12 +4,16 @@ Which slots are committed is the executor's to know (a device tensor, see runtim
 the cache is storage. A step writes its tokens (a catch-up, draft-tree nodes, the tree being
 verified) past the committed prefix; after verification, `move` gathers the accepted path's rows
 to the end of the prefix, and everything past it is garbage that later steps overwrite.
+A hybrid model's cache also holds each gated-DeltaNet layer's recurrent state, which a step
+reads but does not change: the step leaves its tokens' factors, and `commit` folds the accepted
+path's into the state.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specgraph.kernels.gated_delta import gated_delta_commit_reference
 from specgraph.kernels.kv_move import kv_move_reference
 
 
@@ -22,6 +26,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
+        self.max_step_tokens = capacity  # tokens one forward may write before a commit
         self.move_rows = kv_move_reference  # the select_kernels pass may swap in the Triton kernel
 
     @classmethod
@@ -29,10 +34,51 @@ class KVCache:
         """A cache over existing key and value tensors [layers, B, Hkv, S, K] (an exported step's inputs)."""
         cache = cls.__new__(cls)
         cache.k, cache.v, cache.capacity, cache.move_rows = k, v, k.shape[3], kv_move_reference
+        cache.max_step_tokens = cache.capacity
         return cache
+
+    def reset(self) -> None:
+        """Start a new sequence: nothing to clear, as masks hide every slot past the committed prefix."""
+
+    def commit(self, path: torch.Tensor, start: torch.Tensor | int) -> None:
+        """Keep a step's accepted path: path [P] long (nodes of the step written from slot `start`,
+        root first, -1 padded) moves to slots start + depth."""
+        dst = start + torch.arange(path.numel(), device=path.device)
+        self.move(torch.where(path >= 0, start + path, dst), dst)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy rows src[i] -> dst[i] ([D] long) in order of i, for keys and values; needs
         dst[i] <= src[i] and dst ascending (compaction), so no row is read after it is overwritten."""
         self.move_rows(self.k, src, dst)
         self.move_rows(self.v, src, dst)
+
+
+class HybridCache(KVCache):
+    """A KVCache for the attention layers, plus, for each of the L gated-DeltaNet layers, its state
+    [L, B, H, dk, dv] (fp32) and last conv_kernel - 1 inputs [L, B, K - 1, C], committed; and the
+    factors of the last forward's tokens (at most `step_tokens`), which `commit` folds in."""
+
+    def __init__(self, attention_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str, *, linear_layers: int, heads: int, key_dim: int,
+                 value_dim: int, conv_channels: int, conv_kernel: int, step_tokens: int):
+        super().__init__(attention_layers, batch, kv_heads, head_dim, capacity, dtype, device)
+        lb, f32 = (linear_layers, batch), dict(dtype=torch.float32, device=device)
+        self.state = torch.zeros(*lb, heads, key_dim, value_dim, **f32)
+        self.conv = torch.zeros(*lb, conv_kernel - 1, conv_channels, dtype=dtype, device=device)
+        self.step_k = torch.zeros(*lb, step_tokens, heads, key_dim, **f32)
+        self.step_u = torch.zeros(*lb, step_tokens, heads, value_dim, **f32)
+        self.step_decay = torch.zeros(*lb, step_tokens, heads, **f32)
+        self.step_inputs = torch.zeros(*lb, step_tokens, conv_channels, dtype=dtype, device=device)
+        self.max_step_tokens = step_tokens
+
+    def reset(self) -> None:
+        self.state.zero_()
+        self.conv.zero_()
+
+    def commit(self, path: torch.Tensor, start: torch.Tensor | int) -> None:
+        super().commit(path, start)
+        gated_delta_commit_reference(self.state, self.step_k, self.step_u, self.step_decay, path)
+        # the conv window ends with the path's inputs: the last K - 1 of (committed window, path)
+        kept = self.conv.shape[2]
+        window = torch.cat([self.conv, self.step_inputs.index_select(2, path.clamp(min=0))], dim=2)
+        self.conv.copy_(window.index_select(2, (path >= 0).sum() + torch.arange(kept, device=path.device)))

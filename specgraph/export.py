@@ -23,6 +23,7 @@ from torch.export import Dim
 from specgraph.cache import KVCache
 from specgraph.errors import SpecgraphError
 from specgraph.kernels import Kernels
+from specgraph.models.hybrid import HybridModel
 from specgraph.models.llama import LlamaShape
 from specgraph.recipe import Recipe
 
@@ -94,6 +95,10 @@ def export_program(program, out: Path) -> dict:
         reason = (_first_difference(old.get("recipe"), recipe.model_dump(mode="json"))
                   or _first_difference(old.get("versions"), versions()) or "missing package")
         _log(f"{out}: recompiling: {reason} changed")
+    hybrid = [name for name, stage in program.stages.items() if isinstance(stage.model, HybridModel)]
+    if hybrid:
+        raise SpecgraphError(f"stage {hybrid[0]}: hybrid models cannot be exported yet (their recurrent state is not "
+                             "an input of the step program); run the recipe with `specgraph run`")
     out.mkdir(parents=True, exist_ok=True)
     stages = {}
     for name, stage in program.stages.items():

@@ -10,7 +10,6 @@ from specgraph.draft import Drafter
 from specgraph.errors import SpecgraphError
 from specgraph.graph import SpecGraph
 from specgraph.kernels import Kernels
-from specgraph.models.llama import LlamaModel
 from specgraph.models.loader import load_model
 from specgraph.parallel import rank_and_world, shard_model
 from specgraph.passes import run_pipeline
@@ -32,7 +31,7 @@ def compile_layers(model: nn.Module) -> None:
         layer.compile(dynamic=True, fullgraph=True)
 
 
-def _load(name: str, node: dict, rank: int, world: int) -> LlamaModel:
+def _load(name: str, node: dict, rank: int, world: int) -> nn.Module:
     """The stage's model on its device; a tensor-parallel stage's shard is cut on the host first."""
     if node["tp"] == 1:
         return load_model(node["model"].path, node["dtype"], node["device"])
@@ -58,7 +57,7 @@ class Program:
                                      f"has {world})")
             model = models.get(name) or _load(name, node, rank, world)
             kernels = Kernels.select(node["kernels"])
-            if isinstance(model, LlamaModel):  # (an exported package has its ops built in)
+            if hasattr(model, "use_kernels"):  # (an exported package has its ops built in)
                 model.use_kernels(kernels)
             if node["compile"]:
                 compile_layers(model)

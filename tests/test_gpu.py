@@ -3,7 +3,7 @@ gives the tokens of our own autoregressive decoding of the same program where it
 
 import pytest
 import torch
-from conftest import EMBEDDED
+from conftest import EMBEDDED, REPO, SHARED
 from helpers import two_stage
 
 from specgraph.program import Program
@@ -14,8 +14,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Tree:\n    \"\"\"A rooted tree.\"\"\"\n\n    def __init__(self"]
 
 
-def on_gpu(tree: dict, **fields) -> Program:
-    recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", tree, **fields)
+def on_gpu(tree: dict, target=EMBEDDED / "target", **fields) -> Program:
+    recipe = two_stage(target, EMBEDDED / "draft", tree, **fields)
     recipe = recipe.model_copy(update={"stages": [s.model_copy(update={"devices": ["cuda:0"]}) for s in recipe.stages]})
     return Program.from_recipe(recipe)
 
@@ -97,3 +97,33 @@ def test_tensor_parallel_target_on_two_gpus_decodes_the_single_gpu_tokens(tmp_pa
     assert main(["run", str(recipe), "--set", f"stages.0.devices={split}", "--set", f"stages.1.devices={split}",
                  "--prompt", PROMPT, "--json", str(out)]) == 0
     assert json.loads(out.read_text())["results"][0]["output_ids"] == expected
+
+
+def hybrid_fixture():
+    """The hybrid fixture from ../shared, or from .fixtures/ where a GPU machine got only the checkout."""
+    found = [p for p in (SHARED / "models" / "hybrid", REPO / ".fixtures" / "hybrid") if p.is_dir()]
+    if not found:
+        pytest.skip("the hybrid fixture is not present")
+    return found[0]
+
+
+def test_hybrid_target_captured_and_compiled_gives_the_eager_tokens_and_never_waits():
+    """fp32; the Qwen3.5 target's whole steps captured, its layers compiled, Triton kernels, against
+    eager forwards of the reference kernels; then a captured step under sync debug mode."""
+    tree = {"shape": "static", "branching": [3, 2, 1, 1]}
+    fast = on_gpu(tree, hybrid_fixture(), max_new_tokens=64)
+    slow = on_gpu(tree, hybrid_fixture(), max_new_tokens=64,
+                  lowering={"compile": False, "cuda_graphs": False, "kernels": "reference"})
+    for text in PROMPTS:
+        ids = fast.encode(text)
+        assert fast.generate(ids).output_ids == slow.generate(ids).output_ids
+    assert set(fast.executor._graphs) == {"draft", "verify"}
+    executor = fast.executor
+    length = int(executor.sequence.length)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = executor._step(length, (None, None), _Clock(torch.device("cpu")))  # raises on any sync
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(result[0]) >= 1

@@ -45,8 +45,15 @@ class LlamaShape:
         """Bytes of keys and values one cached token takes over all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
+    def cache_bytes(self, slots: int, itemsize: int) -> int:
+        return self.kv_bytes_per_slot(itemsize) * slots
+
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str, batch: int = 1) -> KVCache:
         return KVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity, dtype, device)
+
+    def fused_sizes(self) -> dict[str, list[int]]:
+        return {"self_attn.qkv_proj": qkv_sizes(self.num_heads, self.num_kv_heads, self.head_dim),
+                "mlp.gate_up_proj": [self.intermediate_size] * 2}
 
 
 def qkv_sizes(heads: int, kv_heads: int, head_dim: int) -> list[int]:
@@ -58,10 +65,11 @@ FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_at
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
-def fuse_hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face parameter names -> ours: q/k/v and gate/up concatenated by rows."""
+def fuse_hf_state(state: dict[str, torch.Tensor], fused_names: dict[str, tuple[str, ...]] = FUSED
+                  ) -> dict[str, torch.Tensor]:
+    """Hugging Face parameter names -> ours: the parts of each fused projection concatenated by rows."""
     out = dict(state)
-    for fused, parts in FUSED.items():
+    for fused, parts in fused_names.items():
         for name in [n for n in state if f".{parts[0]}." in n]:  # e.g. layers.3.self_attn.q_proj.weight
             names = [name.replace(parts[0], part) for part in parts]
             if all(n in out for n in names):
@@ -69,21 +77,29 @@ def fuse_hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def hf_state(model: LlamaModel) -> dict[str, torch.Tensor]:
-    """Our state -> Hugging Face names, as views of our tensors (no copy)."""
-    s = model.shape
-    sizes = {"self_attn.qkv_proj": qkv_sizes(s.num_heads, s.num_kv_heads, s.head_dim),
-             "mlp.gate_up_proj": [s.intermediate_size] * 2}
+def hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Our state -> Hugging Face names, as views of our tensors (no copy), for any model with
+    `FUSED` (fused name -> its parts) and a shape with `fused_sizes()` (fused name -> part rows)."""
+    sizes, fused_names = model.shape.fused_sizes(), model.FUSED
     out = {}
     for name, tensor in model.state_dict().items():
-        fused = next((f for f in FUSED if f".{f}." in name), None)
+        fused = next((f for f in fused_names if f".{f}." in name), None)
         if fused is None:
             out[name] = tensor
             continue
         stem, kind = name.split(f"{fused}.")
-        for part, piece in zip(FUSED[fused], tensor.split(sizes[fused])):
+        for part, piece in zip(fused_names[fused], tensor.split(sizes[fused])):
             out[f"{stem}{part}.{kind}"] = piece
     return out
+
+
+def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T], inv_freq [R/2] -> cos, sin [B, 1, T, R], computed in fp32 like the reference."""
+    freqs = positions[..., None].float() * inv_freq.float()  # [B, T, R/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
 class RMSNorm(nn.Module):
@@ -164,6 +180,8 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Decoder with logits head. `inv_freq` and `rope_scale` come from the checkpoint's rope config."""
 
+    FUSED = FUSED
+
     def __init__(self, shape: LlamaShape):
         super().__init__()
         self.shape = shape
@@ -188,10 +206,7 @@ class LlamaModel(nn.Module):
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, sin [B, 1, T, K], computed in fp32 like the reference."""
-        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, T, K/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
-        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+        return rotary_tables(positions, self.inv_freq, self.rope_scale, dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,12 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from specgraph.errors import CheckpointError
+from specgraph.models.hybrid import HybridModel, HybridShape, from_hf_norms
 from specgraph.models.llama import LlamaModel, LlamaShape, fuse_hf_state
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+HYBRID = ("Qwen3_5ForCausalLM",)
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + HYBRID
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -85,6 +88,34 @@ def llama_shape(config: PretrainedConfig) -> LlamaShape:
     )
 
 
+def hybrid_shape(config: PretrainedConfig) -> HybridShape:
+    rotary = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+    return HybridShape(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        layer_types=tuple(config.layer_types),
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        rotary_dim=rotary,
+        linear_key_heads=config.linear_num_key_heads,
+        linear_value_heads=config.linear_num_value_heads,
+        linear_key_dim=config.linear_key_head_dim,
+        linear_value_dim=config.linear_value_head_dim,
+        conv_kernel=config.linear_conv_kernel_dim,
+        rms_norm_eps=config.rms_norm_eps,
+    )
+
+
+def is_hybrid(config: PretrainedConfig) -> bool:
+    return config.architectures[0] in HYBRID
+
+
+def model_shape(config: PretrainedConfig) -> LlamaShape | HybridShape:
+    return hybrid_shape(config) if is_hybrid(config) else llama_shape(config)
+
+
 def rope_tables(config: PretrainedConfig, head_dim: int, device: torch.device) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [K/2] and cos/sin scale for the checkpoint's rope type."""
     params = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
@@ -104,20 +135,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:
+def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> LlamaModel | HybridModel:
     """Build our module for the checkpoint at `path` and load its safetensors weights onto `device`."""
     path, device = Path(path), torch.device(device)
     config = read_config(path)
+    hybrid = is_hybrid(config)
     with torch.device("meta"):
-        model = LlamaModel(llama_shape(config))
+        model = HybridModel(hybrid_shape(config)) if hybrid else LlamaModel(llama_shape(config))
     model.to_empty(device=device)
     state = {}
     for file in safetensor_files(path):
         for name, tensor in load_file(file, device=str(device)).items():
-            state[name.removeprefix("model.")] = tensor.to(dtype)
+            state[name.removeprefix("model.")] = tensor
+    if hybrid:
+        state = from_hf_norms(state)
+    state = {name: tensor.to(dtype) for name, tensor in state.items()}
     if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False):
         state["lm_head.weight"] = state.get("embed_tokens.weight")
-    state = fuse_hf_state(state)
+    state = fuse_hf_state(state, model.FUSED)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
@@ -126,7 +161,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> Ll
     model.load_state_dict(state, strict=True)
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq, model.rope_scale = rope_tables(config, model.shape.head_dim, device)
+    rotary = model.shape.rotary_dim if hybrid else model.shape.head_dim
+    model.inv_freq, model.rope_scale = rope_tables(config, rotary, device)
     model.to(dtype)
     model.inv_freq = model.inv_freq.float()
     return model.eval().requires_grad_(False)

@@ -18,7 +18,7 @@ import torch
 
 from specgraph.errors import RecipeError
 from specgraph.graph import SpecGraph
-from specgraph.models.loader import resolve_dtype
+from specgraph.models.loader import is_hybrid, resolve_dtype
 from specgraph.parallel import rank_and_world
 from specgraph.passes.base import graph_pass
 
@@ -50,6 +50,9 @@ def place(graph: SpecGraph) -> SpecGraph:
         if len(set(gpus)) < len(gpus):
             raise RecipeError(f"stages.{index}.devices: a GPU is listed twice; give each tensor-parallel rank its own")
         if len(devices) > 1:
+            if is_hybrid(node["config"]):
+                raise RecipeError(f"stages.{index}.devices: models.{spec.model} is a hybrid model, which is not "
+                                  "tensor-parallel yet; list one device")
             degrees[index] = len(devices)
         node["tp"] = len(devices)
         node["device"] = devices[rank] if len(devices) > 1 else devices[0]

@@ -8,8 +8,10 @@ After:  + `cache_slots`: KV slots = max_seq_len + the largest number of tokens o
 
 from __future__ import annotations
 
+from specgraph.errors import RecipeError
 from specgraph.graph import SpecGraph
-from specgraph.models.loader import llama_shape
+from specgraph.models.hybrid import STEP_TOKENS, HybridShape
+from specgraph.models.loader import model_shape
 from specgraph.passes.base import graph_pass
 
 
@@ -21,10 +23,13 @@ def plan_memory(graph: SpecGraph) -> SpecGraph:
         drafter = graph.drafter_of(name)
         # A target writes its drafter's tree (+ root); a drafter writes its own tree (+ one catch-up token).
         step_tokens = 1 + (graph.node(drafter)["tree_nodes"] if drafter else node["tree_nodes"] + 1)
-        shape = llama_shape(node["config"])
+        shape = model_shape(node["config"])
+        if isinstance(shape, HybridShape) and step_tokens > STEP_TOKENS:
+            raise RecipeError(f"stages.{graph.node(drafter)['index']}.tree: a hybrid target verifies at most "
+                              f"{STEP_TOKENS} tokens per step; this tree and its root are {step_tokens}")
         itemsize = node["dtype"].itemsize
         node["cache_slots"] = max_seq_len + step_tokens
-        node["kv_bytes"] = shape.kv_bytes_per_slot(itemsize) * node["cache_slots"]
+        node["kv_bytes"] = shape.cache_bytes(node["cache_slots"], itemsize)
         tied = bool(node["config"].tie_word_embeddings)
         node["weight_bytes"] = shape.parameter_count(tied) * itemsize
     return graph

@@ -12,7 +12,7 @@ import json
 
 from specgraph.errors import CheckpointError, RecipeError
 from specgraph.graph import SpecGraph
-from specgraph.models.loader import read_config, tokenizer_fingerprint
+from specgraph.models.loader import is_hybrid, read_config, tokenizer_fingerprint
 from specgraph.passes.base import graph_pass
 from specgraph.recipe import DynamicTree
 
@@ -41,6 +41,10 @@ def validate(graph: SpecGraph) -> SpecGraph:
         node["eos_ids"] = _eos_ids(node)
         node["rule"] = _rule(spec.verify.rule, recipe.sampling.temperature, index)
         _check_window(node, recipe.max_seq_len)
+        if name != target and is_hybrid(node["config"]):
+            raise RecipeError(f"stages.{index}.model: models.{spec.model} is a hybrid model "
+                              f"({node['config'].architectures[0]}), which runs only as the target; "
+                              "draft with a Llama-family model")
         if spec.tree is not None and name == target:
             raise RecipeError(f"stages.{index}.tree: the last stage drafts for no one; "
                               "put the tree on the stage it verifies")

@@ -78,6 +78,7 @@ class Verifier:
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor) -> None:
         """Feed all but the last prompt token [L] (the root of the first tree)."""
+        self.stage.cache.reset()
         if prompt.numel() > 1:
             self.stage.prefill(prompt[:-1])
 
@@ -92,9 +93,8 @@ class Verifier:
 
     @torch.inference_mode()
     def commit(self, path: torch.Tensor, length: torch.Tensor) -> None:
-        """Move the K/V of the accepted path (path [D + 1], root first, -1 padded) to slots L - 1 + depth."""
-        dst = length - 1 + torch.arange(path.numel(), device=self.device)
-        self.stage.cache.move(torch.where(path >= 0, length - 1 + path, dst), dst)
+        """Keep the accepted path (path [D + 1], root first, -1 padded): its K/V move to slots L - 1 + depth."""
+        self.stage.cache.commit(path, length - 1)
 
 
 class _Clock:

@@ -89,8 +89,14 @@ class Stage:
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed tokens [T] at slots [0, T) -> logits [T, V] (an eager forward over T slots)."""
-        t = tokens.numel()
-        slots = torch.arange(t, device=self.device)
-        causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
-        return self.forward(tokens, slots, slots, causal)
+        """Feed tokens [T] at slots [0, T) -> logits [T, V]: eager forwards of at most the cache's
+        `max_step_tokens`, each committed, attending over the slots written so far."""
+        logits = []
+        for start in range(0, tokens.numel(), self.cache.max_step_tokens):
+            chunk = tokens[start : start + self.cache.max_step_tokens]
+            t = chunk.numel()
+            slots = start + torch.arange(t, device=self.device)
+            causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
+            logits.append(self.forward(chunk, slots, slots, step_mask(start, causal, start + t)))
+            self.cache.commit(torch.arange(t, device=self.device), start)
+        return torch.cat(logits)

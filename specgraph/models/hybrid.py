@@ -1,0 +1,290 @@
+"""Qwen3.5 hybrid decoder: gated-DeltaNet layers and gated full-attention layers, for tree steps.
+
+A forward's tokens form a tree (a prompt chunk is a chain): attention layers write K/V at their
+slots and attend under the mask, like the Llama module; gated-DeltaNet layers read the committed
+recurrent state and give every node its output in closed form (kernels/gated_delta), leaving the
+nodes' factors in the cache until `HybridCache.commit` folds the accepted path's in.
+
+Parameter names follow the Hugging Face checkpoint (minus `model.`), with projections fused by
+rows (q/gate+k+v, the DeltaNet's qkv+z+b+a, gate+up). Zero-centred RMSNorm weights (the
+checkpoint's `w`, applied as 1 + w) are stored as the multiplier 1 + w, so that the norm kernels
+are the Llama ones and widening rescales them exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specgraph.cache import HybridCache
+from specgraph.kernels import Kernels
+from specgraph.kernels.gated_delta import gated_delta_tree_reference
+from specgraph.kernels.rope.reference import apply_rotary
+from specgraph.models.llama import MLP, FUSED as LLAMA_FUSED, RMSNorm, qkv_sizes, rotary_tables
+
+LINEAR, FULL = "linear_attention", "full_attention"
+STEP_TOKENS = 128  # most tokens a forward may hold before its commit: prompt chunks, verified trees
+ZERO_CENTRED_NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")  # and the final `norm`
+
+
+@dataclass(frozen=True)
+class HybridShape:
+    """What our module needs from a Qwen3.5 text config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    num_heads: int  # full attention
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    linear_key_heads: int  # gated DeltaNet
+    linear_value_heads: int
+    linear_key_dim: int
+    linear_value_dim: int
+    conv_kernel: int
+    rms_norm_eps: float
+    mlp_bias: bool = False
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def attention_layers(self) -> int:
+        return self.layer_types.count(FULL)
+
+    @property
+    def linear_layers(self) -> int:
+        return self.layer_types.count(LINEAR)
+
+    @property
+    def conv_channels(self) -> int:
+        """The DeltaNet's convolved q, k and v channels."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+
+    def linear_sizes(self) -> list[int]:
+        """Row counts of the DeltaNet's fused input projection: convolved qkv, z, b, a."""
+        v = self.linear_value_heads
+        return [self.conv_channels, v * self.linear_value_dim, v, v]
+
+    def fused_sizes(self) -> dict[str, list[int]]:
+        return {"self_attn.qkv_proj": qkv_sizes(2 * self.num_heads, self.num_kv_heads, self.head_dim),
+                "linear_attn.in_proj": self.linear_sizes(),
+                "mlp.gate_up_proj": [self.intermediate_size] * 2}
+
+    def parameter_count(self, tied: bool) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attention = h * d * (3 * self.num_heads + 2 * self.num_kv_heads) + 2 * d
+        values = self.linear_value_heads * self.linear_value_dim
+        linear = (h * sum(self.linear_sizes()) + self.conv_channels * self.conv_kernel + values * h
+                  + 2 * self.linear_value_heads + self.linear_value_dim)
+        mlp = 3 * h * self.intermediate_size + 2 * h
+        layers = self.attention_layers * (attention + mlp) + self.linear_layers * (linear + mlp)
+        return layers + self.vocab_size * h * (1 if tied else 2) + h
+
+    def kv_bytes_per_slot(self, itemsize: int) -> int:
+        """Bytes of keys and values one cached token takes over the attention layers."""
+        return 2 * self.attention_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    def cache_bytes(self, slots: int, itemsize: int) -> int:
+        """K/V of `slots` tokens plus the committed DeltaNet states (fp32) and conv windows."""
+        state = 4 * self.linear_value_heads * self.linear_key_dim * self.linear_value_dim
+        window = (self.conv_kernel - 1) * self.conv_channels * itemsize
+        return self.kv_bytes_per_slot(itemsize) * slots + self.linear_layers * (state + window)
+
+    def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str, batch: int = 1) -> HybridCache:
+        return HybridCache(self.attention_layers, batch, self.num_kv_heads, self.head_dim, capacity, dtype, device,
+                           linear_layers=self.linear_layers, heads=self.linear_value_heads,
+                           key_dim=self.linear_key_dim, value_dim=self.linear_value_dim,
+                           conv_channels=self.conv_channels, conv_kernel=self.conv_kernel, step_tokens=STEP_TOKENS)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def conv_windows(visible: torch.Tensor, kernel: int) -> torch.Tensor:
+    """visible [T, T] bool (ancestors or self) -> [T, K] long: each node's conv inputs, oldest first,
+    as indices into (the K - 1 committed inputs, then the step's T): the node and its K - 1 nearest
+    ancestors, reaching into the committed window above the step's root."""
+    t = visible.shape[0]
+    depth = visible.sum(1) - 1  # [T]: depth in the step, root 0
+    wanted = depth[:, None] - torch.arange(kernel - 1, -1, -1, device=visible.device)  # [T, K]
+    match = visible[:, None, :] & (depth[None, None, :] == wanted[:, :, None])  # [T, K, T]: that ancestor
+    node = (match.long() * torch.arange(t, device=visible.device)).sum(-1)  # [T, K]
+    return kernel - 1 + torch.where(wanted >= 0, node, wanted)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each value head, then times silu(gate) (plain weight, not zero-centred)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (normed * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, shape: HybridShape):
+        super().__init__()
+        self.shape = shape
+        channels = shape.conv_channels
+        self.in_proj = nn.Linear(shape.hidden_size, sum(shape.linear_sizes()), bias=False)  # rows: q k v, z, b, a
+        self.conv1d = nn.Conv1d(channels, channels, shape.conv_kernel, groups=channels, bias=False)  # weight [C, 1, K]
+        self.dt_bias = nn.Parameter(torch.ones(shape.linear_value_heads))
+        self.A_log = nn.Parameter(torch.zeros(shape.linear_value_heads))
+        self.norm = GatedRMSNorm(shape.linear_value_dim, shape.rms_norm_eps)
+        self.out_proj = nn.Linear(shape.linear_value_heads * shape.linear_value_dim, shape.hidden_size, bias=False)
+        self.kernels = Kernels()
+
+    def forward(self, h: torch.Tensor, windows: torch.Tensor, visible: torch.Tensor, state: torch.Tensor,
+                conv: torch.Tensor, step_k: torch.Tensor, step_u: torch.Tensor, step_decay: torch.Tensor,
+                step_inputs: torch.Tensor) -> torch.Tensor:
+        """h [B, T, hidden]; windows [T, K] (see conv_windows); visible [T, T]; this layer's committed
+        state [B, H, dk, dv] and conv inputs [B, K - 1, C], read only; step_* [B, STEP_TOKENS, ...]:
+        where the tokens' factors are left for the commit."""
+        s, (b, t, _) = self.shape, h.shape
+        hk, hv, dk, dv = s.linear_key_heads, s.linear_value_heads, s.linear_key_dim, s.linear_value_dim
+        inputs, z, write, a = self.in_proj(h).split(s.linear_sizes(), dim=-1)
+        step_inputs[:, :t] = inputs
+        taps = torch.cat([conv, inputs], dim=1)[:, windows]  # [B, T, K, C]
+        weight = self.conv1d.weight[:, 0].T.float()  # [K, C]
+        mixed = F.silu((taps.float() * weight).sum(2)).to(h.dtype)  # [B, T, C]
+        q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q = l2norm(q.reshape(b, t, hk, dk).float()).repeat_interleave(hv // hk, dim=2) / math.sqrt(dk)
+        k = l2norm(k.reshape(b, t, hk, dk).float()).repeat_interleave(hv // hk, dim=2)  # [B, T, H, dk]
+        beta = write.sigmoid().float()  # [B, T, H]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [B, T, H]: log-decay
+        out, u, decay = gated_delta_tree_reference(q, k, v.reshape(b, t, hv, dv).float(), g, beta, state, visible)
+        step_k[:, :t], step_u[:, :t], step_decay[:, :t] = k, u, decay
+        out = self.norm(out.to(h.dtype), z.reshape(b, t, hv, dv)).reshape(b, t, hv * dv)
+        return self.kernels.linear(out, self.out_proj.weight, None)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with per-head q/k norms, partial rotary and a sigmoid gate on the output."""
+
+    def __init__(self, shape: HybridShape):
+        super().__init__()
+        h, kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
+        self.qkv_proj = nn.Linear(shape.hidden_size, (2 * h + 2 * kv) * d, bias=False)  # rows: (q, gate) per head, k, v
+        self.o_proj = nn.Linear(h * d, shape.hidden_size, bias=False)
+        self.q_norm = RMSNorm(d, shape.rms_norm_eps)
+        self.k_norm = RMSNorm(d, shape.rms_norm_eps)
+        self.kernels = Kernels()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """As the Llama attention; cos, sin [B, 1, T, R] rotate the first R of each head's dims."""
+        b, t, _ = x.shape
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q_gate, k, v = self.qkv_proj(x).split(qkv_sizes(2 * h, kv, d), dim=-1)
+        q, gate = q_gate.view(b, t, h, 2 * d).chunk(2, dim=-1)  # [B, T, H, K] each
+        q = self.q_norm(q).transpose(1, 2)  # [B, H, T, K]
+        k = self.k_norm(k.view(b, t, kv, d)).transpose(1, 2)
+        rot = cos.shape[-1]
+        q, k = (torch.cat([apply_rotary(y[..., :rot], cos, sin), y[..., rot:]], dim=-1) for y in (q, k))
+        keys.index_copy_(2, slots, k)
+        values.index_copy_(2, slots, v.view(b, t, kv, d).transpose(1, 2))
+        out = self.kernels.attention(q, keys, values, mask, slots).transpose(1, 2).reshape(b, t, h * d)
+        out = out * torch.sigmoid(gate.reshape(b, t, h * d))
+        return self.kernels.linear(out, self.o_proj.weight, None)
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, shape: HybridShape, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == LINEAR:
+            self.linear_attn = GatedDeltaNet(shape)
+        else:
+            self.self_attn = GatedAttention(shape)
+        self.mlp = MLP(shape)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.kernels = Kernels()
+
+    def forward(self, x: torch.Tensor, delta: torch.Tensor, *mixing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As the Llama layer: returns (x, this layer's MLP output); `mixing` are the token mixer's inputs."""
+        first, second = self.input_layernorm, self.post_attention_layernorm
+        mixer = self.linear_attn if self.kind == LINEAR else self.self_attn
+        x, h = self.kernels.add_rmsnorm(x, delta, first.weight, first.eps)
+        x, h = self.kernels.add_rmsnorm(x, mixer(h, *mixing), second.weight, second.eps)
+        return x, self.mlp(h)
+
+
+class HybridModel(nn.Module):
+    """Decoder with logits head; `inv_freq` covers the rotary dims only."""
+
+    FUSED = {**LLAMA_FUSED, "linear_attn.in_proj": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z",
+                                                    "linear_attn.in_proj_b", "linear_attn.in_proj_a")}
+
+    def __init__(self, shape: HybridShape):
+        super().__init__()
+        self.shape = shape
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(HybridLayer(shape, kind) for kind in shape.layer_types)
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.register_buffer("inv_freq", torch.ones(shape.rotary_dim // 2), persistent=False)
+        self.rope_scale = 1.0
+        self.served_vocab = shape.vocab_size
+        self.kernels = Kernels()
+
+    def new_cache(self, capacity: int, batch: int = 1) -> HybridCache:
+        weight = self.embed_tokens.weight
+        return self.shape.new_cache(capacity, weight.dtype, weight.device, batch)
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        for module in self.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = kernels
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: HybridCache, slots: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """As LlamaModel.forward; the step's tokens at `slots` form the tree that `mask` draws
+        (parents first). Leaves the DeltaNet factors in `cache` for its commit.
+        Returns logits [B, T, V] in fp32."""
+        x = self.embed_tokens(tokens)  # [B, T, hidden]
+        cos, sin = rotary_tables(positions, self.inv_freq, self.rope_scale, x.dtype)
+        visible = mask.index_select(1, slots)  # [T, T]: ancestors or self within the step
+        windows = conv_windows(visible, self.shape.conv_kernel)
+        delta = torch.zeros_like(x)
+        attention = linear = 0
+        for layer in self.layers:
+            if layer.kind == LINEAR:
+                c = cache
+                x, delta = layer(x, delta, windows, visible, c.state[linear], c.conv[linear], c.step_k[linear],
+                                 c.step_u[linear], c.step_decay[linear], c.step_inputs[linear])
+                linear += 1
+            else:
+                x, delta = layer(x, delta, cos, sin, cache.k[attention], cache.v[attention], slots, mask)
+                attention += 1
+        _, h = self.kernels.add_rmsnorm(x, delta, self.norm.weight, self.norm.eps)
+        return self.lm_head(h)[..., : self.served_vocab].float()
+
+
+def is_zero_centred_norm(name: str) -> bool:
+    return name == "norm.weight" or any(f".{n}.weight" in name for n in ZERO_CENTRED_NORMS)
+
+
+def from_hf_norms(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Zero-centred norm weights w -> the multipliers 1 + w (in fp32, before any cast)."""
+    return {n: 1 + t.float() if is_zero_centred_norm(n) else t for n, t in state.items()}
+
+
+def to_hf_norms(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our multipliers m -> the checkpoint's w = m - 1 (copies for the norms, views otherwise)."""
+    return {n: t - 1 if is_zero_centred_norm(n) else t for n, t in state.items()}
