@@ -4,13 +4,14 @@ import json
 
 import pytest
 import torch
-from conftest import EMBEDDED, REPO
+from conftest import EMBEDDED, REPO, shared_models
 from helpers import chain_logits, two_stage
 
-from specgraph.bench.systems import hf_mirror
-from specgraph.bench.widen import SHAPES, draft_shape_for, widen
+from specgraph.bench.systems import HFSystem, hf_mirror
+from specgraph.bench.widen import SHAPES, draft_shape_for, widen, widened_shape
 from specgraph.cli import main
 from specgraph.errors import SpecgraphError
+from specgraph.models.hybrid import FULL, LINEAR, HybridShape
 from specgraph.models.llama import LlamaShape
 from specgraph.models.loader import load_model, read_config
 from specgraph.program import Program, plan
@@ -47,6 +48,21 @@ def test_bench_reports_measured_ratios(tmp_path, capsys):
     assert "specgraph ÷" in capsys.readouterr().out
 
 
+def test_a_failing_transformers_baseline_is_reported_not_fatal(tmp_path, monkeypatch):
+    def fail(self, ids, max_new_tokens):
+        raise RuntimeError("cannot compile this model\nmore detail")
+
+    monkeypatch.setattr(HFSystem, "run", fail)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "import os\\n"}\n')
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(REPO / "recipes" / "demo.yaml"), "--prompts", str(prompts), "--max-new-tokens", "8",
+                 "--repeats", "1", "--baselines", "hf,ar", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["systems"]) == {"specgraph", "ar"}
+    assert report["skipped"] == {"hf": "transformers failed in this run: RuntimeError: cannot compile this model"}
+
+
 def test_unknown_baseline_is_refused(capsys):
     assert main(["bench", str(REPO / "recipes" / "demo.yaml"), "--baselines", "vllm"]) == 2
     assert "--baselines: unknown 'vllm'; valid: hf, hf-assisted, ar, serial" in capsys.readouterr().err
@@ -65,6 +81,11 @@ def test_fixtures_fit_their_shapes():
         widen(target, "gpt-5", "cpu", torch.float32)
     with pytest.raises(SpecgraphError, match="head_dim 64 != 128"):
         widen(draft, "llama-3-8b", "cpu", torch.float32)
+    with pytest.raises(SpecgraphError, match="a HybridShape does not fit this Llama model; valid: llama-3.2-1b"):
+        widen(target, "qwen3.5-9b", "cpu", torch.float32)
+    hybrid = load_model(shared_models() / "hybrid", torch.float32, "cpu").shape
+    for name in ("qwen3.5-9b", "qwen3.5-27b"):
+        assert widened_shape(hybrid, name)[0].rotary_dim == hybrid.rotary_dim
 
 
 REDUCED = LlamaShape(vocab_size=5000, hidden_size=640, intermediate_size=1536, num_layers=11, num_heads=8,
@@ -96,3 +117,26 @@ def test_widened_recipe_decodes_the_same_tokens():
     ids = small.encode("def load(path):\n    with open(path) as f:\n")
     expected = small.autoregressive().generate(ids, 40).output_ids
     assert wide.generate(ids).output_ids == expected and small.generate(ids).output_ids == expected
+
+
+HYBRID_REDUCED = HybridShape(5000, 512, 1536, (LINEAR, LINEAR, LINEAR, FULL) * 3, 4, 2, 128, 32, 3, 9, 64, 64, 4,
+                             1e-6)  # the Qwen3.5 layout (3 value heads per key head, as 27B) at a CPU-friendly size
+
+
+def test_widened_hybrid_computes_the_same_function():
+    hybrid = shared_models() / "hybrid"
+    small = load_model(hybrid, torch.float32, "cpu")
+    wide = widen(small, HYBRID_REDUCED, "cpu", torch.float32)
+    assert len(wide.layers) == 12 and wide.layers[5].linear_attn.in_proj.weight.shape == (2 * 3 * 64 + 2 * 9 * 64 + 2 * 9, 512)  # q k v z b a
+    ids = torch.randint(0, 4096, (150,))  # two prefill chunks
+    a = chain_logits(small, ids)
+    assert (chain_logits(wide, ids) - a).abs().max() < 1e-4  # fp32; the padded zeros change only summation order
+    hf = hf_mirror(wide, read_config(hybrid))  # transformers agrees on the widened weights
+    with torch.no_grad():
+        assert (hf(ids[None]).logits[0, :, :4096] - a).abs().max() < 1e-4
+    recipe = two_stage(hybrid, EMBEDDED / "draft", {"shape": "static", "branching": [3, 2, 1]}, max_new_tokens=40)
+    small_program = Program(plan(recipe))
+    wide_program = Program(plan(recipe), {"target": wide})
+    prompt = small_program.encode("def load(path):\n    with open(path) as f:\n")
+    expected = small_program.autoregressive().generate(prompt, 40).output_ids
+    assert wide_program.generate(prompt).output_ids == expected

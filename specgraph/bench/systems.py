@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from specgraph.models.hybrid import FULL, HybridModel, to_hf_norms
 from specgraph.models.llama import LlamaModel, hf_state
 from specgraph.runtime.serial import SerialExecutor
 
@@ -55,23 +56,34 @@ class SpecgraphSystem:
                    gen.draft_seconds, gen.verify_seconds)
 
 
-def hf_mirror(model: LlamaModel, config: PretrainedConfig) -> torch.nn.Module:
-    """A transformers model of `model`'s shape that shares its weight tensors (no copy)."""
-    s = model.shape
-    hidden_norm_eps = model.norm.eps
+def hf_mirror(model: LlamaModel | HybridModel, config: PretrainedConfig) -> torch.nn.Module:
+    """A transformers model of `model`'s shape that shares its weight tensors (a hybrid's norm
+    weights are converted back to the checkpoint's zero-centred form, as copies)."""
+    s, hybrid = model.shape, isinstance(model, HybridModel)
     cfg = copy.deepcopy(config)
     cfg.update(dict(vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
                     num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
-                    head_dim=s.head_dim, rms_norm_eps=hidden_norm_eps,
+                    head_dim=s.head_dim, rms_norm_eps=model.norm.eps,
                     tie_word_embeddings=model.lm_head.weight is model.embed_tokens.weight))
+    if hybrid:
+        cfg.update(dict(layer_types=list(s.layer_types), linear_num_key_heads=s.linear_key_heads,
+                        linear_num_value_heads=s.linear_value_heads, linear_key_head_dim=s.linear_key_dim,
+                        linear_value_head_dim=s.linear_value_dim))
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in hf_state(model).items() if k != "inv_freq"}
+    ours = to_hf_norms(hf_state(model)) if hybrid else hf_state(model)
+    state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in ours.items() if k != "inv_freq"}
     hf.load_state_dict(state, assign=True, strict=False)
     hf.model.rotary_emb = type(hf.model.rotary_emb)(cfg).to(device)
     if cfg.tie_word_embeddings:
         hf.lm_head.weight = hf.model.embed_tokens.weight
+    if hybrid:  # the config has one eps; per-head norms keep the model's own (widening rescales only hidden-size ones)
+        for mine, theirs in zip(model.layers, hf.model.layers):
+            if mine.kind == FULL:
+                theirs.self_attn.q_norm.eps = theirs.self_attn.k_norm.eps = mine.self_attn.q_norm.eps
+            else:
+                theirs.linear_attn.norm.variance_epsilon = mine.linear_attn.norm.eps
     leftover = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
     if leftover:
         raise RuntimeError(f"hf_mirror left {leftover[0]} unset")
