@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run specgraph bench on a fresh GPU machine that has only this repository, plus
-#   .fixtures/  mid/ and prompts_code.jsonl from ../shared/fixtures (target and draft are embedded)
+#   .fixtures/  mid/, hybrid/ and prompts_code.jsonl from ../shared/fixtures (target and draft are embedded)
 #   .whl/       wheels of what the machine may lack (pydantic, rich and their needs; see docs/benchmarks.md)
 # Results (JSON per benchmark, and a log) go to $OUT (default: bench-results/).
 set -euo pipefail
@@ -35,6 +35,9 @@ python3 scripts/bench_attention.py --json "$OUT/attention.json"
 sg bench recipes/tree.yaml "${common[@]}" --baselines hf,hf-assisted,ar --json "$OUT/$SHAPE-tree-draft.json"
 sg bench recipes/chain.yaml "${common[@]}" --baselines ar --json "$OUT/$SHAPE-chain-draft.json"
 sg bench recipes/dynamic.yaml "${common[@]}" "${mid[@]}" --baselines ar --json "$OUT/$SHAPE-dynamic-mid.json"
+# the hybrid (Qwen3.5) target at the Qwen3.5-9B shape (transformers' assisted generation refuses hybrids)
+sg bench recipes/hybrid.yaml --prompts "$OUT/prompts.jsonl" --max-new-tokens "$NEW_TOKENS" --repeats "$REPEATS" \
+  --widen qwen3.5-9b --set models.target.path=../.fixtures/hybrid --baselines ar,hf --json "$OUT/qwen3.5-9b-hybrid-draft.json"
 # Llama-3-70B on two GPUs: both stages tensor-parallel over cuda:0 and cuda:1 (one process per GPU)
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   sg bench recipes/tree.yaml --prompts "$OUT/prompts.jsonl" --max-new-tokens "$NEW_TOKENS" --repeats "$REPEATS" \
