@@ -5,7 +5,7 @@ builds, and greedy speculative output token for token (16 held-out prompts x 128
 import pytest
 import torch
 import transformers
-from conftest import EMBEDDED, shared_models
+from conftest import EMBEDDED, REPO, shared_models
 from helpers import two_stage
 
 from specgraph.models.loader import load_model
@@ -95,3 +95,17 @@ def test_autoregressive_hybrid_equals_transformers(hybrid, reference):
     program = Program.from_recipe(two_stage(hybrid, None, max_new_tokens=NEW_TOKENS))
     for ids, expected in reference[:2]:
         assert program.generate(ids).output_ids == expected
+
+
+def test_hybrid_recipe_runs_from_the_cli_and_is_not_exported(tmp_path, capsys):
+    from specgraph.cli import main
+
+    recipe = REPO / "recipes" / "hybrid.yaml"
+    shared_models()  # the recipe's target lives in ../shared
+    out = tmp_path / "run.json"
+    assert main(["run", str(recipe), "--prompt", "def parse(path):\n", "--max-new-tokens", "16", "--json", str(out)]) == 0
+    assert out.is_file()
+    assert main(["compile", str(recipe), "-o", str(tmp_path / "program")]) == 2
+    assert ("stage target: hybrid models cannot be exported yet (their recurrent state is not an input of the step "
+            "program); run the recipe with `specgraph run`") in capsys.readouterr().err
+    assert not (tmp_path / "program").exists()
