@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors.torch import save_file
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,6 +45,19 @@ class MarkovModel(nn.Module):
 
     def forward(self, tokens, positions, cache, slot, mask):
         return self.log_table[tokens]  # [B, T, V]
+
+
+@torch.no_grad()
+def hf_greedy(checkpoint: Path, prompts: list[dict], new_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """transformers' greedy continuation (fp32) of each prompt's text: [(prompt ids, new ids)]."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    out = []
+    for row in prompts:
+        ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        gen = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
+        out.append((ids, gen[0, len(ids):].tolist()))
+    return out
 
 
 @torch.no_grad()

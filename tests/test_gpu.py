@@ -20,6 +20,19 @@ def on_gpu(tree: dict, target=EMBEDDED / "target", **fields) -> Program:
     return Program.from_recipe(recipe)
 
 
+def step_without_host_sync(executor) -> int:
+    """One more step of the executor's last sequence under sync debug mode (raises on any host
+    sync) -> the number of new tokens."""
+    length = int(executor.sequence.length)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = executor._step(length, (None, None), _Clock(torch.device("cpu")))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return int(result[0])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tree", [{"shape": "static", "branching": [2, 2, 1]}, {"shape": "dynamic", "width": 3, "depth": 3, "nodes": 8}],
                          ids=["static", "dynamic"])
@@ -42,14 +55,7 @@ def test_a_decoding_step_never_waits_for_the_host(lowering):
     executor = program.executor
     ids = program.encode(PROMPTS[0])
     executor.generate(ids, 8)  # warm-up: prefill, graph capture
-    length = int(executor.sequence.length)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        result = executor._step(length, (None, None), _Clock(torch.device("cpu")))  # raises on any sync
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert int(result[0]) >= 1
+    assert step_without_host_sync(executor) >= 1
 
 
 def test_sampling_runs_on_gpu():
@@ -118,12 +124,4 @@ def test_hybrid_target_captured_and_compiled_gives_the_eager_tokens_and_never_wa
         ids = fast.encode(text)
         assert fast.generate(ids).output_ids == slow.generate(ids).output_ids
     assert set(fast.executor._graphs) == {"draft", "verify"}
-    executor = fast.executor
-    length = int(executor.sequence.length)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        result = executor._step(length, (None, None), _Clock(torch.device("cpu")))  # raises on any sync
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert int(result[0]) >= 1
+    assert step_without_host_sync(fast.executor) >= 1

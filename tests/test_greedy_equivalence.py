@@ -2,10 +2,8 @@
 in fp32 on the CPU: 16 held-out code prompts x 128 new tokens, for every tree shape and drafter."""
 
 import pytest
-import torch
-import transformers
 from conftest import EMBEDDED, shared_models
-from helpers import two_stage
+from helpers import hf_greedy, two_stage
 
 from specgraph.program import Program
 
@@ -20,15 +18,7 @@ TREES = {
 @pytest.fixture(scope="module")
 def reference(code_prompts):
     """transformers' greedy continuation of each prompt by the target."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(EMBEDDED / "target", dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(EMBEDDED / "target")
-    out = []
-    for row in code_prompts[:PROMPTS]:
-        ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-        with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        out.append((ids, gen[0, len(ids):].tolist()))
-    return out
+    return hf_greedy(EMBEDDED / "target", code_prompts[:PROMPTS], NEW_TOKENS)
 
 
 def drafter_path(name):

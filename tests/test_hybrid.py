@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 from conftest import EMBEDDED, REPO, shared_models
-from helpers import two_stage
+from helpers import hf_greedy, two_stage
 
 from specgraph.models.loader import load_model
 from specgraph.program import Program
@@ -63,15 +63,8 @@ def test_tree_nodes_and_committed_state_match_each_path_run_alone(hybrid, hf):
 
 
 @pytest.fixture(scope="module")
-def reference(hybrid, hf, code_prompts):
-    tokenizer = transformers.AutoTokenizer.from_pretrained(hybrid)
-    out = []
-    for row in code_prompts[:PROMPTS]:
-        ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-        with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        out.append((ids, gen[0, len(ids):].tolist()))
-    return out
+def reference(hybrid, code_prompts):
+    return hf_greedy(hybrid, code_prompts[:PROMPTS], NEW_TOKENS)
 
 
 @pytest.mark.parametrize("drafter, tree", [
