@@ -17,12 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
+from specgraph.kernels.pdl import launch
+
 
 @triton.jit
 def _step_attention(q, k, v, mask, slots, part_o, part_m, part_l, counters, o, T, H_KV, ROWS, scale,
              s_qb, s_qh, s_qt, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_mt, s_ob, s_oh, s_ot,
              GROUP: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_T: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+             BLOCK_T: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     i_bk, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_kv = i_bk // H_KV, i_bk % H_KV
     o_t = tl.arange(0, BLOCK_T)
@@ -125,7 +130,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mas
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), mask.stride(0), out.stride(0), out.stride(1), out.stride(2),
         GROUP=group, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=32, BLOCK_T=max(16, triton.next_power_of_2(t)),
-        D=d, BLOCK_D=block_d)
+        D=d, BLOCK_D=block_d, **launch(q.device))
     return out
 
 

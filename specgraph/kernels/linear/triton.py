@@ -14,16 +14,27 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specgraph.kernels.pdl import launch
+
 
 @triton.jit
-def _gemv(x, w, bias, out, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv(x, w, bias, out, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_rows = rows < N
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    cols = tl.arange(0, BLOCK_K)
+    m = cols < K
+    b_w = tl.load(w + rows[:, None] * K + cols[None, :], mask=m_rows[:, None] & m[None, :], other=0.0)  # weights: no wait
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # x is the kernel before's output
+    b_x = tl.load(x + cols, mask=m, other=0.0).to(tl.float32)  # [BK]
+    acc = b_w.to(tl.float32) * b_x[None, :]  # [BN, BK]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         m = cols < K
-        b_x = tl.load(x + cols, mask=m, other=0.0).to(tl.float32)  # [BK]
+        b_x = tl.load(x + cols, mask=m, other=0.0).to(tl.float32)
         b_w = tl.load(w + rows[:, None] * K + cols[None, :], mask=m_rows[:, None] & m[None, :], other=0.0)
         acc += b_w.to(tl.float32) * b_x[None, :]
     y = tl.sum(acc, axis=1)
@@ -44,7 +55,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     block_n = 4  # 1024 programs for 4096 rows: the fastest measured (docs/benchmarks.md)
     _gemv[(triton.cdiv(n, block_n),)](x.contiguous(), weight, bias if bias is not None else out, out, n, k,
                                       HAS_BIAS=bias is not None, BLOCK_N=block_n,
-                                      BLOCK_K=min(1024, triton.next_power_of_2(k)))
+                                      BLOCK_K=min(1024, triton.next_power_of_2(k)), **launch(x.device))
     return out.view(*x.shape[:-1], n)
 
 

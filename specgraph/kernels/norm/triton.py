@@ -7,19 +7,25 @@ import torch
 import triton
 import triton.language as tl
 
+from specgraph.kernels.pdl import launch
+
 
 @triton.jit
-def _add_rmsnorm(x, delta, weight, total, out, C, eps, BLOCK_C: tl.constexpr):
+def _add_rmsnorm(x, delta, weight, total, out, C, eps, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     m = cols < C
+    b_w = tl.load(weight + cols, mask=m, other=0.0)  # a weight: no wait
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     b_x = tl.load(x + row * C + cols, mask=m, other=0.0)
     b_d = tl.load(delta + row * C + cols, mask=m, other=0.0)
     b_sum = (b_x.to(tl.float32) + b_d.to(tl.float32)).to(b_x.dtype)  # rounded like x + delta
     tl.store(total + row * C + cols, b_sum, mask=m)
     f = b_sum.to(tl.float32)
     normed = (f * tl.rsqrt(tl.sum(f * f, axis=0) / C + eps)).to(b_x.dtype)
-    b_w = tl.load(weight + cols, mask=m, other=0.0)
     tl.store(out + row * C + cols, (b_w.to(tl.float32) * normed.to(tl.float32)).to(out.dtype.element_ty), mask=m)
 
 
@@ -29,7 +35,8 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps:
     c = x.shape[-1]
     x2, d2 = x.reshape(-1, c).contiguous(), delta.reshape(-1, c).contiguous()
     total, out = torch.empty_like(x2), torch.empty_like(x2)
-    _add_rmsnorm[(x2.shape[0],)](x2, d2, weight, total, out, c, eps, BLOCK_C=triton.next_power_of_2(c))
+    _add_rmsnorm[(x2.shape[0],)](x2, d2, weight, total, out, c, eps, BLOCK_C=triton.next_power_of_2(c),
+                                 **launch(x.device))
     return total.view(x.shape), out.view(x.shape)
 
 

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specgraph.kernels.pdl import launch
+
 
 @triton.jit
 def _rotated(src, cos, sin, d, m, D: tl.constexpr):
@@ -27,7 +29,10 @@ def _rotated(src, cos, sin, d, m, D: tl.constexpr):
 def _rope_write(q, k, v, cos, sin, slots, q_out, keys, values, T, H, H_KV,
                 s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_cb, s_ct,
                 s_ob, s_oh, s_ot, s_kcb, s_kch, s_kcs, s_vcb, s_vch, s_vcs,
-                D: tl.constexpr, BLOCK_D: tl.constexpr):
+                D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     i_bt, head = tl.program_id(0), tl.program_id(1)  # head: q heads, then k heads, then v heads
     i_b, i_t = i_bt // T, i_bt % T
     d = tl.arange(0, BLOCK_D)
@@ -63,7 +68,8 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), cos.stride(0), cos.stride(2),
         out.stride(0), out.stride(1), out.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), D=d, BLOCK_D=triton.next_power_of_2(d))
+        values.stride(0), values.stride(1), values.stride(2), D=d, BLOCK_D=triton.next_power_of_2(d),
+        **launch(q.device))
     return out
 
 

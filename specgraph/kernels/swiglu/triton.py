@@ -6,9 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from specgraph.kernels.pdl import launch
+
 
 @triton.jit
-def _swiglu(gate_up, out, I, BLOCK: tl.constexpr):
+def _swiglu(gate_up, out, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row, block = tl.program_id(0), tl.program_id(1)
     cols = block * BLOCK + tl.arange(0, BLOCK)
     m = cols < I
@@ -25,7 +30,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     rows = gate_up.reshape(-1, 2 * i).contiguous()
     out = torch.empty(rows.shape[0], i, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(i))
-    _swiglu[(rows.shape[0], triton.cdiv(i, block))](rows, out, i, BLOCK=block)
+    _swiglu[(rows.shape[0], triton.cdiv(i, block))](rows, out, i, BLOCK=block, **launch(gate_up.device))
     return out.view(*gate_up.shape[:-1], i)
 
 
