@@ -1,9 +1,10 @@
 """Triton projection of one token (decoding's matrix-vector product).
 
 For a single token, cuBLAS splits the long K of the output and down projections over programs and
-adds the parts in a second kernel. Here a program takes BLOCK_N weight rows and walks all of K,
-reading each weight once with fp32 accumulation: one kernel, which on an H200 ran 2 us (o_proj,
-4096 x 4096) and 1 us (down_proj, 4096 x 14336) faster than cuBLAS (docs/benchmarks.md). More than
+adds the parts in a second kernel. Here a program takes one weight row (BLOCK_N) and walks all of
+K, reading each weight once with fp32 accumulation: one kernel, which on an H200 ran 2 us (o_proj,
+4096 x 4096) and 1 us (down_proj, 4096 x 14336) faster than cuBLAS (docs/benchmarks.md). Launched
+dependently, its programs load their first weight tile before the activations exist. More than
 one token (tree verification, prefill) goes to cuBLAS.
 """
 
@@ -52,7 +53,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if weight.stride() != (k, 1):
         raise ValueError("the one-token projection needs a contiguous [N, K] weight")
     out = torch.empty(n, dtype=x.dtype, device=x.device)
-    block_n = 4  # 1024 programs for 4096 rows: the fastest measured (docs/benchmarks.md)
+    block_n = 1  # a program per row: the fastest measured with dependent launch (docs/benchmarks.md, run 20)
     _gemv[(triton.cdiv(n, block_n),)](x.contiguous(), weight, bias if bias is not None else out, out, n, k,
                                       HAS_BIAS=bias is not None, BLOCK_N=block_n,
                                       BLOCK_K=min(1024, triton.next_power_of_2(k)), **launch(x.device))
