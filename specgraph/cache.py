@@ -2,7 +2,7 @@
 
 Which slots are committed is the executor's to know (a device tensor, see runtime/serial.py):
 the cache is storage. A step writes its tokens (a catch-up, draft-tree nodes, the tree being
-verified) past the committed prefix; after verification, `move` gathers the accepted path's rows
+verified) past the committed prefix; after verification, `commit` moves the accepted path's rows
 to the end of the prefix, and everything past it is garbage that later steps overwrite.
 A hybrid model's cache also holds each gated-DeltaNet layer's recurrent state, which a step
 reads but does not change: the step leaves its tokens' factors, and `commit` folds the accepted
