@@ -40,6 +40,10 @@ class KVCache:
     def reset(self) -> None:
         """Start a new sequence: nothing to clear, as masks hide every slot past the committed prefix."""
 
+    def keep(self, count: int) -> None:
+        """Keep all `count` tokens of the last forward, a chain written at its own committed slots (a
+        prompt chunk): their K/V are already in place."""
+
     def commit(self, path: torch.Tensor, start: torch.Tensor | int) -> None:
         """Keep a step's accepted path: path [P] long (nodes of the step written from slot `start`,
         root first, -1 padded) moves to slots start + depth."""
@@ -75,8 +79,15 @@ class HybridCache(KVCache):
         self.state.zero_()
         self.conv.zero_()
 
+    def keep(self, count: int) -> None:
+        self._fold(torch.arange(count, device=self.state.device))
+
     def commit(self, path: torch.Tensor, start: torch.Tensor | int) -> None:
         super().commit(path, start)
+        self._fold(path)
+
+    def _fold(self, path: torch.Tensor) -> None:
+        """Advance every DeltaNet state and conv window along `path` (the last forward's nodes, root first, -1 padded)."""
         gated_delta_commit_reference(self.state, self.step_k, self.step_u, self.step_decay, path)
         # the conv window ends with the path's inputs: the last K - 1 of (committed window, path)
         kept = self.conv.shape[2]

@@ -49,6 +49,7 @@ class Program:
         models = models or {}
         self.stages = {}
         rank, world = rank_and_world()
+        kernels = {name: Kernels.select(graph.node(name)["kernels"]) for name in graph.stages()}
         for name in graph.stages():
             node = graph.node(name)
             if node["tp"] > 1 and node["tp"] != world:
@@ -56,18 +57,17 @@ class Program:
                                      f"per device: `specgraph run` and `specgraph bench` start them (this process group "
                                      f"has {world})")
             model = models.get(name) or _load(name, node, rank, world)
-            kernels = Kernels.select(node["kernels"])
             if hasattr(model, "use_kernels"):  # (an exported package has its ops built in)
-                model.use_kernels(kernels)
+                model.use_kernels(kernels[name])
             if node["compile"]:
                 compile_layers(model)
             stage = Stage(name, model, node["cache_slots"], node["device"], node["graph_buckets"], node["static_shapes"])
-            stage.cache.move_rows = kernels.kv_move
+            stage.cache.move_rows = kernels[name].kv_move
             self.stages[name] = stage
         target = graph.node(graph.target)
         self.tokenizer = AutoTokenizer.from_pretrained(target["model"].path, trust_remote_code=False)
         self.verifier = Verifier(self.stages[graph.target], target["spec"].verify, target["rule"], self.recipe.sampling,
-                                 Kernels.select(target["kernels"]).accept_greedy)
+                                 kernels[graph.target].accept_greedy)
         drafter = None
         if (draft_name := graph.drafter_of(graph.target)) is not None:
             drafter = Drafter(self.stages[draft_name], graph.node(draft_name)["tree"], target["rule"],

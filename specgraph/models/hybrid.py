@@ -24,7 +24,7 @@ from specgraph.cache import HybridCache
 from specgraph.kernels import Kernels
 from specgraph.kernels.gated_delta import gated_delta_tree_reference
 from specgraph.kernels.rope.reference import apply_rotary
-from specgraph.models.llama import MLP, FUSED as LLAMA_FUSED, RMSNorm, qkv_sizes, rotary_tables
+from specgraph.models.llama import MLP, FUSED as LLAMA_FUSED, DecoderModel, RMSNorm, qkv_sizes
 
 LINEAR, FULL = "linear_attention", "full_attention"
 STEP_TOKENS = 128  # most tokens a forward may hold before its commit: prompt chunks, verified trees
@@ -225,32 +225,14 @@ class HybridLayer(nn.Module):
         return x, self.mlp(h)
 
 
-class HybridModel(nn.Module):
-    """Decoder with logits head; `inv_freq` covers the rotary dims only."""
+class HybridModel(DecoderModel):
+    """`inv_freq` covers the rotary dims only."""
 
     FUSED = {**LLAMA_FUSED, "linear_attn.in_proj": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z",
                                                     "linear_attn.in_proj_b", "linear_attn.in_proj_a")}
 
     def __init__(self, shape: HybridShape):
-        super().__init__()
-        self.shape = shape
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(HybridLayer(shape, kind) for kind in shape.layer_types)
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
-        self.register_buffer("inv_freq", torch.ones(shape.rotary_dim // 2), persistent=False)
-        self.rope_scale = 1.0
-        self.served_vocab = shape.vocab_size
-        self.kernels = Kernels()
-
-    def new_cache(self, capacity: int, batch: int = 1) -> HybridCache:
-        weight = self.embed_tokens.weight
-        return self.shape.new_cache(capacity, weight.dtype, weight.device, batch)
-
-    def use_kernels(self, kernels: Kernels) -> None:
-        for module in self.modules():
-            if hasattr(module, "kernels"):
-                module.kernels = kernels
+        super().__init__(shape, nn.ModuleList(HybridLayer(shape, kind) for kind in shape.layer_types), shape.rotary_dim)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: HybridCache, slots: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
@@ -258,7 +240,7 @@ class HybridModel(nn.Module):
         (parents first). Leaves the DeltaNet factors in `cache` for its commit.
         Returns logits [B, T, V] in fp32."""
         x = self.embed_tokens(tokens)  # [B, T, hidden]
-        cos, sin = rotary_tables(positions, self.inv_freq, self.rope_scale, x.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
         visible = mask.index_select(1, slots)  # [T, T]: ancestors or self within the step
         windows = conv_windows(visible, self.shape.conv_kernel)
         delta = torch.zeros_like(x)
@@ -272,8 +254,7 @@ class HybridModel(nn.Module):
             else:
                 x, delta = layer(x, delta, cos, sin, cache.k[attention], cache.v[attention], slots, mask)
                 attention += 1
-        _, h = self.kernels.add_rmsnorm(x, delta, self.norm.weight, self.norm.eps)
-        return self.lm_head(h)[..., : self.served_vocab].float()
+        return self.logits(x, delta)
 
 
 def is_zero_centred_norm(name: str) -> bool:

@@ -93,15 +93,6 @@ def hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [B, T], inv_freq [R/2] -> cos, sin [B, 1, T, R], computed in fp32 like the reference."""
-    freqs = positions[..., None].float() * inv_freq.float()  # [B, T, R/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos() * scale, emb.sin() * scale
-    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -177,19 +168,19 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(h)
 
 
-class LlamaModel(nn.Module):
-    """Decoder with logits head. `inv_freq` and `rope_scale` come from the checkpoint's rope config."""
+class DecoderModel(nn.Module):
+    """What our decoders share: embedding, layers, final norm and logits head, the rotary tables
+    (`inv_freq` and `rope_scale` come from the checkpoint's rope config), the cache they make and
+    the kernels their fused ops run through. Subclasses define `FUSED` and `forward`."""
 
-    FUSED = FUSED
-
-    def __init__(self, shape: LlamaShape):
+    def __init__(self, shape, layers: nn.ModuleList, rotary_dim: int):
         super().__init__()
         self.shape = shape
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
+        self.layers = layers
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
-        self.register_buffer("inv_freq", torch.ones(shape.head_dim // 2), persistent=False)
+        self.register_buffer("inv_freq", torch.ones(rotary_dim // 2), persistent=False)
         self.rope_scale = 1.0
         self.served_vocab = shape.vocab_size  # logits cover token ids [0, served_vocab) (less when widened)
         self.kernels = Kernels()
@@ -199,14 +190,29 @@ class LlamaModel(nn.Module):
         return self.shape.new_cache(capacity, weight.dtype, weight.device, batch)
 
     def use_kernels(self, kernels: Kernels) -> None:
-        """Run the layers' fused ops (and the final add + norm) through `kernels` (before compiling the layers)."""
-        self.kernels = kernels
-        for layer in self.layers:
-            layer.kernels = layer.self_attn.kernels = layer.mlp.kernels = kernels
+        """Run every fused op (the layers', and the final add + norm) through `kernels` (before compiling the layers)."""
+        for module in self.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = kernels
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, K], computed in fp32 like the reference."""
-        return rotary_tables(positions, self.inv_freq, self.rope_scale, dtype)
+        """positions [B, T] -> cos, sin [B, 1, T, R], computed in fp32 like the reference."""
+        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, T, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+    def logits(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The last layer's residual x and MLP output delta [B, T, hidden] -> logits [B, T, V] in fp32, V = served_vocab."""
+        _, h = self.kernels.add_rmsnorm(x, delta, self.norm.weight, self.norm.eps)
+        return self.lm_head(h)[..., : self.served_vocab].float()
+
+
+class LlamaModel(DecoderModel):
+    FUSED = FUSED
+
+    def __init__(self, shape: LlamaShape):
+        super().__init__(shape, nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers)), shape.head_dim)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
@@ -219,5 +225,4 @@ class LlamaModel(nn.Module):
         delta = torch.zeros_like(x)
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, cos, sin, cache.k[i], cache.v[i], slots, mask)
-        _, h = self.kernels.add_rmsnorm(x, delta, self.norm.weight, self.norm.eps)
-        return self.lm_head(h)[..., : self.served_vocab].float()
+        return self.logits(x, delta)

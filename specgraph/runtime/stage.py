@@ -90,7 +90,7 @@ class Stage:
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed tokens [T] at slots [0, T) -> logits [T, V]: eager forwards of at most the cache's
-        `max_step_tokens`, each committed, attending over the slots written so far."""
+        `max_step_tokens`, each kept, attending over the slots written so far."""
         logits = []
         for start in range(0, tokens.numel(), self.cache.max_step_tokens):
             chunk = tokens[start : start + self.cache.max_step_tokens]
@@ -98,5 +98,5 @@ class Stage:
             slots = start + torch.arange(t, device=self.device)
             causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
             logits.append(self.forward(chunk, slots, slots, step_mask(start, causal, start + t)))
-            self.cache.commit(torch.arange(t, device=self.device), start)
+            self.cache.keep(t)
         return torch.cat(logits)
