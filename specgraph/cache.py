@@ -47,6 +47,8 @@ class KVCache:
     def commit(self, path: torch.Tensor, start: torch.Tensor | int) -> None:
         """Keep a step's accepted path: path [P] long (nodes of the step written from slot `start`,
         root first, -1 padded) moves to slots start + depth."""
+        if path.numel() == 1:  # the root alone (an autoregressive step): already at `start`
+            return
         dst = start + torch.arange(path.numel(), device=path.device)
         self.move(torch.where(path >= 0, start + path, dst), dst)
 

@@ -165,7 +165,6 @@ class Drafter:
         tree, self._fed_at = self._grow_dynamic(_Growth(self.stage, root, length, width), root_logits)
         return tree
 
-    @torch.inference_mode()
     def commit(self, path: torch.Tensor, length: torch.Tensor) -> None:
         """Move the draft K/V of the accepted nodes (path [D + 1], root first, -1 padded) to slots
         L - 1 + depth, L = `length` before this step's tokens."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import AutoTokenizer
@@ -23,12 +24,15 @@ def plan(recipe: Recipe) -> SpecGraph:
     return run_pipeline(SpecGraph.from_recipe(recipe))
 
 
-def compile_layers(model: nn.Module) -> None:
-    """Compile each decoder layer in place; layers share code, so Inductor compiles it once per shape
-    class (T = 1, and T symbolic) and every layer reuses it. Layers get their cache tensors, not an
-    index, so that nothing layer-specific is a compile-time constant."""
+def compile_model(model: nn.Module) -> None:
+    """Compile, in place, each decoder layer and the work before and after them (`stem`: embedding
+    and rotary tables; `logits`: final norm and head). Layers share code, so Inductor compiles it
+    once per shape class (T = 1, and T symbolic) and every layer reuses it. Layers get their cache
+    tensors, not an index, so that nothing layer-specific is a compile-time constant."""
     for layer in model.layers:
         layer.compile(dynamic=True, fullgraph=True)
+    model.stem = torch.compile(model.stem, dynamic=True, fullgraph=True)
+    model.logits = torch.compile(model.logits, dynamic=True, fullgraph=True)
 
 
 def _load(name: str, node: dict, rank: int, world: int) -> nn.Module:
@@ -60,27 +64,27 @@ class Program:
             if hasattr(model, "use_kernels"):  # (an exported package has its ops built in)
                 model.use_kernels(kernels[name])
             if node["compile"]:
-                compile_layers(model)
+                compile_model(model)
             stage = Stage(name, model, node["cache_slots"], node["device"], node["graph_buckets"], node["static_shapes"])
             stage.cache.move_rows = kernels[name].kv_move
             self.stages[name] = stage
         target = graph.node(graph.target)
         self.tokenizer = AutoTokenizer.from_pretrained(target["model"].path, trust_remote_code=False)
         self.verifier = Verifier(self.stages[graph.target], target["spec"].verify, target["rule"], self.recipe.sampling,
-                                 kernels[graph.target].accept_greedy)
+                                 kernels[graph.target].accept_greedy, target["compile"])
         drafter = None
         if (draft_name := graph.drafter_of(graph.target)) is not None:
             drafter = Drafter(self.stages[draft_name], graph.node(draft_name)["tree"], target["rule"],
                               self.recipe.sampling)
         self.executor = SerialExecutor(self.verifier, drafter, target["eos_ids"], self.recipe.max_seq_len,
-                                       target["step_graphs"])
+                                       target["step_graphs"], target["compile"])
 
     def autoregressive(self) -> SerialExecutor:
         """The target alone, one token per step, on the same loaded stage (the `ar` baseline), its
         steps captured wherever the target's forwards have static shapes."""
         target = self.graph.node(self.graph.target)
         return SerialExecutor(self.verifier, None, self.executor.eos_ids, self.recipe.max_seq_len,
-                              target["static_shapes"])
+                              target["static_shapes"], target["compile"])
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> Program:

@@ -1,4 +1,5 @@
-"""Compiled decoder layers (torch.compile/Inductor, regional) decode exactly the eager tokens."""
+"""Compiled programs (torch.compile/Inductor, regional: each decoder layer, the stem and head, and the
+verifier's work around the target's forward) decode exactly the eager tokens."""
 
 from conftest import EMBEDDED
 from helpers import two_stage
@@ -11,10 +12,17 @@ def test_compiled_and_eager_programs_give_identical_greedy_tokens():
         return Program.from_recipe(two_stage(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "chain", "length": 3},
                                              max_new_tokens=24, lowering={"compile": compile}))
 
+    def compiled_regions(program: Program) -> list[bool]:
+        """Which of the layers, the stem, the logits head, the verifier's placement and the work
+        after the target's forward run through torch.compile."""
+        model, executor = program.stages["target"].model, program.executor
+        return [getattr(model.layers[0], "_compiled_call_impl", None) is not None,
+                *(hasattr(fn, "_torchdynamo_orig_callable")
+                  for fn in (model.stem, model.logits, executor.verifier.placement, executor._settle))]
+
     compiled, eager = program(True), program(False)
     assert [compiled.graph.node(s)["compile"] for s in ("draft", "target")] == [True, True]
-    assert getattr(compiled.stages["target"].model.layers[0], "_compiled_call_impl", None) is not None
-    assert getattr(eager.stages["target"].model.layers[0], "_compiled_call_impl", None) is None
+    assert compiled_regions(compiled) == [True] * 5 and compiled_regions(eager) == [False] * 5
     for text in ("import os\nimport sys\n", "def parse(path):\n    with open(path) as f:\n"):
         ids = compiled.encode(text)
         result = compiled.generate(ids)

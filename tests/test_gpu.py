@@ -27,7 +27,8 @@ def step_without_host_sync(executor) -> int:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        result = executor._step(length, (None, None), _Clock(torch.device("cpu")))
+        with torch.inference_mode():  # as in generate
+            result = executor._step(length, (None, None), _Clock(torch.device("cpu")))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return int(result[0])

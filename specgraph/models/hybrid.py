@@ -239,11 +239,9 @@ class HybridModel(DecoderModel):
         """As LlamaModel.forward; the step's tokens at `slots` form the tree that `mask` draws
         (parents first). Leaves the DeltaNet factors in `cache` for its commit.
         Returns logits [B, T, V] in fp32."""
-        x = self.embed_tokens(tokens)  # [B, T, hidden]
-        cos, sin = self.rotary(positions, x.dtype)
+        x, delta, cos, sin = self.stem(tokens, positions)
         visible = mask.index_select(1, slots)  # [T, T]: ancestors or self within the step
         windows = conv_windows(visible, self.shape.conv_kernel)
-        delta = torch.zeros_like(x)
         attention = linear = 0
         for layer in self.layers:
             if layer.kind == LINEAR:

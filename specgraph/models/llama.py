@@ -195,12 +195,15 @@ class DecoderModel(nn.Module):
             if hasattr(module, "kernels"):
                 module.kernels = kernels
 
-    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, R], computed in fp32 like the reference."""
+    def stem(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """tokens, positions [B, T] -> the first layer's inputs: the embeddings x [B, T, hidden], a
+        zero delta like x (see DecoderLayer.forward), and the rotary cos, sin [B, 1, T, R], computed
+        in fp32 like the reference."""
+        x = self.embed_tokens(tokens)
         freqs = positions[..., None].float() * self.inv_freq.float()  # [B, T, R/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
-        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+        return x, torch.zeros_like(x), cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
 
     def logits(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """The last layer's residual x and MLP output delta [B, T, hidden] -> logits [B, T, V] in fp32, V = served_vocab."""
@@ -220,9 +223,7 @@ class LlamaModel(DecoderModel):
         [0, S') where mask [T, S'] (bool, True = visible) allows. With S' = the cache's capacity,
         shapes depend on T only.
         Returns logits [B, T, V] in fp32, V = served_vocab."""
-        x = self.embed_tokens(tokens)  # [B, T, hidden]
-        cos, sin = self.rotary(positions, x.dtype)
-        delta = torch.zeros_like(x)
+        x, delta, cos, sin = self.stem(tokens, positions)
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, cos, sin, cache.k[i], cache.v[i], slots, mask)
         return self.logits(x, delta)

@@ -1,9 +1,11 @@
-"""compile_stages: decide, per stage, whether its decoder layers are compiled with torch.compile.
+"""compile_stages: decide, per stage, whether its step functions are compiled with torch.compile.
 
 Before: stages carry `device`.
 After:  + `compile` (bool): `lowering.compile` where the recipe sets it, else True on GPUs (where
         fused kernels pay) and False on the CPU (where a cold compile costs more than it saves).
-        Lowering compiles each model's layers once (regional compilation; see program.py).
+        Lowering compiles regions (see program.py): each model's decoder layers (once for all
+        layers), its stem and logits head; for the target, the placement of a step's tree and the
+        verdict, commits and append after its forward.
 """
 
 from __future__ import annotations

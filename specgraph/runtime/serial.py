@@ -63,12 +63,15 @@ class Verifier:
     """The target stage: scores a draft tree in one forward pass and commits the accepted path."""
 
     def __init__(self, stage: Stage, spec: VerifySpec, rule: str, sampling: SamplingSpec,
-                 accept_greedy=accept_greedy_reference):
+                 accept_greedy=accept_greedy_reference, compile: bool = False):
+        """`compile`: build each step's placement with torch.compile (one fused kernel, not a dozen small ones)."""
         self.stage = stage
         self.device = stage.device
         self.spec = spec.model_copy(update={"rule": rule})
         self.sampling = sampling
         self.accept_greedy = accept_greedy
+        if compile:
+            self.placement = torch.compile(self.placement, fullgraph=True)
 
     @property
     def captures(self) -> bool:
@@ -82,16 +85,20 @@ class Verifier:
         if prompt.numel() > 1:
             self.stage.prefill(prompt[:-1])
 
-    @torch.inference_mode()
-    def step(self, tree: Tree, length: torch.Tensor, width: int, generator: torch.Generator | None) -> Verdict:
-        """Score `tree` (root = the last of `length` committed tokens) over `width` cache slots."""
+    def score(self, tree: Tree, length: torch.Tensor, width: int) -> torch.Tensor:
+        """The target's logits [N + 1, V] at every node of `tree` (root = the last of `length`
+        committed tokens) over `width` cache slots."""
+        return self.stage.forward(*self.placement(tree, length, width))
+
+    def placement(self, tree: Tree, length: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+        """The forward's tokens, positions and slots [N + 1] and mask [N + 1, width]: the tree is written from the root's slot."""
         root = length - 1
         slots = root + torch.arange(tree.size, device=self.device)
-        mask = step_mask(root, tree.ancestors, width)  # [N + 1, width]
-        logits = self.stage.forward(tree.tokens, root + tree.depths, slots, mask)  # [N + 1, V]
+        return tree.tokens, root + tree.depths, slots, step_mask(root, tree.ancestors, width)
+
+    def verdict(self, tree: Tree, logits: torch.Tensor, generator: torch.Generator | None) -> Verdict:
         return verify(tree, logits, self.spec, self.sampling, generator, self.accept_greedy)
 
-    @torch.inference_mode()
     def commit(self, path: torch.Tensor, length: torch.Tensor) -> None:
         """Keep the accepted path (path [D + 1], root first, -1 padded): its K/V move to slots L - 1 + depth."""
         self.stage.cache.commit(path, length - 1)
@@ -121,9 +128,11 @@ class _Clock:
 
 class SerialExecutor:
     def __init__(self, verifier: Verifier, drafter: Drafter | None, eos_ids: tuple[int, ...], max_seq_len: int,
-                 step_graphs: bool = False):
+                 step_graphs: bool = False, compile: bool = False):
         """`step_graphs`: capture each phase as a CUDA graph where it is a fixed sequence of device
-        operations with no draws (needs every stage on the target's GPU with static shapes)."""
+        operations with no draws (needs every stage on the target's GPU with static shapes).
+        `compile`: run what follows the target's forward (verdict, commits, append) through
+        torch.compile where it has no draws, a few fused kernels instead of some twenty."""
         self.verifier, self.drafter = verifier, drafter
         self.eos_ids = tuple(eos_ids)
         self.max_seq_len = max_seq_len
@@ -146,6 +155,8 @@ class SerialExecutor:
         pinned = self.device.type == "cuda"  # landing buffers on the host for two steps in flight
         self._host = [torch.empty(1 + self.max_step_tokens, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self._flip = 0
+        if compile and verifier.captures:
+            self._settle = torch.compile(self._settle, fullgraph=True)
 
     def _draft(self, length: int, generator: torch.Generator | None) -> Tree:
         seq = self._draft_sequence
@@ -156,9 +167,14 @@ class SerialExecutor:
 
     def _verify(self, tree: Tree, length: int, generator: torch.Generator | None) -> torch.Tensor:
         """-> [D + 2]: the count of new tokens, then the new tokens (padded)."""
-        seq = self.sequence
         width = self.verifier.stage.width(length, self.nodes + 1)
-        verdict = self.verifier.step(tree, seq.length, width, generator)
+        return self._settle(tree, self.verifier.score(tree, self.sequence.length, width), generator)
+
+    def _settle(self, tree: Tree, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """What follows the target's forward: the verdict on `tree` from its logits [N + 1, V], both
+        caches' commits and the append -> [D + 2] (see `_verify`)."""
+        seq = self.sequence
+        verdict = self.verifier.verdict(tree, logits, generator)
         count, new = verdict.accepted(tree)
         self.verifier.commit(verdict.path, seq.length)
         if self.drafter is not None:
@@ -211,6 +227,7 @@ class SerialExecutor:
             done.record()
         return host, done, clock
 
+    @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
         """On a GPU the next step is enqueued before this step's result is read (when this step
         cannot use up the budget), so the GPU does not wait for the host's bookkeeping; a step
