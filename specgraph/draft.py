@@ -7,10 +7,11 @@ children is then fed once, in batches (one per depth for static trees, one per e
 dynamic trees), at draft-cache slots L + i, under a mask that shows it the prefix and its own fed
 ancestors. After verification, `commit` moves the K/V of the accepted nodes to slots L - 1 + depth.
 
-Chain and static trees are grown on the device with no host reads: their shape is known, so the
-feed batches, masks, positions and child slots are constants planned once (`_StaticPlan`), and a
-whole draft can be captured as one CUDA graph. Dynamic trees choose what to expand from the
-scores, on the host.
+Every tree is grown on the device with no host reads, so a whole draft can be captured as one
+CUDA graph. A static tree's shape is known: its feed batches, masks, positions and child slots are
+constants planned once (`_StaticPlan`). A dynamic tree's growth has a known size too: each
+expansion step feeds `width` leaves into fixed slots and gives each `width` children in a fixed
+pool of nodes (`_DynamicPlan`); which leaves, and which nodes are kept, are chosen on the device.
 
 Children are chosen per node either deterministically (top-k of the draft logits: greedy and
 typical rules, and dynamic trees) or, for the sampling rule on chain and static trees, drawn
@@ -31,60 +32,20 @@ from specgraph.sampling import draw_without_replacement, probs_from_logits
 from specgraph.tree import Tree, TreeStructure, TreeTopology
 
 
-class _Growth:
-    """A dynamic tree under construction on the host; fed node i sits at draft-cache slot L + i."""
+class _DynamicPlan:
+    """The constants of growing a dynamic tree on a device. Its nodes live in a pool of
+    1 + W + (D - 1) W^2 (W = width, D = depth): the root, its W children, then the W children of
+    each leaf expanded at each later step, in creation order (parents first). Expansion step s
+    feeds its W leaves at draft-cache slots L + (s - 1) W + row."""
 
-    def __init__(self, stage: Stage, root: torch.Tensor, length: torch.Tensor, width: int):
-        self.stage, self.length, self.width = stage, length, width
-        self.root = root  # [1] the last committed token
-        self.tokens, self.parents, self.depths = [-1], [-1], [0]  # the root's token stays on the device
-        self.proposals: list[torch.Tensor | None] = [None]
-        self.fed_at: dict[int, int] = {}  # fed node -> its slot offset past L, in feed order
+    def __init__(self, spec: DynamicTree):
+        self.width, self.depth, self.nodes = spec.width, spec.depth, spec.nodes
+        self.pool = 1 + spec.width + (spec.depth - 1) * spec.width ** 2
+        self.fed = (spec.depth - 1) * spec.width  # draft-cache slots past L that the growth writes
 
-    def add(self, token: int, parent: int, proposal: torch.Tensor | None) -> int:
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.depths.append(self.depths[parent] + 1)
-        self.proposals.append(proposal)
-        return len(self.tokens) - 1
-
-    def lineage(self, node: int) -> list[int]:
-        """node and its ancestors, root excluded."""
-        out = []
-        while node > 0:
-            out.append(node)
-            node = self.parents[node]
-        return out
-
-    def feed(self, nodes: list[int]) -> torch.Tensor:
-        """Run the draft model on `nodes` (each with its fed ancestors) -> logits [T, V]."""
-        device = self.stage.device
-        first = len(self.fed_at)
-        for node in nodes:
-            self.fed_at[node] = len(self.fed_at)
-        visible = torch.zeros(len(nodes), len(self.fed_at), dtype=torch.bool)  # [T, fed so far]
-        for row, node in enumerate(nodes):
-            visible[row, [self.fed_at[a] for a in self.lineage(node)]] = True
-        tokens = torch.tensor([self.tokens[n] for n in nodes], device=device)
-        positions = self.length - 1 + torch.tensor([self.depths[n] for n in nodes], device=device)
-        slots = self.length + torch.arange(first, len(self.fed_at), device=device)
-        mask = step_mask(self.length, visible.to(device), self.width)
-        return self.stage.forward(tokens, positions, slots, mask)
-
-    def tree(self, keep: list[int]) -> tuple[Tree, torch.Tensor]:
-        """The tree of the `keep` nodes (ascending, ancestor-closed, root included) and each one's
-        draft-cache slot offset past L (-1: not fed)."""
-        index = {old: new for new, old in enumerate(keep)}
-        device = self.stage.device
-        tokens = torch.cat([self.root, torch.tensor([self.tokens[n] for n in keep[1:]], dtype=torch.long, device=device)])
-        parents = [index.get(self.parents[n], -1) for n in keep]
-        proposals = None
-        if self.proposals[-1] is not None:
-            vocab = self.proposals[-1].numel()
-            proposals = torch.stack([torch.zeros(vocab, device=device)] + [self.proposals[n] for n in keep[1:]])
-        fed_at = torch.tensor([self.fed_at.get(n, -1) for n in keep], device=device)
-        tree = Tree(tokens, torch.tensor(parents, device=device), proposals, TreeStructure.of(parents, device))
-        return tree, fed_at
+    def first_child(self, step: int) -> int:
+        """Pool index of the first node that expansion step `step` creates."""
+        return 1 if step == 0 else 1 + self.width + (step - 1) * self.width ** 2
 
 
 class _Level(NamedTuple):
@@ -131,6 +92,7 @@ class Drafter:
         self.stage, self.plan, self.rule, self.sampling = stage, plan, rule, sampling
         device = stage.device
         self.static = None if isinstance(plan, DynamicTree) else _StaticPlan(plan, device)  # the constants of a fixed shape
+        self.dynamic = _DynamicPlan(plan) if isinstance(plan, DynamicTree) else None
         self.nodes = plan.nodes if isinstance(plan, DynamicTree) else len(plan.parents) - 1
         self.max_depth = plan.depth if isinstance(plan, DynamicTree) else plan.max_depth
         self._fed_at: torch.Tensor | None = None  # [N + 1] draft-cache slot past L of each node of the last tree, -1 if not fed
@@ -140,7 +102,7 @@ class Drafter:
     @property
     def captures(self) -> bool:
         """Whether a draft is a fixed sequence of device operations (capturable as one CUDA graph)."""
-        return self.static is not None and self.sampling.temperature == 0 and self._feeds == 2
+        return self.sampling.temperature == 0 and self._feeds == 2
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor) -> None:
@@ -162,7 +124,7 @@ class Drafter:
         if self.static is not None:
             self._fed_at = self.static.fed_at
             return self._grow_static(root, root_logits, length, width, generator)
-        tree, self._fed_at = self._grow_dynamic(_Growth(self.stage, root, length, width), root_logits)
+        tree, self._fed_at = self._grow_dynamic(root, root_logits, length, width)
         return tree
 
     def commit(self, path: torch.Tensor, length: torch.Tensor) -> None:
@@ -215,27 +177,54 @@ class Drafter:
                 proposals[level.kids] = drawn_from[level.rows, level.ranks]
         return Tree(tokens, plan.parents, proposals, plan.structure)
 
-    def _grow_dynamic(self, growth: _Growth, root_logits: torch.Tensor) -> tuple[Tree, torch.Tensor]:
-        spec: DynamicTree = self.plan
-        scores = [0.0]  # cumulative draft log-probability per node
-        leaves: list[int] = []
-        expanding, logits = [0], root_logits[None]  # [1, V]
-        for step in range(spec.depth):
+    def _grow_dynamic(self, root: torch.Tensor, root_logits: torch.Tensor, length: torch.Tensor,
+                      width: int) -> tuple[Tree, torch.Tensor]:
+        """Maximum-likelihood expansion: each step feeds the W leaves of highest cumulative draft
+        log-probability (ties: the earlier created) and gives each its W most likely children;
+        the tree keeps the `nodes` most likely nodes. Returns it and each node's fed-slot offset past L."""
+        plan, device = self.dynamic, self.stage.device
+        w, size = plan.width, plan.pool
+        tokens = torch.zeros(size, dtype=torch.long, device=device)  # [P]
+        tokens[:1] = root
+        parents = torch.full((size,), -1, dtype=torch.long, device=device)
+        depths = torch.zeros(size, dtype=torch.long, device=device)
+        scores = torch.zeros(size, dtype=torch.float64, device=device)  # cumulative log-probability (fp64: exact sums)
+        lineage = torch.eye(size, dtype=torch.bool, device=device)  # [P, P] row i: i and its ancestors
+        lineage[:, 0].fill_(True)  # (fill_: no host value copied in)
+        leaf = torch.zeros(size, dtype=torch.bool, device=device)  # created and not expanded
+        fed = torch.zeros(plan.fed, dtype=torch.long, device=device)  # fed slot -> node
+        fed_at = torch.full((size,), -1, dtype=torch.long, device=device)  # node -> fed slot
+        slot = torch.arange(plan.fed, device=device)
+        expanding, logits = torch.zeros(1, dtype=torch.long, device=device), root_logits[None]  # [E], [E, V]
+        for step in range(plan.depth):
             if step > 0:
-                best = torch.tensor([scores[n] for n in leaves]).sort(descending=True, stable=True).indices
-                expanding = [leaves[i] for i in best[: spec.width].tolist()]
-                leaves = [n for n in leaves if n not in expanding]
-                logits = growth.feed(expanding)  # [W, V]
-            logprobs = logits.log_softmax(-1)
-            chosen, drawn_from = self._choose(logits, spec.width, False, None)  # [W, k], [W, k, V] | None
-            chosen_logprobs = logprobs.gather(1, chosen).tolist()
-            for row, parent in enumerate(expanding):
-                for rank, token in enumerate(chosen[row].tolist()):
-                    proposal = None if drawn_from is None else drawn_from[row, rank]
-                    leaves.append(growth.add(token, parent, proposal))
-                    scores.append(scores[parent] + chosen_logprobs[row][rank])
+                best = torch.where(leaf, scores, float("-inf")).sort(descending=True, stable=True).indices
+                expanding = best[:w]  # [W]
+                leaf.index_fill_(0, expanding, False)
+                offsets = (step - 1) * w + torch.arange(w, device=device)  # [W]
+                fed[offsets] = expanding
+                fed_at[expanding] = offsets
+                visible = lineage[expanding][:, fed] & (slot < (step * w))  # [W, R]: fed ancestors (and self)
+                logits = self.stage.forward(tokens[expanding], length - 1 + depths[expanding], length + offsets,
+                                            step_mask(length, visible, width))  # [W, V]
+            chosen = logits.topk(w, dim=-1).indices  # [E, W]
+            gained = logits.log_softmax(-1).gather(1, chosen)  # [E, W]
+            kids = slice(plan.first_child(step), plan.first_child(step) + chosen.numel())
+            parent = expanding.repeat_interleave(w)  # [E W]
+            tokens[kids], parents[kids], depths[kids] = chosen.flatten(), parent, depths[parent] + 1
+            scores[kids] = scores[parent] + gained.flatten().double()
+            leaf[kids].fill_(True)
+            lineage[kids] |= lineage[parent]
         # Children never outscore parents and ties keep creation order, so the top set is ancestor-closed.
-        order = torch.tensor(scores[1:]).sort(descending=True, stable=True).indices
-        keep = sorted((order[: spec.nodes] + 1).tolist())
-        return growth.tree([0] + keep)
-
+        top = scores[1:].sort(descending=True, stable=True).indices[: plan.nodes] + 1
+        keep = torch.cat([torch.zeros(1, dtype=torch.long, device=device), top.sort().values])  # [N + 1], parents first
+        index = torch.full((size,), -1, dtype=torch.long, device=device)
+        index[keep] = torch.arange(keep.numel(), device=device)
+        kept_parents = parents[keep]
+        tree_parents = torch.where(kept_parents >= 0, index[kept_parents.clamp(min=0)], -1)  # [N + 1]
+        structure = TreeStructure.on_device(tree_parents, depths[keep], lineage[keep][:, keep], plan.depth, w)
+        proposals = None
+        if self.rule == "sampling":  # children are chosen, not drawn: each node's proposal is its own one-hot
+            proposals = torch.nn.functional.one_hot(tokens[keep], logits.shape[-1]).to(logits.dtype)
+            proposals[0].zero_()
+        return Tree(tokens[keep], tree_parents, proposals, structure), fed_at[keep]

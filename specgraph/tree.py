@@ -76,13 +76,11 @@ class TreeTopology:
 
 @dataclass(frozen=True)
 class TreeStructure:
-    """What verification and masking need of a tree's shape, derived once on the host from the
-    parent list (trees are small): `ancestors` [N + 1, N + 1] bool (i itself included), `depths`
-    [N + 1], `child_table` [N + 1, C] (children in rank order, -1 padded, C = most children of any
-    node) and `max_depth`, so that verification walks the tree in a fixed number of tensor steps."""
+    """What verification and masking need of a tree's shape: `ancestors` [N + 1, N + 1] bool (i
+    itself included), `depths` [N + 1], `child_table` [N + 1, C] (children in rank order, -1
+    padded) and `max_depth` (at least the deepest node's depth), so that verification walks the
+    tree in a fixed number of tensor steps."""
 
-    parents: tuple[int, ...]
-    kids: tuple[tuple[int, ...], ...]
     max_depth: int
     depths: torch.Tensor
     child_table: torch.Tensor
@@ -90,6 +88,7 @@ class TreeStructure:
 
     @classmethod
     def of(cls, parents: list[int] | tuple[int, ...], device: torch.device | str) -> TreeStructure:
+        """From a parent list on the host (trees are small); C = the most children of any node."""
         n = len(parents)
         depth, kids, rows = [0] * n, [[] for _ in range(n)], [{0}]
         for i in range(1, n):
@@ -101,8 +100,23 @@ class TreeStructure:
         ancestors = torch.zeros(n, n, dtype=torch.bool)
         for i, row in enumerate(rows):
             ancestors[i, list(row)] = True
-        return cls(tuple(parents), tuple(map(tuple, kids)), max(depth), torch.tensor(depth, device=device),
-                   table.to(device), ancestors.to(device))
+        return cls(max(depth), torch.tensor(depth, device=device), table.to(device), ancestors.to(device))
+
+    @classmethod
+    def on_device(cls, parents: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor, max_depth: int,
+                  children: int) -> TreeStructure:
+        """From device tensors, with no host read: parents [N + 1] (topological, siblings in rank
+        order), their depths and ancestors; `max_depth` and `children` (C) are bounds."""
+        n = parents.numel()
+        order = torch.arange(n, device=parents.device)
+        siblings = (parents[:, None] == parents[None, :]) & (order[None, :] < order[:, None])  # [N + 1, N + 1]
+        rank = siblings.sum(1)  # among the earlier nodes of the same parent
+        table = torch.full((n, children), -1, dtype=torch.long, device=parents.device)
+        table[parents[1:], rank[1:]] = order[1:]
+        return cls(max_depth, depths, table, ancestors)
+
+    def to(self, device: torch.device) -> TreeStructure:
+        return TreeStructure(self.max_depth, self.depths.to(device), self.child_table.to(device), self.ancestors.to(device))
 
 
 @dataclass
@@ -139,11 +153,20 @@ class Tree:
         return self.structure.max_depth
 
     def children(self, node: int) -> list[int]:
-        return list(self.structure.kids[node])
+        """`node`'s children in rank order (a host read: for tests and inspection)."""
+        return [c for c in self.child_table[node].tolist() if c >= 0]
 
     def to(self, device: torch.device) -> Tree:
         if device == self.tokens.device:
             return self
         return Tree(self.tokens.to(device), self.parents.to(device),
-                    None if self.proposals is None else self.proposals.to(device),
-                    TreeStructure.of(self.structure.parents, device))
+                    None if self.proposals is None else self.proposals.to(device), self.structure.to(device))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """tokens, parents, depths, child_table, ancestors: a deterministic draft's tree as a CUDA graph's outputs."""
+        return self.tokens, self.parents, self.depths, self.child_table, self.ancestors
+
+    @classmethod
+    def from_tensors(cls, tensors: tuple[torch.Tensor, ...], max_depth: int) -> Tree:
+        tokens, parents, depths, child_table, ancestors = tensors
+        return cls(tokens, parents, None, TreeStructure(max_depth, depths, child_table, ancestors))

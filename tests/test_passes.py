@@ -104,6 +104,9 @@ def test_capture_graphs_lists_the_step_sizes_of_each_stage():
     assert not sampled.node("target")["step_graphs"]
     assert sampled.node("target")["graph_buckets"] == (1, 1 + 3 + 6 + 6)
     assert sampled.node("draft")["graph_buckets"] == (2, 3, 6)  # catch-up, then 3 and 6 nodes expanded
+    dyn = place(validate(graph(tree={"shape": "dynamic", "width": 5, "depth": 3, "nodes": 20})))
+    dyn.node("draft")["device"] = dyn.node("target")["device"] = torch.device("cuda:0")
+    assert capture_graphs(plan_tree(dyn)).node("target")["step_graphs"]  # dynamic growth is on the device too
     dyn = place(validate(graph(tree={"shape": "dynamic", "width": 5, "depth": 3, "nodes": 20}, lowering={"cuda_graphs": False})))
     assert capture_graphs(plan_tree(dyn)).node("draft")["graph_buckets"] == ()
     dyn.node("draft")["device"] = dyn.node("target")["device"] = torch.device("cuda:0")

@@ -1,5 +1,6 @@
 """Tree topologies, ancestor masks and the trees the drafter grows."""
 
+import pytest
 import torch
 from conftest import EMBEDDED
 from helpers import HostReads, chain_logits
@@ -83,9 +84,11 @@ def test_sampling_drafts_record_their_proposals():
     assert (q[1] > 0).sum() == 50  # top-k applied to the draft as to the target
 
 
-def test_static_drafting_reads_nothing_on_the_host():
+@pytest.mark.parametrize("plan, size", [(TreeTopology.from_spec(StaticTree(branching=[3, 2, 1])), 1 + 3 + 6 + 6),
+                                        (DynamicTree(width=3, depth=3, nodes=10), 11)], ids=["static", "dynamic"])
+def test_drafting_reads_nothing_on_the_host(plan, size):
     for rule, sampling in (("greedy", SamplingSpec()), ("sampling", SamplingSpec(temperature=0.9, top_k=40))):
-        d = drafter(TreeTopology.from_spec(StaticTree(branching=[3, 2, 1])), rule, sampling)
+        d = drafter(plan, rule, sampling)
         committed = torch.randint(0, 4096, (10,))
         draft(d, committed)
         buffer = torch.cat([committed, torch.tensor([7, 8]), torch.zeros(20, dtype=torch.long)])
@@ -94,4 +97,4 @@ def test_static_drafting_reads_nothing_on_the_host():
         with HostReads() as reads:
             d.commit(path, old)
             tree = d.draft(buffer, new, d.stage.width(12, 40), generator)
-        assert reads.seen == [] and tree.size == 1 + 3 + 6 + 6
+        assert reads.seen == [] and tree.size == size

@@ -4,7 +4,7 @@ Before: stages carry `device` and the tree plan.
 After:  + `static_shapes` (bool): forwards attend over the whole cache (shapes depend on T only);
           true where CUDA graphs are on (a GPU, `lowering.cuda_graphs`);
         + `step_graphs` (bool, the same on every stage): each step phase (draft; verify + commit) is captured as one
-          CUDA graph: every stage on the target's GPU, greedy (no draws) and a static tree;
+          CUDA graph: every stage on the target's GPU and greedy (no draws);
         + `graph_buckets`: where steps are not captured, the token counts T of the forwards a step
           runs, each captured once per stage and replayed:
             target  - 1 (autoregressive) and the drafter's tree + root;
@@ -34,8 +34,7 @@ def capture_graphs(graph: SpecGraph) -> SpecGraph:
         graph.node(name)["static_shapes"] = graph.node(name)["device"].type == "cuda" and recipe.lowering.cuda_graphs
     device = graph.node(target)["device"]
     step_graphs = (all(graph.node(n)["static_shapes"] and graph.node(n)["device"] == device for n in graph.stages())
-                   and recipe.sampling.temperature == 0
-                   and (drafter is None or not isinstance(graph.node(drafter)["tree"], DynamicTree)))
+                   and recipe.sampling.temperature == 0)
     for name in graph.stages():
         node = graph.node(name)
         node["step_graphs"] = step_graphs

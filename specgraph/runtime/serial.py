@@ -148,7 +148,7 @@ class SerialExecutor:
         if step_graphs and not all(s.static_shapes and s.device == self.device for s in stages):
             raise ValueError("step graphs need every stage on the target's device with static shapes")
         # whether steps are captured, unless a first step is not a fixed sequence (see Drafter.captures)
-        self.step_graphs = step_graphs and verifier.captures and (drafter is None or drafter.static is not None)
+        self.step_graphs = step_graphs and verifier.captures
         self._graphs: dict[str, Graph] = {}
         self.max_step_tokens = 1 + (drafter.max_depth if drafter is not None else 0)  # accepted drafts + bonus
         self.lookahead = self.device.type == "cuda"  # enqueue the next step before reading this one
@@ -198,11 +198,10 @@ class SerialExecutor:
         if self.drafter is None:
             clock.mark()
             return self._replay("verify", lambda: self._verify(self._root_tree(), length, None))
-        tokens = self._replay("draft", lambda: self._draft(length, None).tokens)
+        tree = self._replay("draft", lambda: self._draft(length, None).tensors())
         clock.mark()
-        plan = self.drafter.static
-        return self._replay("verify", lambda t: self._verify(Tree(t, plan.parents, None, plan.structure), length, None),
-                            tokens)
+        depth = self.drafter.max_depth
+        return self._replay("verify", lambda *t: self._verify(Tree.from_tensors(t, depth), length, None), *tree)
 
     def _replay(self, name: str, fn, *inputs: torch.Tensor):
         """fn(*inputs) through its CUDA graph, recorded on first use (that call runs it for real)."""
