@@ -138,13 +138,11 @@ class Drafter:
 
     def _choose(self, logits: torch.Tensor, k: int, draw: bool,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """k children of each of E nodes with draft logits [E, V]: tokens [E, k] and, for the
-        sampling rule, the distribution each was drawn from [E, k, V] (None otherwise)."""
+        """k children of each of E nodes of a static tree with draft logits [E, V]: tokens [E, k]
+        and, where they are drawn (the sampling rule), the distribution each was drawn from [E, k, V]
+        (None for the top-k)."""
         if not draw:
-            tokens = logits.topk(k, dim=-1).indices  # [E, k]
-            if self.rule != "sampling":
-                return tokens, None
-            return tokens, torch.nn.functional.one_hot(tokens, logits.shape[-1]).to(logits.dtype)
+            return logits.topk(k, dim=-1).indices, None  # [E, k]
         remaining = probs_from_logits(logits, self.sampling)  # [E, V]
         tokens = draw_without_replacement(remaining, k, generator)  # [E, k]
         proposals = []

@@ -2,7 +2,7 @@
 
 Decoding state lives on the device (`Sequence`: the committed tokens and their count), and a
 step is two phases that read and write only device tensors:
-  draft   - the drafter's catch-up and tree growth (static trees: no host reads);
+  draft   - the drafter's catch-up and tree growth (no host reads);
   verify  - the target scores the tree, the rule picks the path and bonus, both caches move the
             accepted K/V into place and the new tokens are appended.
 With L tokens committed, the target cache holds committed[:L - 1] and the tree's root is
