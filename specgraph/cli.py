@@ -25,7 +25,8 @@ def _prompt_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="launch every forward's kernels one by one (GPU; same as --set lowering.cuda_graphs=false)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the decoder layers (default: on GPUs, not on the CPU; "
+                        help="torch.compile each stage's step functions: decoder layers, stem and head, and the "
+                             "target's work around its forward (default: on GPUs, not on the CPU; "
                              "same as --set lowering.compile=true|false)")
 
 
@@ -117,7 +118,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         print(f"specgraph: loading {recipe.name} ({', '.join(s.name for s in recipe.stages)})", file=sys.stderr)
         program = Program.from_recipe(recipe)
         if any(program.graph.node(name)["compile"] for name in program.stages):
-            print("specgraph: decoder layers compile with torch.compile during the first steps "
+            print("specgraph: step functions compile with torch.compile during the first steps "
                   "(--no-compile skips it)", file=sys.stderr)
     results = []
     for row in tqdm(prompts, desc="prompts", unit="prompt", disable=len(prompts) == 1, file=sys.stderr):

@@ -1,7 +1,9 @@
 """Export: each stage's step program as a torch.export + AOTInductor package, plus a manifest.
 
-A package holds one stage's forward (weights included) for any number of new tokens T in
-[1, 64] and any attended cache width; the cache tensors are inputs that it updates in place.
+A package holds one stage's forward (weights included) for any number of new tokens T from 1
+to its `max_step_tokens` (64, or the stage's largest step if that is more) and any attended cache
+width; the cache tensors are inputs that it updates in place. Packages do not check their input
+shapes, so the loaded stage feeds prompts in chunks of at most `max_step_tokens`.
 `specgraph run --program DIR` loads the packages and runs them without recompiling. The
 manifest's `key` hashes every recipe field and the library versions: `compile` into a folder
 whose key matches does nothing, and a mismatch is logged with its reason before recompiling.
@@ -59,12 +61,16 @@ class _StepModule(nn.Module):
 class ExportedModel:
     """A loaded package with the model interface a Stage uses."""
 
-    def __init__(self, package: Path, shape: LlamaShape, served_vocab: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, package: Path, shape: LlamaShape, served_vocab: int, dtype: torch.dtype, device: torch.device,
+                 max_step_tokens: int):
         self.runner = torch._inductor.aoti_load_package(str(package))
         self.shape, self.served_vocab, self.dtype, self.device = shape, served_vocab, dtype, device
+        self.max_step_tokens = max_step_tokens
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
-        return self.shape.new_cache(capacity, self.dtype, self.device, batch)
+        cache = self.shape.new_cache(capacity, self.dtype, self.device, batch)
+        cache.max_step_tokens = min(cache.max_step_tokens, self.max_step_tokens)  # the package's T range
+        return cache
 
     def __call__(self, tokens, positions, cache: KVCache, slots, mask) -> torch.Tensor:
         return self.runner(tokens, positions, cache.k, cache.v, slots, mask)
@@ -103,18 +109,19 @@ def export_program(program, out: Path) -> dict:
     stages = {}
     for name, stage in program.stages.items():
         stage.model.use_kernels(Kernels())  # AOTInductor compiles the plain-PyTorch ops (ours are Python custom ops)
-        t, kv = Dim("t", min=1, max=MAX_STEP_TOKENS), Dim("kv", min=1, max=stage.cache.capacity)
+        node = program.graph.node(name)
+        step_tokens = max(MAX_STEP_TOKENS, node["step_tokens"])
+        t, kv = Dim("t", min=1, max=step_tokens), Dim("kv", min=1, max=stage.cache.capacity)
         example = (torch.zeros(1, 2, dtype=torch.long, device=stage.device), torch.arange(2, device=stage.device)[None],
                    stage.cache.k, stage.cache.v, torch.arange(2, device=stage.device),
                    torch.ones(2, 4, dtype=torch.bool, device=stage.device))
         dims = ({1: t}, {1: t}, None, None, {0: t}, {0: t, 1: kv})
-        _log(f"exporting stage {name} (T 1..{MAX_STEP_TOKENS}, up to {stage.cache.capacity} cache slots)")
+        _log(f"exporting stage {name} (T 1..{step_tokens}, up to {stage.cache.capacity} cache slots)")
         exported = torch.export.export(_StepModule(stage.model), example, dynamic_shapes=dims)
         _log(f"compiling stage {name} with AOTInductor")
         package = f"{name}.pt2"
         torch._inductor.aoti_compile_and_package(exported, package_path=str(out / package))
-        node = program.graph.node(name)
-        stages[name] = {"package": package, "shape": dataclasses.asdict(stage.model.shape),
+        stages[name] = {"package": package, "max_step_tokens": step_tokens, "shape": dataclasses.asdict(stage.model.shape),
                         "served_vocab": stage.model.served_vocab, "dtype": str(stage.cache.k.dtype).removeprefix("torch."),
                         "device": str(stage.device), "verifies": program.graph.drafter_of(name),
                         "tree_nodes": node["tree_nodes"], "cache_slots": node["cache_slots"],
@@ -145,6 +152,6 @@ def load_program(folder: Path):
         if not package.is_file():
             raise SpecgraphError(f"--program: {package} is missing; compile the recipe again")
         models[name] = ExportedModel(package, LlamaShape(**entry["shape"]), entry["served_vocab"],
-                                     getattr(torch, entry["dtype"]), torch.device(entry["device"]))
+                                     getattr(torch, entry["dtype"]), torch.device(entry["device"]), entry["max_step_tokens"])
     return Program(graph, models)
 

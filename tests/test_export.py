@@ -14,7 +14,10 @@ from specgraph.recipe import Recipe
 
 DEMO = REPO / "recipes" / "demo.yaml"
 SMALL = ["--set", "max_seq_len=400"]
-PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
+# 91 tokens: longer than a package's 64-token step, so the loaded program must feed it in chunks
+PROMPT = ('"""Read a list of paths, count the lines of each file and print a summary table."""\n'
+          "import os\nimport sys\nfrom collections import Counter\n\n\ndef count_lines(path):\n    with open(path) as f:\n"
+          "        return sum(1 for _ in f)\n\n\ndef main(argv):\n    totals = Counter()\n    for path in argv[1:]:\n")
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +32,7 @@ def test_exported_program_reloads_in_a_fresh_process_with_the_same_tokens(compil
     stages = json.loads((compiled / "manifest.json").read_text())["stages"]
     assert stages["target"]["verifies"] == "draft" and stages["draft"]["verifies"] is None  # the topology
     assert stages["draft"]["tree_nodes"] == 5 and stages["target"]["cache_slots"] == 400 + 1 + 5  # chain 5
+    assert stages["target"]["max_step_tokens"] == 64
     result = tmp_path / "out.json"
     proc = subprocess.run([sys.executable, "-m", "specgraph.cli", "run", "--program", str(compiled), "--prompt", PROMPT,
                            "--max-new-tokens", "40", "--json", str(result)], capture_output=True, text=True)

@@ -1,9 +1,10 @@
 """plan_memory: size every stage's static buffers.
 
 Before: stages carry `config`, `dtype` and the tree plan.
-After:  + `cache_slots`: KV slots = max_seq_len + the largest number of tokens one step writes
-        past the committed prefix (the verified tree of the stage's drafter, or the drafter's own
-        catch-up and tree); `kv_bytes` and `weight_bytes`, for the report and for placement checks.
+After:  + `step_tokens`: the most tokens one step writes past the committed prefix (the verified
+        tree of the stage's drafter, or the drafter's own catch-up and tree);
+        + `cache_slots`: KV slots = max_seq_len + step_tokens; `kv_bytes` and `weight_bytes`, for
+        the report and for placement checks.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from specgraph.models.loader import model_shape
 from specgraph.passes.base import graph_pass
 
 
-@graph_pass(requires=("config", "dtype", "tree_nodes"), provides=("cache_slots", "kv_bytes", "weight_bytes"))
+@graph_pass(requires=("config", "dtype", "tree_nodes"), provides=("step_tokens", "cache_slots", "kv_bytes", "weight_bytes"))
 def plan_memory(graph: SpecGraph) -> SpecGraph:
     max_seq_len = graph.recipe.max_seq_len
     for name in graph.stages():
@@ -28,6 +29,7 @@ def plan_memory(graph: SpecGraph) -> SpecGraph:
             raise RecipeError(f"stages.{graph.node(drafter)['index']}.tree: a hybrid target verifies at most "
                               f"{STEP_TOKENS} tokens per step; this tree and its root are {step_tokens}")
         itemsize = node["dtype"].itemsize
+        node["step_tokens"] = step_tokens
         node["cache_slots"] = max_seq_len + step_tokens
         node["kv_bytes"] = shape.cache_bytes(node["cache_slots"], itemsize)
         tied = bool(node["config"].tie_word_embeddings)
