@@ -20,6 +20,8 @@ from specgraph.kernels.kv_move import kv_move_reference
 class KVCache:
     """Keys and values of every attention layer of one stage: [layers, B, Hkv, S, K]."""
 
+    TENSORS = ("k", "v")  # the storage, in the order of `tensors()` and `wrap`
+
     def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str):
         shape = (layers, batch, kv_heads, capacity, head_dim)
@@ -29,11 +31,17 @@ class KVCache:
         self.max_step_tokens = capacity  # tokens one forward may write before a commit
         self.move_rows = kv_move_reference  # the select_kernels pass may swap in the Triton kernel
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The storage tensors (named by TENSORS): what an exported step program takes as inputs."""
+        return tuple(getattr(self, name) for name in self.TENSORS)
+
     @classmethod
-    def wrap(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:
-        """A cache over existing key and value tensors [layers, B, Hkv, S, K] (an exported step's inputs)."""
+    def wrap(cls, *tensors: torch.Tensor) -> KVCache:
+        """A cache over existing storage tensors (in the order of `tensors()`; an exported step's inputs)."""
         cache = cls.__new__(cls)
-        cache.k, cache.v, cache.capacity, cache.move_rows = k, v, k.shape[3], kv_move_reference
+        for name, tensor in zip(cls.TENSORS, tensors, strict=True):
+            setattr(cache, name, tensor)
+        cache.capacity, cache.move_rows = cache.k.shape[3], kv_move_reference
         cache.max_step_tokens = cache.capacity
         return cache
 
@@ -64,6 +72,8 @@ class HybridCache(KVCache):
     [L, B, H, dk, dv] (fp32) and last conv_kernel - 1 inputs [L, B, K - 1, C], committed; and the
     factors of the last forward's tokens (at most `step_tokens`), which `commit` folds in."""
 
+    TENSORS = KVCache.TENSORS + ("state", "conv", "step_k", "step_u", "step_decay", "step_inputs")
+
     def __init__(self, attention_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str, *, linear_layers: int, heads: int, key_dim: int,
                  value_dim: int, conv_channels: int, conv_kernel: int, step_tokens: int):
@@ -76,6 +86,12 @@ class HybridCache(KVCache):
         self.step_decay = torch.zeros(*lb, step_tokens, heads, **f32)
         self.step_inputs = torch.zeros(*lb, step_tokens, conv_channels, dtype=dtype, device=device)
         self.max_step_tokens = step_tokens
+
+    @classmethod
+    def wrap(cls, *tensors: torch.Tensor) -> HybridCache:
+        cache = super().wrap(*tensors)
+        cache.max_step_tokens = cache.step_k.shape[2]
+        return cache
 
     def reset(self) -> None:
         self.state.zero_()

@@ -2,7 +2,8 @@
 
 A package holds one stage's forward (weights included) for any number of new tokens T from 1
 to its `max_step_tokens` (64, or the stage's largest step if that is more) and any attended cache
-width; the cache tensors are inputs that it updates in place. Packages do not check their input
+width; the cache's tensors (K/V, and a hybrid's DeltaNet states, conv windows and step factors)
+are inputs that it updates in place. Packages do not check their input
 shapes, so the loaded stage feeds prompts in chunks of at most `max_step_tokens`.
 `specgraph run --program DIR` loads the packages and runs them without recompiling. The
 manifest's `key` hashes every recipe field and the library versions: `compile` into a folder
@@ -25,11 +26,12 @@ from torch.export import Dim
 from specgraph.cache import KVCache
 from specgraph.errors import SpecgraphError
 from specgraph.kernels import Kernels
-from specgraph.models.hybrid import HybridModel
+from specgraph.models.hybrid import HybridModel, HybridShape
 from specgraph.models.llama import LlamaShape
 from specgraph.recipe import Recipe
 
 MAX_STEP_TOKENS = 64
+FORMAT = 2  # of the manifest: 2 added each stage's `max_step_tokens` and `hybrid`
 
 
 def _log(message: str) -> None:
@@ -50,19 +52,19 @@ def program_key(recipe: Recipe) -> str:
 class _StepModule(nn.Module):
     """A stage's forward with the cache as plain tensor inputs (what torch.export takes)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, cache_type: type[KVCache]):
         super().__init__()
-        self.model = model
+        self.model, self.cache_type = model, cache_type
 
-    def forward(self, tokens, positions, keys, values, slots, mask):
-        return self.model(tokens, positions, KVCache.wrap(keys, values), slots, mask)
+    def forward(self, tokens, positions, slots, mask, cache: tuple[torch.Tensor, ...]):
+        return self.model(tokens, positions, self.cache_type.wrap(*cache), slots, mask)
 
 
 class ExportedModel:
     """A loaded package with the model interface a Stage uses."""
 
-    def __init__(self, package: Path, shape: LlamaShape, served_vocab: int, dtype: torch.dtype, device: torch.device,
-                 max_step_tokens: int):
+    def __init__(self, package: Path, shape: LlamaShape | HybridShape, served_vocab: int, dtype: torch.dtype,
+                 device: torch.device, max_step_tokens: int):
         self.runner = torch._inductor.aoti_load_package(str(package))
         self.shape, self.served_vocab, self.dtype, self.device = shape, served_vocab, dtype, device
         self.max_step_tokens = max_step_tokens
@@ -73,7 +75,7 @@ class ExportedModel:
         return cache
 
     def __call__(self, tokens, positions, cache: KVCache, slots, mask) -> torch.Tensor:
-        return self.runner(tokens, positions, cache.k, cache.v, slots, mask)
+        return self.runner(tokens, positions, slots, mask, cache.tensors())
 
 
 def _first_difference(old, new, where: str = "") -> str | None:
@@ -95,16 +97,14 @@ def export_program(program, out: Path) -> dict:
     key = program_key(recipe)
     if manifest_path.is_file():
         old = json.loads(manifest_path.read_text())
-        if old.get("key") == key and all((out / s["package"]).is_file() for s in old["stages"].values()):
+        current = old.get("format") == FORMAT and old.get("key") == key
+        if current and all((out / s["package"]).is_file() for s in old["stages"].values()):
             _log(f"{out}: compiled program is up to date (key {key[:12]})")
             return old
-        reason = (_first_difference(old.get("recipe"), recipe.model_dump(mode="json"))
-                  or _first_difference(old.get("versions"), versions()) or "missing package")
+        reason = "manifest format" if old.get("format") != FORMAT else (
+            _first_difference(old.get("recipe"), recipe.model_dump(mode="json"))
+            or _first_difference(old.get("versions"), versions()) or "missing package")
         _log(f"{out}: recompiling: {reason} changed")
-    hybrid = [name for name, stage in program.stages.items() if isinstance(stage.model, HybridModel)]
-    if hybrid:
-        raise SpecgraphError(f"stage {hybrid[0]}: hybrid models cannot be exported yet (their recurrent state is not "
-                             "an input of the step program); run the recipe with `specgraph run`")
     out.mkdir(parents=True, exist_ok=True)
     stages = {}
     for name, stage in program.stages.items():
@@ -112,21 +112,23 @@ def export_program(program, out: Path) -> dict:
         node = program.graph.node(name)
         step_tokens = max(MAX_STEP_TOKENS, node["step_tokens"])
         t, kv = Dim("t", min=1, max=step_tokens), Dim("kv", min=1, max=stage.cache.capacity)
+        cache = stage.cache.tensors()
         example = (torch.zeros(1, 2, dtype=torch.long, device=stage.device), torch.arange(2, device=stage.device)[None],
-                   stage.cache.k, stage.cache.v, torch.arange(2, device=stage.device),
-                   torch.ones(2, 4, dtype=torch.bool, device=stage.device))
-        dims = ({1: t}, {1: t}, None, None, {0: t}, {0: t, 1: kv})
+                   torch.arange(2, device=stage.device), torch.ones(2, 4, dtype=torch.bool, device=stage.device), cache)
+        dims = ({1: t}, {1: t}, {0: t}, {0: t, 1: kv}, tuple(None for _ in cache))
         _log(f"exporting stage {name} (T 1..{step_tokens}, up to {stage.cache.capacity} cache slots)")
-        exported = torch.export.export(_StepModule(stage.model), example, dynamic_shapes=dims)
+        exported = torch.export.export(_StepModule(stage.model, type(stage.cache)), example, dynamic_shapes=dims)
         _log(f"compiling stage {name} with AOTInductor")
         package = f"{name}.pt2"
         torch._inductor.aoti_compile_and_package(exported, package_path=str(out / package))
-        stages[name] = {"package": package, "max_step_tokens": step_tokens, "shape": dataclasses.asdict(stage.model.shape),
+        stages[name] = {"package": package, "max_step_tokens": step_tokens,
+                        "hybrid": isinstance(stage.model, HybridModel), "shape": dataclasses.asdict(stage.model.shape),
                         "served_vocab": stage.model.served_vocab, "dtype": str(stage.cache.k.dtype).removeprefix("torch."),
                         "device": str(stage.device), "verifies": program.graph.drafter_of(name),
                         "tree_nodes": node["tree_nodes"], "cache_slots": node["cache_slots"],
                         "graph_buckets": list(node["graph_buckets"]), "step_graphs": node["step_graphs"]}
-    manifest = {"key": key, "versions": versions(), "recipe": recipe.model_dump(mode="json"), "stages": stages}
+    manifest = {"format": FORMAT, "key": key, "versions": versions(), "recipe": recipe.model_dump(mode="json"),
+                "stages": stages}
     manifest_path.write_text(json.dumps(manifest, indent=1))
     _log(f"wrote {out} ({', '.join(stages)})")
     return manifest
@@ -140,6 +142,9 @@ def load_program(folder: Path):
     if not manifest_path.is_file():
         raise SpecgraphError(f"--program: {folder} has no manifest.json; make one with specgraph compile RECIPE -o {folder}")
     manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise SpecgraphError(f"--program: {folder} was written by an older specgraph (manifest format "
+                             f"{manifest.get('format', 1)}, this reads {FORMAT}); compile it again")
     if manifest.get("versions") != versions():
         raise SpecgraphError(f"--program: {folder} was compiled with {manifest.get('versions')}; this is {versions()}; "
                              "compile it again")
@@ -151,7 +156,9 @@ def load_program(folder: Path):
         package = Path(folder) / entry["package"]
         if not package.is_file():
             raise SpecgraphError(f"--program: {package} is missing; compile the recipe again")
-        models[name] = ExportedModel(package, LlamaShape(**entry["shape"]), entry["served_vocab"],
+        shape = {k: tuple(v) if isinstance(v, list) else v for k, v in entry["shape"].items()}  # (JSON has no tuples)
+        shape = HybridShape(**shape) if entry["hybrid"] else LlamaShape(**shape)
+        models[name] = ExportedModel(package, shape, entry["served_vocab"],
                                      getattr(torch, entry["dtype"]), torch.device(entry["device"]), entry["max_step_tokens"])
     return Program(graph, models)
 
