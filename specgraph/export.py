@@ -3,11 +3,12 @@
 A package holds one stage's forward (weights included) for any number of new tokens T from 1
 to its `max_step_tokens` (64, or the stage's largest step if that is more) and any attended cache
 width; the cache's tensors (K/V, and a hybrid's DeltaNet states, conv windows and step factors)
-are inputs that it updates in place. Packages do not check their input
-shapes, so the loaded stage feeds prompts in chunks of at most `max_step_tokens`.
+are inputs that it updates in place. Packages do not check their input shapes, so the loaded
+stage feeds prompts in chunks of at most `max_step_tokens`.
 `specgraph run --program DIR` loads the packages and runs them without recompiling. The
-manifest's `key` hashes every recipe field and the library versions: `compile` into a folder
-whose key matches does nothing, and a mismatch is logged with its reason before recompiling.
+manifest's `key` hashes every recipe field, the library versions and specgraph's source:
+`compile` into a folder whose key matches does nothing, a mismatch is logged with its reason
+before recompiling, and `run --program` refuses a folder compiled by other code or libraries.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from specgraph.models.llama import LlamaShape
 from specgraph.recipe import Recipe
 
 MAX_STEP_TOKENS = 64
-FORMAT = 2  # of the manifest: 2 added each stage's `max_step_tokens` and `hybrid`
 
 
 def _log(message: str) -> None:
@@ -39,9 +39,16 @@ def _log(message: str) -> None:
 
 
 def versions() -> dict[str, str]:
+    """What a compiled program depends on besides its recipe: the libraries' versions and a hash of
+    specgraph's own source (so that a program compiled by other code is never reused)."""
     from importlib.metadata import version
 
-    return {"specgraph": version("specgraph"), "torch": torch.__version__, "transformers": transformers.__version__}
+    package = Path(__file__).resolve().parent
+    source = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        source.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+    return {"specgraph": version("specgraph"), "specgraph_source": source.hexdigest()[:16], "torch": torch.__version__,
+            "transformers": transformers.__version__}
 
 
 def program_key(recipe: Recipe) -> str:
@@ -97,13 +104,11 @@ def export_program(program, out: Path) -> dict:
     key = program_key(recipe)
     if manifest_path.is_file():
         old = json.loads(manifest_path.read_text())
-        current = old.get("format") == FORMAT and old.get("key") == key
-        if current and all((out / s["package"]).is_file() for s in old["stages"].values()):
+        if old.get("key") == key and all((out / s["package"]).is_file() for s in old["stages"].values()):
             _log(f"{out}: compiled program is up to date (key {key[:12]})")
             return old
-        reason = "manifest format" if old.get("format") != FORMAT else (
-            _first_difference(old.get("recipe"), recipe.model_dump(mode="json"))
-            or _first_difference(old.get("versions"), versions()) or "missing package")
+        reason = (_first_difference(old.get("recipe"), recipe.model_dump(mode="json"))
+                  or _first_difference(old.get("versions"), versions()) or "missing package")
         _log(f"{out}: recompiling: {reason} changed")
     out.mkdir(parents=True, exist_ok=True)
     stages = {}
@@ -127,8 +132,7 @@ def export_program(program, out: Path) -> dict:
                         "device": str(stage.device), "verifies": program.graph.drafter_of(name),
                         "tree_nodes": node["tree_nodes"], "cache_slots": node["cache_slots"],
                         "graph_buckets": list(node["graph_buckets"]), "step_graphs": node["step_graphs"]}
-    manifest = {"format": FORMAT, "key": key, "versions": versions(), "recipe": recipe.model_dump(mode="json"),
-                "stages": stages}
+    manifest = {"key": key, "versions": versions(), "recipe": recipe.model_dump(mode="json"), "stages": stages}
     manifest_path.write_text(json.dumps(manifest, indent=1))
     _log(f"wrote {out} ({', '.join(stages)})")
     return manifest
@@ -142,12 +146,10 @@ def load_program(folder: Path):
     if not manifest_path.is_file():
         raise SpecgraphError(f"--program: {folder} has no manifest.json; make one with specgraph compile RECIPE -o {folder}")
     manifest = json.loads(manifest_path.read_text())
-    if manifest.get("format") != FORMAT:
-        raise SpecgraphError(f"--program: {folder} was written by an older specgraph (manifest format "
-                             f"{manifest.get('format', 1)}, this reads {FORMAT}); compile it again")
-    if manifest.get("versions") != versions():
-        raise SpecgraphError(f"--program: {folder} was compiled with {manifest.get('versions')}; this is {versions()}; "
-                             "compile it again")
+    changed = _first_difference(manifest.get("versions") or {}, versions())
+    if changed is not None:
+        raise SpecgraphError(f"--program: {folder} was compiled with another {changed} "
+                             f"({(manifest.get('versions') or {}).get(changed)}, here {versions()[changed]}); compile it again")
     recipe = Recipe.from_dict(manifest["recipe"])
     recipe = recipe.model_copy(update={"lowering": recipe.lowering.model_copy(update={"compile": False})})
     graph = plan(recipe)

@@ -9,6 +9,7 @@ import pytest
 from conftest import REPO
 
 from specgraph.cli import main
+from specgraph.export import versions
 from specgraph.program import Program
 from specgraph.recipe import Recipe
 
@@ -56,8 +57,9 @@ def test_compile_cache_reuses_and_names_what_changed(compiled, capsys):
 def test_run_program_errors(tmp_path, capsys):
     assert main(["run", "--program", str(tmp_path)]) == 2
     assert f"--program: {tmp_path} has no manifest.json" in capsys.readouterr().err
-    (tmp_path / "manifest.json").write_text(json.dumps({"key": "k", "stages": {}}))  # an older specgraph's
-    assert main(["run", "--program", str(tmp_path)]) == 2
-    assert "was written by an older specgraph (manifest format 1, this reads 2); compile it again" in capsys.readouterr().err
+    (tmp_path / "manifest.json").write_text(json.dumps({"key": "k", "versions": {**versions(), "specgraph_source": "0"}}))
+    assert main(["run", "--program", str(tmp_path)]) == 2  # compiled by other code
+    assert (f"--program: {tmp_path} was compiled with another specgraph_source (0, here {versions()['specgraph_source']}); "
+            "compile it again") in capsys.readouterr().err
     assert main(["run"]) == 2
     assert "give a RECIPE file or --program DIR" in capsys.readouterr().err

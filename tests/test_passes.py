@@ -75,6 +75,7 @@ def test_plan_memory_sizes_caches_for_the_tree():
     g = run_pipeline(graph(tree={"shape": "chain", "length": 6}, max_seq_len=300))
     assert g.node("target")["cache_slots"] == 300 + 1 + 6  # prefix + root + verified tree
     assert g.node("draft")["cache_slots"] == 300 + 1 + 6 + 1
+    assert (g.node("target")["step_tokens"], g.node("draft")["step_tokens"]) == (1 + 6, 1 + 6 + 1)
     target = g.node("target")
     # 8 layers x (k, v) x 1 kv head x 128 dims x slots x 4 bytes
     assert target["kv_bytes"] == 2 * 8 * 1 * 128 * 307 * 4

@@ -64,7 +64,7 @@ class Verifier:
 
     def __init__(self, stage: Stage, spec: VerifySpec, rule: str, sampling: SamplingSpec,
                  accept_greedy=accept_greedy_reference, compile: bool = False):
-        """`compile`: build each step's placement with torch.compile (one fused kernel, not a dozen small ones)."""
+        """`compile`: build each step's placement with torch.compile (a few fused kernels, not a dozen small ones)."""
         self.stage = stage
         self.device = stage.device
         self.spec = spec.model_copy(update={"rule": rule})
