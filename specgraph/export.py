@@ -14,6 +14,7 @@ before recompiling, and `run --program` refuses a folder compiled by other code 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import sys
@@ -38,9 +39,11 @@ def _log(message: str) -> None:
     print(f"specgraph: {message}", file=sys.stderr)
 
 
+@functools.cache
 def versions() -> dict[str, str]:
     """What a compiled program depends on besides its recipe: the libraries' versions and a hash of
-    specgraph's own source (so that a program compiled by other code is never reused)."""
+    specgraph's own source (so that a program compiled by other code is never reused); read once
+    per process (do not modify the result)."""
     from importlib.metadata import version
 
     package = Path(__file__).resolve().parent
@@ -146,10 +149,11 @@ def load_program(folder: Path):
     if not manifest_path.is_file():
         raise SpecgraphError(f"--program: {folder} has no manifest.json; make one with specgraph compile RECIPE -o {folder}")
     manifest = json.loads(manifest_path.read_text())
-    changed = _first_difference(manifest.get("versions") or {}, versions())
+    compiled_with = manifest.get("versions") or {}
+    changed = _first_difference(compiled_with, versions())
     if changed is not None:
         raise SpecgraphError(f"--program: {folder} was compiled with another {changed} "
-                             f"({(manifest.get('versions') or {}).get(changed)}, here {versions()[changed]}); compile it again")
+                             f"({compiled_with.get(changed)}, here {versions()[changed]}); compile it again")
     recipe = Recipe.from_dict(manifest["recipe"])
     recipe = recipe.model_copy(update={"lowering": recipe.lowering.model_copy(update={"compile": False})})
     graph = plan(recipe)
