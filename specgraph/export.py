@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import transformers
+import triton
 from torch import nn
 from torch.export import Dim
 
@@ -41,16 +42,14 @@ def _log(message: str) -> None:
 
 @functools.cache
 def versions() -> dict[str, str]:
-    """What a compiled program depends on besides its recipe: the libraries' versions and a hash of
-    specgraph's own source (so that a program compiled by other code is never reused); read once
-    per process (do not modify the result)."""
-    from importlib.metadata import version
-
+    """What a compiled program depends on besides its recipe: a hash of specgraph's own source (so
+    that a program compiled by other code is never reused, installed or run from a checkout) and
+    the libraries' versions; read once per process (do not modify the result)."""
     package = Path(__file__).resolve().parent
     source = hashlib.sha256()
     for path in sorted(package.rglob("*.py")):
         source.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
-    return {"specgraph": version("specgraph"), "specgraph_source": source.hexdigest()[:16], "torch": torch.__version__,
+    return {"specgraph_source": source.hexdigest()[:16], "torch": torch.__version__, "triton": triton.__version__,
             "transformers": transformers.__version__}
 
 

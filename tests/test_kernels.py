@@ -88,11 +88,22 @@ def test_add_rmsnorm_matches_reference(rows, c, dtype):
     assert close(total, ref_total) and close(normed, ref_normed)
 
 
-@pytest.mark.parametrize("rows, i, dtype", [(1, 37, torch.float32), (4, 1500, torch.float32), (3, 65, torch.bfloat16)])
-def test_swiglu_matches_reference(rows, i, dtype):
-    gate_up = torch.randn(1, rows, 2 * i, generator=torch.Generator().manual_seed(i)).to(dtype)
-    got, expected = swiglu(gate_up), swiglu_reference(gate_up)
-    assert got.shape == (1, rows, i) and close(got, expected)
+@pytest.mark.parametrize("tokens, i, k, bias, dtype", [
+    (1, 37, 70, False, torch.float32),  # one token: the projection kernel, odd sizes
+    (1, 300, 1500, True, torch.float32),  # one token, K past one tile, bias
+    (1, 33, 200, False, torch.bfloat16),
+    (4, 65, 48, True, torch.float32),  # several tokens: projection, then the elementwise kernel
+    (3, 65, 130, False, torch.bfloat16),
+])
+def test_swiglu_matches_reference(tokens, i, k, bias, dtype):
+    g = torch.Generator().manual_seed(i + k)
+    x = torch.randn(1, tokens, k, generator=g).to(dtype)
+    weight = (torch.randn(2 * i, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(2 * i, generator=g).to(dtype) if bias else None
+    got, expected = swiglu(x, weight, b), swiglu_reference(x, weight, b)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 4e-2}[dtype]  # bf16: four roundings (gate, up, silu, product)
+    assert got.shape == (1, tokens, i) and got.dtype == dtype
+    assert ((got.float() - expected.float()).abs() <= tol * expected.float().abs().clamp(min=1.0)).all()
 
 
 @pytest.mark.parametrize("shape, moves", [((2, 1, 3, 20, 24), ([7, 9, 12], [5, 6, 7])),  # rows shift down

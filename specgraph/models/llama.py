@@ -145,8 +145,8 @@ class MLP(nn.Module):
         self.reduce = unsharded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        down = self.down_proj
-        return self.reduce(self.kernels.linear(self.kernels.swiglu(self.gate_up_proj(x)), down.weight, down.bias))
+        gate_up, down = self.gate_up_proj, self.down_proj
+        return self.reduce(self.kernels.linear(self.kernels.swiglu(x, gate_up.weight, gate_up.bias), down.weight, down.bias))
 
 
 class DecoderLayer(nn.Module):

@@ -6,9 +6,10 @@ After:  + `kernels` {op: "triton" | "reference"} for attention, rope_write, line
         kind everywhere (Triton on the CPU runs only under TRITON_INTERPRET=1, for tests); "auto"
         picks Triton for every op on a GPU — attention reads only the slots a step can see,
         rope_write is one kernel where Inductor makes three, linear projects one token without
-        cuBLAS's split-K reduction, and our add_rmsnorm and swiglu beat Inductor's inside compiled
-        layers too (H200, Llama-3-8B shape: 4.632 against 4.728 ms per token; on Hopper our
-        kernels also launch dependently, 4.606; docs/benchmarks.md) — and the references on the CPU.
+        cuBLAS's split-K reduction, swiglu projects one token on the gate and up rows and stores
+        only silu(gate) * up, and our add_rmsnorm beats Inductor's inside compiled layers too
+        (docs/benchmarks.md; on Hopper our kernels also launch dependently) — and the references
+        on the CPU.
 """
 
 from __future__ import annotations

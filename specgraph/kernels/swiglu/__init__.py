@@ -1,4 +1,4 @@
-"""SwiGLU over the fused gate/up projection: silu(gate) * up."""
+"""SwiGLU of the fused gate/up projection: silu(x W_gate) * (x W_up)."""
 
 from specgraph.kernels.swiglu.reference import swiglu_reference
 

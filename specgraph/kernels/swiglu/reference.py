@@ -1,4 +1,4 @@
-"""Reference SwiGLU."""
+"""Reference SwiGLU of the MLP's fused gate/up projection."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 
-def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [..., 2I] (gate, then up) -> silu(gate) * up [..., I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
+def swiglu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K]; weight [2I, K] (gate rows, then up rows) -> silu(gate) * up [..., I]."""
+    gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
     return F.silu(gate) * up
