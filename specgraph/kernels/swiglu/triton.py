@@ -54,7 +54,10 @@ def _gemv_swiglu(x, w, bias, out, I, K, HAS_BIAS: tl.constexpr, BLOCK_K: tl.cons
 
 
 @triton.jit
-def _swiglu(gate_up, out, I, BLOCK: tl.constexpr):
+def _swiglu(gate_up, out, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row, block = tl.program_id(0), tl.program_id(1)
     cols = block * BLOCK + tl.arange(0, BLOCK)
     m = cols < I
@@ -79,7 +82,7 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     rows = F.linear(x, weight, bias).reshape(-1, n)  # [tokens, 2I]: gate, up
     out = torch.empty(rows.shape[0], i, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(i))
-    _swiglu[(rows.shape[0], triton.cdiv(i, block))](rows, out, i, BLOCK=block)
+    _swiglu[(rows.shape[0], triton.cdiv(i, block))](rows, out, i, BLOCK=block, **launch(x.device))
     return out.view(*x.shape[:-1], i)
 
 
