@@ -71,7 +71,7 @@ class Program:
         target = graph.node(graph.target)
         self.tokenizer = AutoTokenizer.from_pretrained(target["model"].path, trust_remote_code=False)
         self.verifier = Verifier(self.stages[graph.target], target["spec"].verify, target["rule"], self.recipe.sampling,
-                                 kernels[graph.target].accept_greedy, target["compile"])
+                                 kernels[graph.target], target["compile"])
         drafter = None
         if (draft_name := graph.drafter_of(graph.target)) is not None:
             drafter = Drafter(self.stages[draft_name], graph.node(draft_name)["tree"], target["rule"],

@@ -7,8 +7,8 @@ a GPU rounds to nearest)."""
 import pytest
 import torch
 
-from specgraph.kernels.accept import accept_greedy_reference
-from specgraph.kernels.accept.triton import accept_greedy
+from specgraph.kernels.accept import accept_greedy_reference, accept_sampling_reference
+from specgraph.kernels.accept.triton import accept_greedy, accept_sampling
 from specgraph.kernels.attention import attention_reference
 from specgraph.kernels.attention.triton import attention
 from specgraph.kernels.gated_delta import gated_delta_commit_reference, gated_delta_tree_reference
@@ -132,6 +132,55 @@ def test_greedy_acceptance_matches_reference(nodes, seed):
     path, bonus = accept_greedy(*args)
     ref_path, ref_bonus = accept_greedy_reference(*args)
     assert torch.equal(path, ref_path) and torch.equal(bonus, ref_bonus)
+
+
+def sampled_tree(nodes: int, vocab: int, g: torch.Generator) -> tuple[Tree, torch.Tensor]:
+    """A random tree whose siblings are drawn without replacement from a draft law (recorded as
+    proposals; a first child's law is sometimes the target's own, where the ratio is 1), and the
+    target's probs [N + 1, V]."""
+    shape = random_tree(nodes, g)
+    logits = torch.randn(nodes, vocab, generator=g) * 2
+    probs = logits.softmax(-1)
+    tokens, proposals = torch.zeros(nodes, dtype=torch.long), torch.zeros(nodes, vocab)
+    for node in range(nodes):  # the draft's law near the target's, so that ratios fall inside (0, 1)
+        law = probs[node].clone() if int(torch.randint(0, 3, (), generator=g)) == 0 else \
+            (logits[node] + torch.randn(vocab, generator=g)).softmax(-1)
+        for kid in shape.children(node):
+            proposals[kid] = law / law.sum()
+            tokens[kid] = torch.multinomial(proposals[kid], 1, generator=g)[0]
+            law[tokens[kid]] = 0
+    return Tree(tokens, shape.parents, proposals=proposals), probs
+
+
+@pytest.mark.parametrize("nodes, vocab", [(1, 7), (9, 50), (30, 300), (12, 5000)])  # 5000: past one vocabulary block
+def test_sampling_acceptance_matches_reference(nodes, vocab):
+    g = torch.Generator().manual_seed(nodes * 7 + vocab)
+    accepted = set()
+    for _ in range(48):
+        tree, probs = sampled_tree(nodes, vocab, g)
+        uniforms = torch.rand(tree.max_depth * tree.child_table.shape[1] + 1, generator=g)
+        args = (tree.tokens, tree.child_table, probs, tree.proposals, uniforms, tree.max_depth)
+        path, bonus = accept_sampling(*args)
+        ref_path, ref_bonus = accept_sampling_reference(*args)
+        assert torch.equal(path, ref_path) and torch.equal(bonus, ref_bonus)
+        accepted.add(int((path[1:] >= 0).sum()))
+    assert nodes == 1 or len(accepted) > 1  # both acceptances and rejections happened
+
+
+@pytest.mark.parametrize("accept", [accept_sampling, accept_sampling_reference], ids=["triton", "reference"])
+def test_sampling_acceptance_by_hand(accept):
+    """Root children: token 0 drawn from q1 = [.8, .2, 0], then token 1 from q1 without token 0. The
+    target's p = [.5, .25, .25]: the first is accepted with probability .5 / .8 = .625; after its
+    rejection p becomes the residual [0, .05, .25] / .3, so the second is accepted with 1/6."""
+    tree = Tree(torch.tensor([7, 0, 1]), torch.tensor([-1, 0, 0]),
+                proposals=torch.tensor([[0.0, 0.0, 0.0], [0.8, 0.2, 0.0], [0.0, 1.0, 0.0]]))
+    probs = torch.tensor([[0.5, 0.25, 0.25], [0.3, 0.0, 0.7], [0.0, 0.0, 1.0]])
+    for u, path, bonus in [([0.6, 0.9, 0.5], [0, 1], 2),  # first accepted; node 1 is a leaf: bonus from its p,
+                           ([0.6, 0.9, 0.2], [0, 1], 0),  # by inverse CDF over [.3, .3, 1]
+                           ([0.7, 0.1, 0.5], [0, 2], 2),  # first rejected (.7 >= .625), second accepted (.1 < 1/6)
+                           ([0.7, 0.2, 0.1], [0, -1], 2)]:  # both rejected: the residual left is [0, 0, 1]
+        got_path, got_bonus = accept(tree.tokens, tree.child_table, probs, tree.proposals, torch.tensor(u), 1)
+        assert got_path.tolist() == path and int(got_bonus) == bonus
 
 
 @pytest.mark.parametrize("rows, k, n, bias, dtype", [

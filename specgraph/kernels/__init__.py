@@ -7,7 +7,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from specgraph.kernels.accept import accept_greedy_reference
+from specgraph.kernels.accept import accept_greedy_reference, accept_sampling_reference
 from specgraph.kernels.attention import attention_reference
 from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.kernels.linear import linear_reference
@@ -19,7 +19,7 @@ from specgraph.kernels.swiglu import swiglu_reference
 TRITON = {"attention": ("attention", "attention"), "rope_write": ("rope", "rope_write"), "linear": ("linear", "linear"),
           "add_rmsnorm": ("norm", "add_rmsnorm"),
           "swiglu": ("swiglu", "swiglu"), "kv_move": ("kv_move", "kv_move"),
-          "accept_greedy": ("accept", "accept_greedy")}
+          "accept_greedy": ("accept", "accept_greedy"), "accept_sampling": ("accept", "accept_sampling")}
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class Kernels:
     swiglu: Callable = swiglu_reference
     kv_move: Callable = kv_move_reference
     accept_greedy: Callable = accept_greedy_reference
+    accept_sampling: Callable = accept_sampling_reference
 
     @classmethod
     def select(cls, choice: dict[str, str]) -> Kernels:

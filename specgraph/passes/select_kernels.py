@@ -2,7 +2,7 @@
 
 Before: stages carry `device`.
 After:  + `kernels` {op: "triton" | "reference"} for attention, rope_write, linear, add_rmsnorm,
-        swiglu, kv_move and accept_greedy. `lowering.kernels`: "reference" or "triton" force one
+        swiglu, kv_move, accept_greedy and accept_sampling. `lowering.kernels`: "reference" or "triton" force one
         kind everywhere (Triton on the CPU runs only under TRITON_INTERPRET=1, for tests); "auto"
         picks Triton for every op on a GPU — attention reads only the slots a step can see,
         rope_write is one kernel where Inductor makes three, linear projects one token without

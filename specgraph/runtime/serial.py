@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specgraph.draft import Drafter
-from specgraph.kernels.accept import accept_greedy_reference
+from specgraph.kernels import Kernels
 from specgraph.recipe import SamplingSpec, VerifySpec
 from specgraph.runtime.stage import Graph, Stage, step_mask
 from specgraph.tree import Tree, TreeStructure
@@ -63,13 +63,14 @@ class Verifier:
     """The target stage: scores a draft tree in one forward pass and commits the accepted path."""
 
     def __init__(self, stage: Stage, spec: VerifySpec, rule: str, sampling: SamplingSpec,
-                 accept_greedy=accept_greedy_reference, compile: bool = False):
-        """`compile`: build each step's placement with torch.compile (a few fused kernels, not a dozen small ones)."""
+                 kernels: Kernels = Kernels(), compile: bool = False):
+        """`kernels`: the acceptance kernels' source; `compile`: build each step's placement with
+        torch.compile (a few fused kernels, not a dozen small ones)."""
         self.stage = stage
         self.device = stage.device
         self.spec = spec.model_copy(update={"rule": rule})
         self.sampling = sampling
-        self.accept_greedy = accept_greedy
+        self.kernels = kernels
         if compile:
             self.placement = torch.compile(self.placement, fullgraph=True)
 
@@ -97,7 +98,7 @@ class Verifier:
         return tree.tokens, root + tree.depths, slots, step_mask(root, tree.ancestors, width)
 
     def verdict(self, tree: Tree, logits: torch.Tensor, generator: torch.Generator | None) -> Verdict:
-        return verify(tree, logits, self.spec, self.sampling, generator, self.accept_greedy)
+        return verify(tree, logits, self.spec, self.sampling, generator, self.kernels)
 
     def commit(self, path: torch.Tensor, length: torch.Tensor) -> None:
         """Keep the accepted path (path [D + 1], root first, -1 padded): its K/V move to slots L - 1 + depth."""
