@@ -1,10 +1,12 @@
 """The Triton kernels wired into a whole program (the interpreter on the CPU) decode the reference
 program's greedy tokens: attention, rotary + cache write, the one-token projection (the drafter's
-steps and autoregressive decoding), add + RMSNorm, SwiGLU, KV moves and acceptance all in use."""
+steps and autoregressive decoding), add + RMSNorm, SwiGLU, KV moves and acceptance all in use;
+sampled with one seed, they draw the reference's tokens."""
 
 from conftest import EMBEDDED
 from helpers import two_stage
 
+from specgraph.kernels.accept.triton import accept_sampling
 from specgraph.kernels.attention.triton import attention
 from specgraph.kernels.kv_move.triton import kv_move
 from specgraph.program import Program
@@ -25,3 +27,19 @@ def test_triton_kernels_decode_the_reference_tokens():
     assert max(result.accepted_lengths) > 1  # drafts were accepted, so KV moves ran on real paths
     single_token = fused.autoregressive().generate(ids, 12).output_ids  # the target's one-token projections
     assert single_token == reference.autoregressive().generate(ids, 12).output_ids == result.output_ids
+
+
+def test_triton_kernels_sample_the_reference_tokens():
+    """Sampling with one seed: the acceptance kernel takes the uniforms the reference takes, so the
+    tokens agree unless the kernels' last-bit differences move a draw across a boundary."""
+    def program(kernels: str) -> Program:
+        recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "static", "branching": [2, 1]},
+                           max_new_tokens=12, sampling={"temperature": 0.8}, lowering={"kernels": kernels})
+        return Program.from_recipe(recipe)
+
+    fused, reference = program("triton"), program("reference")
+    assert fused.verifier.kernels.accept_sampling is accept_sampling
+    ids = fused.encode("def parse(path):\n    with open(path) as f:\n")
+    result = fused.generate(ids, seed=3)
+    assert result.output_ids == reference.generate(ids, seed=3).output_ids
+    assert max(result.accepted_lengths) > 1
