@@ -87,6 +87,10 @@ def test_compile_stages_follows_the_recipe_and_the_device():
     assert run_pipeline(graph()).node("target")["compile"] is False  # auto: not on the CPU
     forced = run_pipeline(graph(lowering={"compile": True}))
     assert forced.node("target")["compile"] is True and forced.node("draft")["compile"] is True
+    gpu = place(validate(graph()))
+    for name in gpu.stages():
+        gpu.node(name)["device"] = torch.device("cuda:0")  # plan for a GPU without needing one
+    assert all(compile_stages(gpu).node(name)["compile"] for name in gpu.stages())  # auto: on a GPU
 
 
 def test_capture_graphs_lists_the_step_sizes_of_each_stage():

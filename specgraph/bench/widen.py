@@ -210,7 +210,7 @@ def _llama_layer(fill: _Filler, a: torch.nn.Module, b: torch.nn.Module, s: Llama
 
 
 def _hybrid_layer(fill: _Filler, a: torch.nn.Module, b: torch.nn.Module, s: HybridShape, big: HybridShape) -> None:
-    h, rows_out = s.hidden_size, torch.arange(s.hidden_size)[:, None]
+    rows_out = torch.arange(s.hidden_size)[:, None]
     if a.kind == FULL:
         d, sa, ba = s.head_dim, a.self_attn, b.self_attn
         group, big_group = s.num_heads // s.num_kv_heads, big.num_heads // big.num_kv_heads
