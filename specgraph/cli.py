@@ -126,16 +126,19 @@ def cmd_run(args: argparse.Namespace) -> None:
         gen = program.generate(ids, args.max_new_tokens)
         results.append({"id": row["id"], "prompt_tokens": len(ids), "output_ids": gen.output_ids,
                         "text": program.decode(gen.output_ids), "target_steps": gen.target_steps,
-                        "accepted_lengths": gen.accepted_lengths, "wall_seconds": gen.seconds})
+                        "accepted_lengths": gen.accepted_lengths, "wall_seconds": gen.seconds,
+                        "first_seconds": gen.first_token_seconds})
     steps = [n for r in results for n in r["accepted_lengths"]]
     new_tokens = sum(len(r["output_ids"]) for r in results)
     wall = sum(r.pop("wall_seconds") for r in results)
+    first = sum(r.pop("first_seconds") for r in results)  # prefill; compilation and capture happen in the first steps
     summary = {"new_tokens": new_tokens, "wall_seconds": round(wall, 4),
                "tokens_per_second": round(new_tokens / wall, 2) if wall > 0 else 0.0,
                "mean_accepted_length": round(sum(steps) / len(steps), 3) if steps else 0.0}
     if len(results) == 1:
         print(prompts[0]["prompt"] + results[0]["text"])
-    print(f"{summary['new_tokens']} new tokens in {summary['wall_seconds']:.2f} s: "
+    print(f"{summary['new_tokens']} new tokens in {summary['wall_seconds']:.2f} s ({first:.2f} s to the first "
+          f"token{'s' if len(results) > 1 else ''}, including prefill and any compilation): "
           f"{summary['tokens_per_second']:.1f} tokens/s, mean accepted length {summary['mean_accepted_length']:.2f}")
     if args.json is not None and is_reporter():
         args.json.write_text(json.dumps({"recipe": recipe.name, "results": results, "summary": summary}, indent=1))
