@@ -53,7 +53,7 @@ def test_a_static_tree_step_touches_only_device_tensors():
     """What a captured step needs: no host reads and no host values copied in, in either phase."""
     from helpers import HostReads
 
-    from specgraph.runtime.serial import _Clock
+    from specgraph.runtime.serial import Clock
 
     speculative = executor(eos=(), length=3)
     autoregressive = SerialExecutor(speculative.verifier, None, eos_ids=(), max_seq_len=64)
@@ -61,7 +61,7 @@ def test_a_static_tree_step_touches_only_device_tensors():
         ex.generate([1, 2], 4)  # prefill and a first step
         length = int(ex.sequence.length)
         with HostReads() as reads:
-            result = ex._step(length, (None, None), _Clock(CPU))
+            result = ex._step(length, (None, None), Clock(CPU))
         assert reads.seen == [] and result.shape == (depth + 2,)
 
 

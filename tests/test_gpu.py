@@ -12,7 +12,7 @@ from helpers import two_stage
 
 from specgraph.export import export_program
 from specgraph.program import Program
-from specgraph.runtime.serial import _Clock
+from specgraph.runtime.serial import Clock
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -33,7 +33,7 @@ def step_without_host_sync(executor) -> int:
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.inference_mode():  # as in generate
-            result = executor._step(length, (None, None), _Clock(torch.device("cpu")))
+            result = executor._step(length, (None, None), Clock(torch.device("cpu")))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return int(result[0])

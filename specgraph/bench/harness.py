@@ -19,6 +19,7 @@ from specgraph.models.loader import is_hybrid, load_model
 from specgraph.parallel import rank_and_world
 from specgraph.program import Program, plan
 from specgraph.recipe import Recipe
+from specgraph.runtime.serial import Clock
 
 BASELINES = ("hf", "hf-assisted", "ar", "serial")
 
@@ -35,30 +36,24 @@ class BenchSpec:
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, copies: int = 10) -> float:
     """Bytes read + written per second by device-to-device copies of `nbytes`: the best of 5
-    timings of `copies` back-to-back copies after a warm-up one. On a GPU the copies are timed by
-    CUDA events, so no launch or host synchronisation is counted (timed from the host, a single
-    1 GiB copy measured 2.5% less bandwidth on an H200, and varied more: docs/benchmarks.md); on
-    the CPU, one copy per timing, from the host."""
+    timings of `copies` back-to-back copies after a warm-up one, timed as a step's phases are
+    (`Clock`): on a GPU by CUDA events, so no launch or host synchronisation is counted (timed from
+    the host, a single 1 GiB copy measured 2.5% less bandwidth on an H200, and varied more:
+    docs/benchmarks.md); on the CPU, one copy per timing, by the host clock."""
     copies = copies if device.type == "cuda" else 1
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = float("inf")
     for _ in range(5):
+        clock = Clock(device)
+        clock.mark()
+        for _ in range(copies):
+            dst.copy_(src)
+        clock.mark()
         if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(copies):
-                dst.copy_(src)
-            end.record()
-            end.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            began = time.perf_counter()
-            for _ in range(copies):
-                dst.copy_(src)
-            seconds = time.perf_counter() - began
-        best = min(best, seconds)
+            torch.cuda.synchronize(device)
+        best = min(best, clock.seconds()[0])
     return 2 * nbytes * copies / best
 
 

@@ -105,8 +105,9 @@ class Verifier:
         self.stage.cache.commit(path, length - 1)
 
 
-class _Clock:
-    """Phase boundaries of one step: CUDA events on a GPU (read after the step's one host read), host time on the CPU."""
+class Clock:
+    """Marks in time (a step's phase boundaries; the bench's copies): CUDA events on a GPU (read after
+    the step's one host read), host time on the CPU."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -188,7 +189,7 @@ class SerialExecutor:
         tokens = self.sequence.tokens.index_select(0, self.sequence.length.reshape(1) - 1)  # [1]
         return Tree(tokens, self._root_parents, None, self._root)
 
-    def _step(self, length: int, generators: tuple, clock: _Clock) -> torch.Tensor:
+    def _step(self, length: int, generators: tuple, clock: Clock) -> torch.Tensor:
         """One step from device state -> [D + 2] (see `_verify`); `length` (host) sizes eager forwards."""
         draft_generator, generator = generators
         clock.mark()
@@ -211,9 +212,9 @@ class SerialExecutor:
             return first
         return self._graphs[name](*inputs)
 
-    def _launch(self, length: int, generators: tuple) -> tuple[torch.Tensor, torch.cuda.Event | None, _Clock]:
+    def _launch(self, length: int, generators: tuple) -> tuple[torch.Tensor, torch.cuda.Event | None, Clock]:
         """Enqueue one step and the copy of its result to the host; returns (host copy, its event, clock)."""
-        clock = _Clock(self.device)
+        clock = Clock(self.device)
         result = self._step(length, generators, clock)  # [D + 2], D this step's tree depth
         clock.mark()
         if not self.lookahead:
