@@ -21,6 +21,12 @@ from specgraph.recipe import Recipe
 from specgraph.runtime.stage import Stage
 
 
+# A prompt longer than an exported package's 64-token step (91 tokens for the embedded pair): a
+# loaded program must feed it in chunks.
+LONG_PROMPT = ('"""Read a list of paths, count the lines of each file and print a summary table."""\n'
+               "import os\nimport sys\nfrom collections import Counter\n\n\ndef count_lines(path):\n    with open(path) as f:\n"
+               "        return sum(1 for _ in f)\n\n\ndef main(argv):\n    totals = Counter()\n    for path in argv[1:]:\n")
+
 def two_stage(target: Path, draft: Path | None, tree: dict | None = None, dtype: str = "float32",
               **fields) -> Recipe:
     """A recipe of `target` verified over `draft` (or the target alone when draft is None), on the CPU."""

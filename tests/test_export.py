@@ -7,6 +7,7 @@ import sys
 
 import pytest
 from conftest import REPO
+from helpers import LONG_PROMPT
 
 from specgraph.cli import main
 from specgraph.export import versions
@@ -15,10 +16,7 @@ from specgraph.recipe import Recipe
 
 DEMO = REPO / "recipes" / "demo.yaml"
 SMALL = ["--set", "max_seq_len=400"]
-# 91 tokens: longer than a package's 64-token step, so the loaded program must feed it in chunks
-PROMPT = ('"""Read a list of paths, count the lines of each file and print a summary table."""\n'
-          "import os\nimport sys\nfrom collections import Counter\n\n\ndef count_lines(path):\n    with open(path) as f:\n"
-          "        return sum(1 for _ in f)\n\n\ndef main(argv):\n    totals = Counter()\n    for path in argv[1:]:\n")
+
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +33,12 @@ def test_exported_program_reloads_in_a_fresh_process_with_the_same_tokens(compil
     assert stages["draft"]["tree_nodes"] == 5 and stages["target"]["cache_slots"] == 400 + 1 + 5  # chain 5
     assert stages["target"]["max_step_tokens"] == 64
     result = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, "-m", "specgraph.cli", "run", "--program", str(compiled), "--prompt", PROMPT,
+    proc = subprocess.run([sys.executable, "-m", "specgraph.cli", "run", "--program", str(compiled), "--prompt", LONG_PROMPT,
                            "--max-new-tokens", "40", "--json", str(result)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     exported = json.loads(result.read_text())["results"][0]
     eager = Program.from_recipe(Recipe.from_yaml(DEMO, ["max_seq_len=400"]))
-    expected = eager.generate(eager.encode(PROMPT), 40)
+    expected = eager.generate(eager.encode(LONG_PROMPT), 40)
     assert exported["output_ids"] == expected.output_ids
     assert exported["accepted_lengths"] == expected.accepted_lengths
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 from conftest import EMBEDDED, REPO, shared_models
-from helpers import hf_greedy, two_stage
+from helpers import LONG_PROMPT, hf_greedy, two_stage
 
 from specgraph.models.loader import load_model
 from specgraph.program import Program
@@ -106,21 +106,18 @@ def test_hybrid_recipe_runs_from_the_cli_and_its_exported_program_decodes_the_sa
 
     recipe = REPO / "recipes" / "hybrid.yaml"
     shared_models()  # the recipe's target lives in ../shared
-    prompt = ('"""Read a list of paths, count the lines of each file and print a summary table."""\n'
-              "import os\nimport sys\nfrom collections import Counter\n\n\ndef count_lines(path):\n"
-              "    with open(path) as f:\n        return sum(1 for _ in f)\n\n\ndef main(argv):\n")
     out = tmp_path / "run.json"
-    assert main(["run", str(recipe), "--prompt", prompt, "--max-new-tokens", "24", "--json", str(out)]) == 0
+    assert main(["run", str(recipe), "--prompt", LONG_PROMPT, "--max-new-tokens", "24", "--json", str(out)]) == 0
     eager = json.loads(out.read_text())["results"][0]
     assert eager["prompt_tokens"] > 64
     program = tmp_path / "program"
     assert main(["compile", str(recipe), "-o", str(program), "--set", "max_seq_len=256"]) == 0
     assert json.loads((program / "manifest.json").read_text())["stages"]["target"]["hybrid"]
     result = tmp_path / "exported.json"
-    proc = subprocess.run([sys.executable, "-m", "specgraph.cli", "run", "--program", str(program), "--prompt", prompt,
+    proc = subprocess.run([sys.executable, "-m", "specgraph.cli", "run", "--program", str(program), "--prompt", LONG_PROMPT,
                            "--max-new-tokens", "24", "--json", str(result)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(result.read_text())["results"][0]["output_ids"] == eager["output_ids"]
     loaded, reference = load_program(program), Program.from_recipe(Recipe.from_yaml(recipe, ["max_seq_len=256"]))
-    ids = reference.encode(prompt)
+    ids = reference.encode(LONG_PROMPT)
     assert loaded.autoregressive().generate(ids, 16).output_ids == reference.autoregressive().generate(ids, 16).output_ids
