@@ -11,6 +11,8 @@ path's into the state.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from specgraph.kernels.gated_delta import gated_delta_commit_reference
@@ -23,13 +25,14 @@ class KVCache:
     TENSORS = ("k", "v")  # the storage, in the order of `tensors()` and `wrap`
 
     def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, move_rows: Callable = kv_move_reference):
+        """`move_rows`: the KV move kernel (kernels/kv_move) that `move` runs."""
         shape = (layers, batch, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.max_step_tokens = capacity  # tokens one forward may write before a commit
-        self.move_rows = kv_move_reference  # the select_kernels pass may swap in the Triton kernel
+        self.move_rows = move_rows
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The storage tensors (named by TENSORS): what an exported step program takes as inputs."""
@@ -75,9 +78,10 @@ class HybridCache(KVCache):
     TENSORS = KVCache.TENSORS + ("state", "conv", "step_k", "step_u", "step_decay", "step_inputs")
 
     def __init__(self, attention_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str, *, linear_layers: int, heads: int, key_dim: int,
-                 value_dim: int, conv_channels: int, conv_kernel: int, step_tokens: int):
-        super().__init__(attention_layers, batch, kv_heads, head_dim, capacity, dtype, device)
+                 dtype: torch.dtype, device: torch.device | str, move_rows: Callable = kv_move_reference, *,
+                 linear_layers: int, heads: int, key_dim: int, value_dim: int, conv_channels: int, conv_kernel: int,
+                 step_tokens: int):
+        super().__init__(attention_layers, batch, kv_heads, head_dim, capacity, dtype, device, move_rows)
         lb, f32 = (linear_layers, batch), dict(dtype=torch.float32, device=device)
         self.state = torch.zeros(*lb, heads, key_dim, value_dim, **f32)
         self.conv = torch.zeros(*lb, conv_kernel - 1, conv_channels, dtype=dtype, device=device)

@@ -102,7 +102,6 @@ def cmd_run(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from specgraph.export import load_program
-    from specgraph.launch import is_reporter
     from specgraph.program import Program
 
     if args.program is not None:
@@ -117,17 +116,18 @@ def cmd_run(args: argparse.Namespace) -> None:
         recipe, prompts = _load_recipe(args)
         print(f"specgraph: loading {recipe.name} ({', '.join(s.name for s in recipe.stages)})", file=sys.stderr)
         program = Program.from_recipe(recipe)
-        if any(program.graph.node(name)["compile"] for name in program.stages):
+        if any(program.graph.node(name)["compile"] for name in program.graph.stages()):
             print("specgraph: step functions compile with torch.compile during the first steps "
                   "(--no-compile skips it)", file=sys.stderr)
     results = []
-    for row in tqdm(prompts, desc="prompts", unit="prompt", disable=len(prompts) == 1, file=sys.stderr):
-        ids = program.encode(row["prompt"])
-        gen = program.generate(ids, args.max_new_tokens)
-        results.append({"id": row["id"], "prompt_tokens": len(ids), "output_ids": gen.output_ids,
-                        "text": program.decode(gen.output_ids), "target_steps": gen.target_steps,
-                        "accepted_lengths": gen.accepted_lengths, "wall_seconds": gen.seconds,
-                        "first_seconds": gen.first_token_seconds})
+    with program:
+        for row in tqdm(prompts, desc="prompts", unit="prompt", disable=len(prompts) == 1, file=sys.stderr):
+            ids = program.encode(row["prompt"])
+            gen = program.generate(ids, args.max_new_tokens)
+            results.append({"id": row["id"], "prompt_tokens": len(ids), "output_ids": gen.output_ids,
+                            "text": program.decode(gen.output_ids), "target_steps": gen.target_steps,
+                            "accepted_lengths": gen.accepted_lengths, "wall_seconds": gen.seconds,
+                            "first_seconds": gen.first_token_seconds})
     steps = [n for r in results for n in r["accepted_lengths"]]
     new_tokens = sum(len(r["output_ids"]) for r in results)
     wall = sum(r.pop("wall_seconds") for r in results)
@@ -140,14 +140,13 @@ def cmd_run(args: argparse.Namespace) -> None:
     print(f"{summary['new_tokens']} new tokens in {summary['wall_seconds']:.2f} s ({first:.2f} s to the first "
           f"token{'s' if len(results) > 1 else ''}, including prefill and any compilation): "
           f"{summary['tokens_per_second']:.1f} tokens/s, mean accepted length {summary['mean_accepted_length']:.2f}")
-    if args.json is not None and is_reporter():
+    if args.json is not None:
         args.json.write_text(json.dumps({"recipe": recipe.name, "results": results, "summary": summary}, indent=1))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
     from specgraph.bench.harness import BenchSpec, run_bench
     from specgraph.bench.report import plot, print_table
-    from specgraph.launch import is_reporter
 
     recipe, prompts = _load_recipe(args)
     if args.repeats < 1:
@@ -155,8 +154,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
     spec = BenchSpec(recipe, prompts, args.max_new_tokens or recipe.max_new_tokens, args.repeats,
                      tuple(b.strip() for b in args.baselines.split(",") if b.strip()), args.widen)
     report = run_bench(spec)
-    if not is_reporter():
-        return
     print_table(report)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))
@@ -166,15 +163,18 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_compile(args: argparse.Namespace) -> None:
     from specgraph.export import export_program
-    from specgraph.launch import tensor_parallel_devices
-    from specgraph.program import Program
+    from specgraph.passes.place import world_size
+    from specgraph.program import Program, plan
     from specgraph.recipe import Recipe
 
     recipe = Recipe.from_yaml(args.recipe, [*args.overrides, "lowering.compile=false"])
-    if devices := tensor_parallel_devices(recipe):
-        raise SpecgraphError(f"compile: stages split over {len(devices)} devices cannot be exported yet; "
+    graph = plan(recipe)
+    if recipe.execution != "serial":
+        raise SpecgraphError(f"compile: execution {recipe.execution!r} cannot be exported yet; valid: serial")
+    if world_size(graph) > 1:
+        raise SpecgraphError(f"compile: stages split over {world_size(graph)} devices cannot be exported yet; "
                              "give each stage one device")
-    export_program(Program.from_recipe(recipe), args.output)
+    export_program(Program(graph), args.output)
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
@@ -202,14 +202,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "max_new_tokens", None) is not None and args.max_new_tokens < 1:
             raise SpecgraphError(f"--max-new-tokens: must be at least 1 (got {args.max_new_tokens})")
-        if args.command in ("run", "bench") and getattr(args, "recipe", None) is not None:
-            from specgraph.launch import launch, tensor_parallel_devices
-            from specgraph.parallel import rank_and_world
-            from specgraph.recipe import Recipe
-
-            devices = tensor_parallel_devices(Recipe.from_yaml(args.recipe, args.overrides))
-            if devices and rank_and_world()[1] == 1:
-                return launch(argv, devices)
         commands = {"run": cmd_run, "bench": cmd_bench, "compile": cmd_compile, "export": cmd_compile,
                     "inspect": cmd_inspect}
         commands[args.command](args)

@@ -22,6 +22,7 @@ siblings for draws, the node's own one-hot for deterministic choices.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -87,6 +88,26 @@ class _StaticPlan:
         self.fed_at = torch.tensor([fed_at.get(n, -1) for n in range(len(topo.parents))], device=device)  # [N + 1]
 
 
+@dataclass
+class Draft:
+    """A grown tree and where its nodes were fed: the handle that `Drafter.commit` takes, so that
+    nothing about a step is kept in the drafter between its draft and its commit."""
+
+    tree: Tree
+    fed_at: torch.Tensor  # [N + 1] draft-cache slot past L of each node, -1 if not fed
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tree's tensors, then fed_at: a deterministic draft as a CUDA graph's outputs."""
+        return (*self.tree.tensors(), self.fed_at)
+
+    @classmethod
+    def from_tensors(cls, tensors: tuple[torch.Tensor, ...], max_depth: int) -> Draft:
+        return cls(Tree.from_tensors(tensors[:-1], max_depth), tensors[-1])
+
+
+CATCH_UP = 2  # committed tokens a catch-up feeds: the last accepted draft (maybe never fed) and the new root
+
+
 class Drafter:
     def __init__(self, stage: Stage, plan: TreeTopology | DynamicTree, rule: str, sampling: SamplingSpec):
         self.stage, self.plan, self.rule, self.sampling = stage, plan, rule, sampling
@@ -95,44 +116,39 @@ class Drafter:
         self.dynamic = _DynamicPlan(plan) if isinstance(plan, DynamicTree) else None
         self.nodes = plan.nodes if isinstance(plan, DynamicTree) else len(plan.parents) - 1
         self.max_depth = plan.depth if isinstance(plan, DynamicTree) else plan.max_depth
-        self._fed_at: torch.Tensor | None = None  # [N + 1] draft-cache slot past L of each node of the last tree, -1 if not fed
-        self._feeds = 2  # committed tokens the next catch-up feeds (fewer only after a one-token prompt)
-        self._causal = {t: torch.ones(t, t, dtype=torch.bool, device=device).tril() for t in (1, 2)}
-
-    @property
-    def captures(self) -> bool:
-        """Whether a draft is a fixed sequence of device operations (capturable as one CUDA graph)."""
-        return self.sampling.temperature == 0 and self._feeds == 2
+        self._causal = {t: torch.ones(t, t, dtype=torch.bool, device=device).tril() for t in range(1, CATCH_UP + 1)}
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor) -> None:
         """Feed all but the last two prompt tokens [L] (the first catch-up feeds those)."""
-        if prompt.numel() > 2:
-            self.stage.prefill(prompt[:-2])
-        self._feeds = min(2, prompt.numel())
+        if prompt.numel() > CATCH_UP:
+            self.stage.prefill(prompt[:-CATCH_UP])
 
     @torch.inference_mode()
-    def draft(self, committed: torch.Tensor, length: torch.Tensor, width: int, generator: torch.Generator | None) -> Tree:
+    def draft(self, committed: torch.Tensor, length: torch.Tensor, width: int, generator: torch.Generator | None,
+              feeds: int = CATCH_UP) -> Draft:
         """A draft tree rooted at the last of the `length` ([] long) tokens of `committed` [capacity];
-        forwards attend over `width` cache slots."""
-        feeds, self._feeds = self._feeds, 2
+        forwards attend over `width` cache slots. The catch-up feeds the last `feeds` committed tokens
+        (fewer than two only right after a one-token prompt)."""
+        root_logits = self.catch_up(committed, length, width, feeds)
+        root = committed.index_select(0, length.reshape(1) - 1)  # [1]
+        if self.static is not None:
+            return Draft(self._grow_static(root, root_logits, length, width, generator), self.static.fed_at)
+        return Draft(*self._grow_dynamic(root, root_logits, length, width))
+
+    def catch_up(self, committed: torch.Tensor, length: torch.Tensor, width: int, feeds: int = CATCH_UP) -> torch.Tensor:
+        """Feed the last `feeds` of the `length` committed tokens at their slots -> the root's logits [V]."""
         start = length - feeds
         slots = start + torch.arange(feeds, device=self.stage.device)
         mask = step_mask(start, self._causal[feeds], width)
-        root_logits = self.stage.forward(committed.index_select(0, slots), slots, slots, mask)[-1]  # [V]
-        root = committed.index_select(0, length.reshape(1) - 1)  # [1]
-        if self.static is not None:
-            self._fed_at = self.static.fed_at
-            return self._grow_static(root, root_logits, length, width, generator)
-        tree, self._fed_at = self._grow_dynamic(root, root_logits, length, width)
-        return tree
+        return self.stage.forward(committed.index_select(0, slots), slots, slots, mask)[-1]
 
-    def commit(self, path: torch.Tensor, length: torch.Tensor) -> None:
-        """Move the draft K/V of the accepted nodes (path [D + 1], root first, -1 padded) to slots
-        L - 1 + depth, L = `length` before this step's tokens."""
+    def commit(self, draft: Draft, path: torch.Tensor, length: torch.Tensor) -> None:
+        """Move the draft K/V of `draft`'s accepted nodes (path [D + 1], root first, -1 padded) to
+        slots L - 1 + depth, L = `length` before this step's tokens."""
         nodes = path[1:]  # [D]
         dst = length - 1 + torch.arange(1, path.numel(), device=path.device)
-        offset = self._fed_at.index_select(0, nodes.clamp(min=0))
+        offset = draft.fed_at.index_select(0, nodes.clamp(min=0))
         src = torch.where((nodes >= 0) & (offset >= 0), length + offset, dst)  # unfed or rejected: stay
         self.stage.cache.move(src, dst)
 

@@ -19,6 +19,7 @@ import hashlib
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 import transformers
@@ -29,6 +30,7 @@ from torch.export import Dim
 from specgraph.cache import KVCache
 from specgraph.errors import SpecgraphError
 from specgraph.kernels import Kernels
+from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.models.hybrid import HybridModel, HybridShape
 from specgraph.models.llama import LlamaShape
 from specgraph.recipe import Recipe
@@ -78,8 +80,8 @@ class ExportedModel:
         self.shape, self.served_vocab, self.dtype, self.device = shape, served_vocab, dtype, device
         self.max_step_tokens = max_step_tokens
 
-    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
-        cache = self.shape.new_cache(capacity, self.dtype, self.device, batch)
+    def new_cache(self, capacity: int, batch: int = 1, move_rows: Callable = kv_move_reference) -> KVCache:
+        cache = self.shape.new_cache(capacity, self.dtype, self.device, batch, move_rows)
         cache.max_step_tokens = min(cache.max_step_tokens, self.max_step_tokens)  # the package's T range
         return cache
 

@@ -1,60 +1,341 @@
-"""One process per tensor-parallel rank: `specgraph run` and `bench` start them when a recipe's
-stages list several devices, join them in one process group (NCCL on GPUs, gloo on the CPU) and
-run the same command in each; rank 0 prints and writes files, the others are silent."""
+"""The processes of a multi-process program: one per rank, each running only its stages.
+
+Launch is a function: `Cluster(spec)` starts the ranks (the `spawn` start method) and talks to
+rank 0 through a pipe; `cluster.call(fn, *args)` runs `fn(worker, *args)` in rank 0, where
+`worker` is that rank's `Worker` (runtime/worker.py), which drives the other ranks over
+torch.distributed. Under `torchrun` the same ranks are the processes torchrun started
+(`join_torchrun`): rank 0 is the calling process itself and the others serve until it closes.
+
+Faults end the run. The client watches every rank: one that raises or dies stops all of them
+and `call` raises a one-line SpecgraphError naming the stage and rank. Each rank has a watchdog
+thread that stops it when its main thread has waited on another stage, or been in one step, for
+longer than the recipe's `timeout` (ten times that during the first request, where compilation
+and CUDA-graph capture happen), and when the client that started it is gone. Ranks ignore
+Ctrl-C; the client stops them all.
+"""
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import os
+import signal
 import socket
 import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from specgraph.errors import SpecgraphError
 from specgraph.recipe import Recipe
 
-
-def tensor_parallel_devices(recipe: Recipe) -> list[str]:
-    """The device list of the recipe's tensor-parallel stages ([] when every stage has one device)."""
-    return max((s.devices for s in recipe.stages if len(s.devices) > 1), key=len, default=[])
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+FIRST_REQUEST_GRACE = 10  # the first request compiles and captures: its waits may take this many timeouts
 
 
-def is_reporter() -> bool:
-    """Whether this process prints and writes results (rank 0, or the only process)."""
-    return not dist.is_initialized() or dist.get_rank() == 0
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What every rank builds its Worker from."""
+
+    recipe: Recipe
+    widen: str | None = None  # bench: the target's real shape (the drafter widens to the small one)
+    systems: tuple[str, ...] = ("specgraph",)  # what the ranks can run: specgraph, ar, serial
 
 
-def launch(argv: list[str], devices: list[str]) -> int:
-    """Run `specgraph argv` in one process per device; returns the exit status."""
-    with socket.socket() as s:  # a free port for the process group's rendezvous
+def rank_names(graph) -> list[str]:
+    """'stage NAME rank R' for every rank of a planned graph (a rank of a serial program runs every stage)."""
+    from specgraph.passes.place import world_size
+
+    names = [""] * world_size(graph)
+    for name in graph.stages():
+        for r in graph.node(name)["ranks"]:
+            names[r] = f"stage {name} rank {r}" if not names[r] else f"rank {r}"
+    return names
+
+
+def rank_devices(graph) -> list[str]:
+    """Each rank's device: its entry of its stage's device list (a GPU where any of its stages has one)."""
+    from specgraph.passes.place import resolve_device, world_size
+
+    devices = ["cpu"] * world_size(graph)
+    for name in graph.stages():
+        node = graph.node(name)
+        listed = [resolve_device(d, "") for d in node["spec"].devices]
+        for i, r in enumerate(node["ranks"]):
+            device = listed[i] if len(listed) > 1 else listed[0]
+            if device.type == "cuda":
+                devices[r] = str(device)
+    return devices
+
+
+class Progress:
+    """What a rank's main thread is doing, for its watchdog: a phase ('waiting for a tree from
+    stage draft (rank 1)', 'a step') and since when. Writes are single attribute assignments."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.grace = FIRST_REQUEST_GRACE
+        self.state: tuple[str, float] | None = None  # None: idle (between requests), never too long
+
+    def enter(self, phase: str) -> None:
+        self.state = (phase, time.monotonic())
+
+    def idle(self) -> None:
+        self.state = None
+
+    def first_request_done(self) -> None:
+        self.grace = 1
+
+    def overdue(self) -> str | None:
+        state, limit = self.state, self.timeout * self.grace
+        if state is not None and time.monotonic() - state[1] > limit:
+            return f"{state[0]} for more than {limit:g} s (recipe timeout {self.timeout:g} s)"
+        return None
+
+
+PROGRESS = Progress(timeout=float("inf"))  # this process's; a rank sets its timeout when it starts
+
+
+def _watchdog(name: str, report: Callable[[str], None], parent: int | None) -> None:
+    while True:
+        time.sleep(0.25)
+        if parent is not None and os.getppid() != parent:
+            os._exit(1)  # the client is gone: nothing would read our results
+        overdue = PROGRESS.overdue()
+        if overdue is not None:
+            report(f"{name}: {overdue}")
+            os._exit(3)
+
+
+def one_line(exc: BaseException) -> str:
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return text if isinstance(exc, SpecgraphError) else f"{type(exc).__name__}: {text}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    backend = "nccl" if any(d.startswith("cuda") for d in devices) else "gloo"
-    print(f"specgraph: starting {len(devices)} processes, one per device ({', '.join(devices)}), over {backend}",
-          file=sys.stderr)
-    try:
-        mp.spawn(_rank, args=(argv, devices, port, backend), nprocs=len(devices))
-    except mp.ProcessExitedException as exc:
-        return exc.exit_code
-    except mp.ProcessRaisedException as exc:
-        print(f"specgraph: error: rank {exc.error_index} failed:\n{exc}", file=sys.stderr)
-        return 1
-    return 0
+        return s.getsockname()[1]
 
 
-def _rank(rank: int, argv: list[str], devices: list[str], port: int, backend: str) -> None:
-    from specgraph.cli import main
+def _init(rank: int, world: int, device: str, spec: LaunchSpec):
+    """Join the process group and build this rank's Worker."""
+    from specgraph.runtime.worker import Worker
 
-    if rank > 0:  # rank 0 reports; the others run the same steps silently
-        sys.stdout = sys.stderr = open(os.devnull, "w")
+    for key, value in MULTICAST_OFF.items():
+        os.environ.setdefault(key, value)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    else:  # ranks sharing the CPU: split its cores rather than each taking them all
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and device.startswith("cuda") else "gloo"
+    # no collective timeout of ours: the watchdog and the client bound every wait
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(days=1))
+    PROGRESS.timeout = spec.recipe.timeout
+    return Worker(spec)
+
+
+def _rank_main(rank: int, world: int, devices: list[str], names: list[str], port: int, spec: LaunchSpec,
+               conn, errors, parent: int) -> None:
+    """A spawned rank: serve until rank 0 is told to close; report a failure as one line and exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client handles Ctrl-C and stops us
+    report = lambda message: errors.put((rank, message))  # noqa: E731
+    threading.Thread(target=_watchdog, args=(names[rank], report, parent), daemon=True).start()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if devices[rank].startswith("cuda:"):
-        torch.cuda.set_device(torch.device(devices[rank]))
-    dist.init_process_group(backend, rank=rank, world_size=len(devices))
+    status = 0
     try:
-        status = main(argv)
-    finally:
-        dist.destroy_process_group()
-    if status:
-        sys.exit(status)
+        worker = _init(rank, world, devices[rank], spec)
+        if rank == 0:
+            _serve_client(worker, conn)
+        else:
+            worker.serve()
+    except BaseException as exc:  # noqa: BLE001 - every failure ends the run, reported as one line
+        if os.environ.get("SPECGRAPH_DEBUG"):
+            traceback.print_exc()
+        report(one_line(exc) if isinstance(exc, SpecgraphError) else f"{names[rank]}: {one_line(exc)}")
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # no teardown: a peer may be gone, and NCCL's would wait for it
+
+
+def _serve_client(worker, conn) -> None:
+    conn.send(("ready", None))
+    while True:
+        try:
+            fn, args = conn.recv()
+        except EOFError:  # the client is gone
+            return
+        if fn is None:
+            worker.shutdown()
+            conn.send(("closed", None))
+            return
+        try:
+            conn.send(("ok", fn(worker, *args)))
+        except SpecgraphError as exc:  # a user mistake found in rank 0 before any rank started on it
+            conn.send(("error", str(exc)))
+
+
+class Cluster:
+    """The client's handle on the ranks of a multi-process program (see the module docstring)."""
+
+    def __init__(self, spec: LaunchSpec):
+        from specgraph.program import plan
+
+        graph = plan(spec.recipe)
+        self.names, devices = rank_names(graph), rank_devices(graph)
+        ctx = mp.get_context("spawn")
+        self._conn, theirs = ctx.Pipe()
+        self._errors = ctx.SimpleQueue()
+        port = _free_port()
+        print(f"specgraph: starting {len(self.names)} processes: "
+              + ", ".join(f"{n} on {d}" for n, d in zip(self.names, devices)), file=sys.stderr)
+        self.processes = [ctx.Process(target=_rank_main, name=self.names[r],
+                                      args=(r, len(self.names), devices, self.names, port, spec, theirs if r == 0 else None,
+                                            self._errors, os.getpid()))
+                          for r in range(len(self.names))]
+        self._closed = False
+        try:
+            for process in self.processes:
+                process.start()
+            self._reply()  # rank 0 is ready once every rank has loaded its stages
+        except SpecgraphError as exc:
+            self._stop()
+            if "exited with status" not in str(exc):
+                raise
+            raise SpecgraphError(f"{exc} while starting (a Python script that loads a multi-process program "
+                                 "needs its code under `if __name__ == '__main__':`, as the processes import it)") from None
+        except BaseException:
+            self._stop()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def call(self, fn: Callable, *args):
+        """fn(worker, *args) in rank 0 (fn a module-level function) -> its result."""
+        if self._closed:
+            raise SpecgraphError("this program's processes were stopped; load it again")
+        try:
+            self._conn.send((fn, args))
+            return self._reply()
+        except BaseException:
+            self._stop()
+            raise
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._conn.send((None, None))
+            self._reply()
+            for process in self.processes:
+                process.join(timeout=30)
+        finally:
+            self._stop()
+
+    def _reply(self):
+        sentinels = {p.sentinel: r for r, p in enumerate(self.processes)}
+        while True:
+            ready = multiprocessing.connection.wait([self._conn, *sentinels], timeout=1.0)
+            if self._conn in ready:
+                try:
+                    kind, value = self._conn.recv()
+                except EOFError:
+                    continue  # rank 0 died: its sentinel says so
+                if kind == "error":
+                    raise SpecgraphError(value)
+                return value
+            dead = [sentinels[s] for s in ready if s in sentinels]
+            if dead:
+                raise SpecgraphError(self._failure(dead[0]))
+
+    def _failure(self, rank: int) -> str:
+        """The one line that explains why rank `rank` ended: its own report, another rank's, or its exit status."""
+        deadline = time.monotonic() + 2.0
+        reports = []
+        while time.monotonic() < deadline and not reports:
+            while not self._errors.empty():
+                reports.append(self._errors.get())
+            time.sleep(0.05)
+        own = [m for r, m in reports if r == rank]
+        if own or reports:
+            return (own or [reports[0][1]])[0]
+        code = self.processes[rank].exitcode
+        how = f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with status {code}"
+        return f"{self.names[rank]} {how}"
+
+    def _stop(self) -> None:
+        """Stop every rank (terminate, then kill what is left) and wait for them: none outlives the run."""
+        self._closed = True
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        deadline = time.monotonic() + 5
+        for process in self.processes:
+            if process.pid is not None:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            self._stop()
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+class InProcessCluster:
+    """Rank 0 of a torchrun launch: `call` runs in this process; the other ranks serve until `close`."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.pids = [os.getpid()]
+
+    def call(self, fn: Callable, *args):
+        return fn(self.worker, *args)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+
+def join_torchrun(spec: LaunchSpec) -> InProcessCluster:
+    """Under torchrun: build this rank's Worker; rank 0 gets the cluster handle, the others serve
+    and exit when rank 0 closes (they never return)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    from specgraph.program import plan
+
+    if rank > 0:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+
+    def report(message: str) -> None:
+        print(f"specgraph: error: {message}", file=sys.stderr, flush=True)
+
+    names = rank_names(plan(spec.recipe))
+    if len(names) != world:
+        raise SpecgraphError(f"torchrun started {world} processes; this recipe runs in {len(names)} "
+                             f"({', '.join(names)}): pass --nproc-per-node {len(names)}")
+    device = rank_devices(plan(spec.recipe))[rank]
+    threading.Thread(target=_watchdog, args=(names[rank], report, None), daemon=True).start()
+    try:
+        worker = _init(rank, world, device, spec)
+        if rank == 0:
+            return InProcessCluster(worker)
+        worker.serve()
+    except BaseException as exc:  # noqa: BLE001
+        report(one_line(exc) if isinstance(exc, SpecgraphError) else f"{names[rank]}: {one_line(exc)}")
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)

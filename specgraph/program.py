@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import AutoTokenizer
 
@@ -12,11 +11,15 @@ from specgraph.errors import SpecgraphError
 from specgraph.graph import SpecGraph
 from specgraph.kernels import Kernels
 from specgraph.models.loader import load_model
-from specgraph.parallel import rank_and_world, shard_model
+from specgraph.parallel import shard_model
 from specgraph.passes import run_pipeline
+from specgraph.passes.place import world_size
 from specgraph.recipe import Recipe
-from specgraph.runtime.serial import Generation, SerialExecutor, Verifier
+from specgraph.runtime.executor import Executor, Generation
+from specgraph.runtime.ranks import Ranks
+from specgraph.runtime.serial import SerialExecutor
 from specgraph.runtime.stage import Stage
+from specgraph.runtime.verifier import Verifier
 
 
 def plan(recipe: Recipe) -> SpecGraph:
@@ -35,56 +38,138 @@ def compile_model(model: nn.Module) -> None:
     model.logits = torch.compile(model.logits, dynamic=True, fullgraph=True)
 
 
-def _load(name: str, node: dict, rank: int, world: int) -> nn.Module:
+def _load(name: str, node: dict, ranks: Ranks) -> nn.Module:
     """The stage's model on its device; a tensor-parallel stage's shard is cut on the host first."""
-    if node["tp"] == 1:
+    shard = ranks.shard(name, node["tp"])
+    if shard is None:
         return load_model(node["model"].path, node["dtype"], node["device"])
     whole = load_model(node["model"].path, node["dtype"], "cpu")
-    return shard_model(whole, rank, world, dist.group.WORLD, f"stage {name}").to(node["device"])
+    return shard_model(whole, *shard, f"stage {name}").to(node["device"])
+
+
+def load_stage(graph: SpecGraph, name: str, model: nn.Module | None = None, ranks: Ranks = Ranks()) -> Stage:
+    """Stage `name` lowered as its plan says (its `kernels`, `compile`, `cache_slots`,
+    `graph_buckets` and `static_shapes`): `model` if given (widened, or an exported package), else
+    loaded from its checkpoint (this rank's shard where it is tensor-parallel)."""
+    node = graph.node(name)
+    if node["tp"] > 1 and ranks.world == 1:
+        raise SpecgraphError(f"stage {name} is tensor-parallel over {node['tp']} devices, which needs one process "
+                             f"per device: `specgraph run` and `specgraph bench` start them")
+    kernels = Kernels.select(node["kernels"])
+    model = model or _load(name, node, ranks)
+    if hasattr(model, "use_kernels"):  # (an exported package has its ops built in)
+        model.use_kernels(kernels)
+    if node["compile"]:
+        compile_model(model)
+    return Stage(name, model, node["cache_slots"], node["device"], node["graph_buckets"], node["static_shapes"],
+                 kernels.kv_move)
+
+
+def make_executor(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks = Ranks()) -> Executor:
+    """This process's executor for the `execution` the recipe names, over its loaded `stages`: the
+    serial executor (on every rank of a serial program), or this rank's worker of a disaggregated one."""
+    recipe = graph.recipe
+    if recipe.execution == "serial":
+        target = graph.node(graph.target)
+        return SerialExecutor(verifier_of(graph, stages), drafter_of(graph, stages), target["eos_ids"],
+                              recipe.max_seq_len, target["step_graphs"], target["compile"])
+    if recipe.execution == "disaggregated":
+        from specgraph.runtime.disaggregated import disaggregated_executor
+
+        return disaggregated_executor(graph, stages, ranks)
+    raise SpecgraphError(f"execution: {recipe.execution!r} has no executor yet")
+
+
+def verifier_of(graph: SpecGraph, stages: dict[str, Stage], name: str | None = None) -> Verifier:
+    """The Verifier of stage `name` (default: the target)."""
+    name = name or graph.target
+    node = graph.node(name)
+    return Verifier(stages[name], node["spec"].verify, node["rule"], graph.recipe.sampling,
+                    Kernels.select(node["kernels"]), node["compile"])
+
+
+def drafter_of(graph: SpecGraph, stages: dict[str, Stage], name: str | None = None) -> Drafter | None:
+    """The Drafter of the stage that stage `name` (default: the target) verifies, None if it verifies none."""
+    draft_name = graph.drafter_of(name or graph.target)
+    if draft_name is None:
+        return None
+    return Drafter(stages[draft_name], graph.node(draft_name)["tree"], graph.node(graph.target)["rule"],
+                   graph.recipe.sampling)
+
+
+def widened_models(graph: SpecGraph, names: list[str], shape: str | None, ranks: Ranks = Ranks()) -> dict[str, nn.Module]:
+    """Stages `names` widened to a real model's shape (the target to `shape`, drafters to the small
+    shape with their head dim: bench/widen.py), as this rank's shard where a stage is split; {}
+    when `shape` is None."""
+    if not shape:
+        return {}
+    from specgraph.bench.widen import draft_shape_for, widen
+
+    models = {}
+    for name in names:
+        node = graph.node(name)
+        small = load_model(node["model"].path, node["dtype"], "cpu")
+        big = shape if name == graph.target else draft_shape_for(small.shape)
+        models[name] = widen(small, big, node["device"], node["dtype"], shard=ranks.shard(name, node["tp"]))
+    return models
 
 
 class Program:
-    """Stages loaded from the plan (or given as `models`, by stage name) and the executor over them,
-    lowered as the plan's `kernels`, `compile`, `static_shapes`, `graph_buckets` and `step_graphs` annotations say."""
+    """A recipe lowered and ready to decode. In one process: its stages loaded from the plan (or
+    given as `models`, by stage name), lowered as the plan's annotations say, and the executor over
+    them. Where the plan needs several processes (tensor-parallel stages, asynchronous execution):
+    those processes (launch.py), each loading its own stages, and an executor that asks them; call
+    `close` (or use the program as a context manager) to stop them."""
 
-    def __init__(self, graph: SpecGraph, models: dict[str, nn.Module] | None = None):
+    def __init__(self, graph: SpecGraph, models: dict[str, nn.Module] | None = None, systems: tuple[str, ...] = (),
+                 widen: str | None = None):
+        """`systems`: the baselines (`ar`, `serial`) that a multi-process program prepares beside the
+        recipe; `widen`: a real model's shape for the target (see `widened_models`)."""
         self.graph = graph
         self.recipe = graph.recipe
-        models = models or {}
+        self.tokenizer = AutoTokenizer.from_pretrained(graph.node(graph.target)["model"].path, trust_remote_code=False)
+        self.cluster = None
+        if world_size(graph) == 1:
+            models = models or widened_models(graph, graph.stages(), widen)
+            self.stages = {name: load_stage(graph, name, models.get(name)) for name in graph.stages()}
+            self.executor = make_executor(graph, self.stages)
+            return
+        if models:
+            raise SpecgraphError("a multi-process program loads its models in its own processes")
+        from specgraph.launch import Cluster, InProcessCluster, LaunchSpec, join_torchrun, launched_by_torchrun
+
+        spec = LaunchSpec(self.recipe, widen, ("specgraph", *systems))
+        self.cluster: Cluster | InProcessCluster = join_torchrun(spec) if launched_by_torchrun() else Cluster(spec)
         self.stages = {}
-        rank, world = rank_and_world()
-        kernels = {name: Kernels.select(graph.node(name)["kernels"]) for name in graph.stages()}
-        for name in graph.stages():
-            node = graph.node(name)
-            if node["tp"] > 1 and node["tp"] != world:
-                raise SpecgraphError(f"stage {name} is tensor-parallel over {node['tp']} devices, which needs one process "
-                                     f"per device: `specgraph run` and `specgraph bench` start them (this process group "
-                                     f"has {world})")
-            model = models.get(name) or _load(name, node, rank, world)
-            if hasattr(model, "use_kernels"):  # (an exported package has its ops built in)
-                model.use_kernels(kernels[name])
-            if node["compile"]:
-                compile_model(model)
-            stage = Stage(name, model, node["cache_slots"], node["device"], node["graph_buckets"], node["static_shapes"])
-            stage.cache.move_rows = kernels[name].kv_move
-            self.stages[name] = stage
-        target = graph.node(graph.target)
-        self.tokenizer = AutoTokenizer.from_pretrained(target["model"].path, trust_remote_code=False)
-        self.verifier = Verifier(self.stages[graph.target], target["spec"].verify, target["rule"], self.recipe.sampling,
-                                 kernels[graph.target], target["compile"])
-        drafter = None
-        if (draft_name := graph.drafter_of(graph.target)) is not None:
-            drafter = Drafter(self.stages[draft_name], graph.node(draft_name)["tree"], target["rule"],
-                              self.recipe.sampling)
-        self.executor = SerialExecutor(self.verifier, drafter, target["eos_ids"], self.recipe.max_seq_len,
-                                       target["step_graphs"], target["compile"])
+        self.executor = RemoteExecutor(self.cluster, "specgraph", graph.node(graph.target)["device"])
+
+    def system(self, name: str) -> Executor:
+        """An executor of the recipe (`specgraph`) or of a baseline (`ar`: the target alone)."""
+        if self.cluster is not None:
+            return RemoteExecutor(self.cluster, name, self.executor.device)
+        if name == "specgraph":
+            return self.executor
+        if name == "ar":
+            return self.autoregressive()
+        raise SpecgraphError(f"system {name!r}: a one-process program runs specgraph and ar")
 
     def autoregressive(self) -> SerialExecutor:
         """The target alone, one token per step, on the same loaded stage (the `ar` baseline), its
-        steps captured wherever the target's forwards have static shapes."""
+        steps captured wherever the plan says a step of the target alone can be."""
         target = self.graph.node(self.graph.target)
-        return SerialExecutor(self.verifier, None, self.executor.eos_ids, self.recipe.max_seq_len,
-                              target["static_shapes"], target["compile"])
+        return SerialExecutor(self.executor.verifier, None, target["eos_ids"], self.recipe.max_seq_len,
+                              target["alone_step_graphs"], target["compile"])
+
+    def close(self) -> None:
+        """Stop the program's processes, if it has any."""
+        if self.cluster is not None:
+            self.cluster.close()
+
+    def __enter__(self) -> Program:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> Program:
@@ -102,3 +187,15 @@ class Program:
                                  f"{self.recipe.max_seq_len - 1} tokens (max_seq_len {self.recipe.max_seq_len})")
         return self.executor.generate(prompt_ids, max_new_tokens or self.recipe.max_new_tokens,
                                       self.recipe.sampling.seed if seed is None else seed)
+
+
+class RemoteExecutor:
+    """A system of a multi-process program, run by its ranks: each call decodes on every rank."""
+
+    def __init__(self, cluster, system: str, device: torch.device):
+        self.cluster, self.system, self.device = cluster, system, device
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
+        from specgraph.runtime.worker import generate_on
+
+        return self.cluster.call(generate_on, self.system, list(prompt_ids), max_new_tokens, seed)

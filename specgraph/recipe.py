@@ -111,6 +111,9 @@ class StageSpec(_Strict):
     model: str = Field(description="key into `models`")
     devices: list[str] = Field(["auto"], min_length=1, description="cpu, cuda:N or auto; TP over the list")
     tree: TreeSpec | None = Field(None, description="draft-tree shape, for a stage that others verify")
+    grow: NonNegativeInt | None = Field(
+        None, description="execution: disaggregated: expansion steps this drafter takes while the target verifies "
+        "the tree it sent (chain and dynamic trees; default: the tree's depth)")
     verifies: str | None = Field(None, description="name of the stage whose drafts this stage verifies")
     verify: VerifySpec = VerifySpec()
 
@@ -143,6 +146,9 @@ class Recipe(_Strict):
     max_seq_len: PositiveInt = Field(2048, description="prompt + generated tokens that the caches hold")
     prompt: str | None = Field(None, description="prompt used when the command line gives none")
     lowering: LoweringSpec = LoweringSpec()
+    timeout: float = Field(120.0, gt=0, description="multi-process runs: seconds a process may wait on another stage, "
+                           "or spend in one step, before the run stops with an error naming the stage and rank "
+                           "(ten times this during the first request, where compilation and graph capture happen)")
 
     @classmethod
     def from_dict(cls, data: Any, base_dir: Path | str | None = None) -> Recipe:

@@ -115,6 +115,20 @@ class TreeStructure:
         table[parents[1:], rank[1:]] = order[1:]
         return cls(max_depth, depths, table, ancestors)
 
+    @classmethod
+    def of_parents(cls, parents: torch.Tensor, max_depth: int, children: int) -> TreeStructure:
+        """From parents [N + 1] on the device (topological, siblings in rank order, no node deeper
+        than `max_depth`), with no host read: each step climbs every node's chain one level."""
+        n = parents.numel()
+        index = torch.arange(n, device=parents.device)
+        up = parents.clamp(min=0)  # the root climbs to itself
+        ancestors = torch.eye(n, dtype=torch.bool, device=parents.device)
+        node = index
+        for _ in range(max_depth):
+            node = up.index_select(0, node)
+            ancestors.index_put_((index, node), torch.ones_like(index, dtype=torch.bool))
+        return cls.on_device(parents, ancestors.sum(1) - 1, ancestors, max_depth, children)
+
     def to(self, device: torch.device) -> TreeStructure:
         return TreeStructure(self.max_depth, self.depths.to(device), self.child_table.to(device), self.ancestors.to(device))
 

@@ -89,4 +89,4 @@ def test_user_errors_print_no_traceback():
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        "specgraph: error: execution: 'pipeline' is not implemented yet; valid now: serial")
+        "specgraph: error: execution: 'pipeline' is not implemented yet; valid now: serial, disaggregated")

@@ -5,7 +5,8 @@ from helpers import MarkovModel
 
 from specgraph.draft import Drafter
 from specgraph.recipe import ChainTree, SamplingSpec, VerifySpec
-from specgraph.runtime.serial import SerialExecutor, Verifier
+from specgraph.runtime.serial import SerialExecutor
+from specgraph.runtime.verifier import Verifier
 from specgraph.runtime.stage import Stage
 from specgraph.tree import TreeTopology
 
@@ -53,7 +54,7 @@ def test_a_static_tree_step_touches_only_device_tensors():
     """What a captured step needs: no host reads and no host values copied in, in either phase."""
     from helpers import HostReads
 
-    from specgraph.runtime.serial import Clock
+    from specgraph.runtime.clock import Clock
 
     speculative = executor(eos=(), length=3)
     autoregressive = SerialExecutor(speculative.verifier, None, eos_ids=(), max_seq_len=64)

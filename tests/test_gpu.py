@@ -12,7 +12,7 @@ from helpers import two_stage
 
 from specgraph.export import export_program
 from specgraph.program import Program
-from specgraph.runtime.serial import Clock
+from specgraph.runtime.clock import Clock
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

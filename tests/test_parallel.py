@@ -52,9 +52,19 @@ def test_bench_runs_split_and_says_why_transformers_cannot(splittable, tmp_path)
     assert report["systems"]["specgraph"]["same_tokens_as_ar"] == 1.0
 
 
-def test_a_split_stage_needs_its_processes(splittable):
-    with pytest.raises(SpecgraphError, match="tensor-parallel over 2 devices, which needs one process per device"):
-        Program.from_recipe(Recipe.from_yaml(splittable, ["stages.1.devices=[cpu,cpu]"]))
+def test_a_split_program_from_python_starts_its_processes_and_close_stops_them(splittable):
+    import os
+
+    single = Program.from_recipe(Recipe.from_yaml(splittable))
+    expected = single.generate(single.encode(PROMPT), 12).output_ids
+    with Program.from_recipe(Recipe.from_yaml(splittable, ["stages.1.devices=[cpu,cpu]"])) as split:
+        assert not split.stages and len(split.cluster.pids) == 2  # the stages live in the ranks
+        assert split.generate(split.encode(PROMPT), 12).output_ids == expected
+    for pid in split.cluster.pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(SpecgraphError, match="processes were stopped"):
+        split.generate(split.encode(PROMPT), 4)
 
 
 def test_widening_builds_each_ranks_shard_directly():

@@ -178,7 +178,7 @@ def test_hybrid_model_runs_only_as_a_one_device_target(change, expected):
 
 
 @pytest.mark.parametrize("change, expected", [
-    ({"execution": "pipeline"}, "execution: 'pipeline' is not implemented yet; valid now: serial"),
+    ({"execution": "pipeline"}, "execution: 'pipeline' is not implemented yet; valid now: serial, disaggregated"),
     ({"sampling": {"temperature": 0.5}, "stages.1.verify": {"rule": "greedy"}}, "stages.1.verify.rule: 'greedy' needs sampling.temperature 0"),
     ({"stages.1.verify": {"rule": "sampling"}}, "stages.1.verify.rule: 'sampling' needs sampling.temperature > 0"),
     ({"stages.0.devices": ["tpu:0"]}, "stages.0.devices.0: 'tpu:0' is not a device; valid: cpu, cuda:N, auto"),

@@ -41,7 +41,8 @@ def draft(d: Drafter, committed: torch.Tensor, seed: int = 0, prefill: bool = Tr
     if prefill:
         d.prefill(committed)
     length = committed.numel()
-    return d.draft(buffer, torch.tensor(length), d.stage.width(length, 40), torch.Generator().manual_seed(seed))
+    return d.draft(buffer, torch.tensor(length), d.stage.width(length, 40), torch.Generator().manual_seed(seed),
+                   min(2, length)).tree
 
 
 def check_well_formed(tree: Tree, size: int):
@@ -117,11 +118,12 @@ def test_drafting_reads_nothing_on_the_host(plan, size):
     for rule, sampling in (("greedy", SamplingSpec()), ("sampling", SamplingSpec(temperature=0.9, top_k=40))):
         d = drafter(plan, rule, sampling)
         committed = torch.randint(0, 4096, (10,))
-        draft(d, committed)
+        d.prefill(committed)
         buffer = torch.cat([committed, torch.tensor([7, 8]), torch.zeros(20, dtype=torch.long)])
+        first = d.draft(buffer, torch.tensor(10), d.stage.width(10, 40), torch.Generator().manual_seed(0))
         path, old, new = torch.tensor([0, 1, -1, -1]), torch.tensor(10), torch.tensor(12)  # one draft accepted
         generator = torch.Generator().manual_seed(1)
         with HostReads() as reads:
-            d.commit(path, old)
-            tree = d.draft(buffer, new, d.stage.width(12, 40), generator)
+            d.commit(first, path, old)
+            tree = d.draft(buffer, new, d.stage.width(12, 40), generator).tree
         assert reads.seen == [] and tree.size == size

@@ -7,7 +7,8 @@ from helpers import HostReads, MarkovModel
 
 from specgraph.draft import Drafter
 from specgraph.recipe import ChainTree, DynamicTree, SamplingSpec, StaticTree, VerifySpec
-from specgraph.runtime.serial import SerialExecutor, Verifier
+from specgraph.runtime.serial import SerialExecutor
+from specgraph.runtime.verifier import Verifier
 from specgraph.runtime.stage import Stage
 from specgraph.sampling import probs_from_logits
 from specgraph.tree import Tree, TreeTopology

@@ -9,17 +9,14 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specgraph.bench.systems import HFSystem, Run, SpecgraphSystem, hf_mirror
-from specgraph.bench.widen import draft_shape_for, widen
 from specgraph.errors import SpecgraphError
-from specgraph.models.loader import is_hybrid, load_model
-from specgraph.parallel import rank_and_world
+from specgraph.models.loader import is_hybrid
 from specgraph.program import Program, plan
 from specgraph.recipe import Recipe
-from specgraph.runtime.serial import Clock
+from specgraph.runtime.clock import Clock
 
 BASELINES = ("hf", "hf-assisted", "ar", "serial")
 
@@ -62,51 +59,58 @@ def unique_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in {id(p): p for p in module.parameters()}.values())
 
 
-def _load_models(graph, widen_to: str | None) -> dict[str, torch.nn.Module]:
-    models = {}
-    for name in graph.stages():
-        node = graph.node(name)
-        if not widen_to:
-            continue  # Program loads it (and cuts a tensor-parallel stage's shard)
-        small = load_model(node["model"].path, node["dtype"], "cpu")
-        shape = widen_to if name == graph.target else draft_shape_for(small.shape)
-        rank, world = rank_and_world()
-        shard = (rank, world, dist.group.WORLD) if node["tp"] > 1 else None
-        models[name] = widen(small, shape, node["device"], node["dtype"], shard=shard)
-    return models
-
-
-def build_systems(spec: BenchSpec) -> tuple[Program, list, dict[str, str]]:
-    """The recipe's program and every requested system that can run; reasons for those that cannot."""
+def run_bench(spec: BenchSpec) -> dict:
+    """Load the recipe's program (its processes, where it has several: the bench then runs in
+    rank 0, beside the target) and measure it and the baselines."""
     unknown = [b for b in spec.baselines if b not in BASELINES]
     if unknown:
         raise SpecgraphError(f"--baselines: unknown {unknown[0]!r}; valid: {', '.join(BASELINES)}")
-    graph = plan(spec.recipe)
-    program = Program(graph, _load_models(graph, spec.widen))
+    program = Program(plan(spec.recipe), systems=tuple(b for b in spec.baselines if b in ("ar", "serial")),
+                      widen=spec.widen)
+    try:
+        return program.cluster.call(bench_on, spec) if program.cluster is not None else bench_on(program, spec)
+    finally:
+        program.close()
+
+
+def build_systems(program, spec: BenchSpec) -> tuple[list, dict[str, str]]:
+    """Every requested system that can run beside `program` (a one-process Program, or rank 0's
+    Worker of a multi-process one), and the reasons for those that cannot."""
+    graph = program.graph
     target_node = graph.node(graph.target)
     drafter = graph.drafter_of(graph.target)
-    def how(executor) -> str:
-        steps = "CUDA graphs per step" if executor.step_graphs else (
+    execution = spec.recipe.execution
+
+    def how(step_graphs: bool) -> str:
+        steps = "CUDA graphs per step" if step_graphs else (
             "CUDA graphs per forward" if target_node["graph_buckets"] else "eager forwards")
         return ", ".join((["compiled layers"] if target_node["compile"] else []) + [steps])
 
-    systems = [SpecgraphSystem("specgraph", program.executor,
-                               f"recipe {spec.recipe.name}, serial executor, {how(program.executor)}")]
+    systems = [SpecgraphSystem("specgraph", program.system("specgraph"),
+                               f"recipe {spec.recipe.name}, {execution} executor, "
+                               f"{how(target_node['step_graphs'])}, {_gpus(graph)}")]
     skipped: dict[str, str] = {}
-    target_model = program.stages[graph.target].model
+    target_model = program.stages[graph.target].model if graph.target in program.stages else None
     hf_target = None
     for name in spec.baselines:
         if name == "ar":
-            autoregressive = program.autoregressive()
-            systems.append(SpecgraphSystem("ar", autoregressive, f"specgraph, target alone, serial, {how(autoregressive)}"))
+            systems.append(SpecgraphSystem("ar", program.system("ar"), f"specgraph, target alone, serial, "
+                                           f"{how(target_node['alone_step_graphs'])}, {_gpus(graph, alone=True)}"))
         elif name == "serial":
-            skipped[name] = "the recipe already runs on the serial executor"
+            if execution == "serial":
+                skipped[name] = "the recipe already runs on the serial executor"
+            else:
+                systems.append(SpecgraphSystem("serial", program.system("serial"),
+                                               f"the recipe on the serial executor, every stage on the target's devices, "
+                                               f"{_gpus(graph, alone=True)}"))
         elif target_node["tp"] > 1:
             skipped[name] = f"transformers baselines run on one device; the target is tensor-parallel over {target_node['tp']}"
         elif target_node["rule"] != "greedy":
             skipped[name] = "transformers baselines are measured greedy; the recipe samples"
         elif name == "hf-assisted" and drafter is None:
             skipped[name] = "the recipe has no drafter"
+        elif name == "hf-assisted" and drafter not in program.stages:
+            skipped[name] = "transformers' assisted generation needs the drafter in the target's process"
         elif name == "hf-assisted" and is_hybrid(target_node["config"]):
             skipped[name] = "transformers' assisted generation refuses hybrid (recurrent-state) models"
         else:
@@ -116,7 +120,14 @@ def build_systems(spec: BenchSpec) -> tuple[Program, list, dict[str, str]]:
                 assistant = hf_mirror(program.stages[drafter].model, graph.node(drafter)["config"])
             systems.append(HFSystem(name, hf_target, target_node["eos_ids"], target_model.served_vocab, assistant,
                                     static_cache=name == "hf"))
-    return program, systems, skipped
+    return systems, skipped
+
+
+def _gpus(graph, alone: bool = False) -> str:
+    """How many GPUs a system uses: the recipe's (every stage's devices), or the target's alone."""
+    names = [graph.target] if alone else graph.stages()
+    gpus = {d for name in names for d in graph.node(name)["spec"].devices if d.startswith("cuda")}
+    return f"{len(gpus)} GPU{'s' if len(gpus) != 1 else ''}" if gpus else "CPU"
 
 
 def _measure(system, spec: BenchSpec, encoded: list[list[int]], progress: Progress) -> dict:
@@ -153,10 +164,11 @@ def _measure(system, spec: BenchSpec, encoded: list[list[int]], progress: Progre
     }
 
 
-def run_bench(spec: BenchSpec) -> dict:
-    program, systems, skipped = build_systems(spec)
+def bench_on(program, spec: BenchSpec) -> dict:
+    """The measurements of `spec` beside `program`'s target (see build_systems)."""
+    systems, skipped = build_systems(program, spec)
     encoded = [program.encode(p["prompt"]) for p in spec.prompts]
-    device = program.executor.device
+    device = program.stages[program.graph.target].device
     results = {}
     columns = (TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, transient=False) as progress:

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from specgraph.models.hybrid import FULL, HybridModel, to_hf_norms
 from specgraph.models.llama import LlamaModel, hf_state
-from specgraph.runtime.serial import SerialExecutor
+from specgraph.runtime.executor import Executor
 
 
 @dataclass
@@ -43,7 +43,7 @@ def _sync(device: torch.device) -> None:
 
 
 class SpecgraphSystem:
-    def __init__(self, name: str, executor: SerialExecutor, description: str):
+    def __init__(self, name: str, executor: Executor, description: str):
         self.name, self.executor, self.description = name, executor, description
         self.device = executor.device
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ from torch import nn
 from specgraph.cache import HybridCache
 from specgraph.kernels import Kernels
 from specgraph.kernels.gated_delta import gated_delta_tree_reference
+from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.kernels.rope.reference import apply_rotary
 from specgraph.models.llama import MLP, FUSED as LLAMA_FUSED, DecoderModel, RMSNorm, qkv_sizes
 
@@ -98,9 +100,10 @@ class HybridShape:
         window = (self.conv_kernel - 1) * self.conv_channels * itemsize
         return self.kv_bytes_per_slot(itemsize) * slots + self.linear_layers * (state + window)
 
-    def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str, batch: int = 1) -> HybridCache:
+    def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str, batch: int = 1,
+                  move_rows: Callable = kv_move_reference) -> HybridCache:
         return HybridCache(self.attention_layers, batch, self.num_kv_heads, self.head_dim, capacity, dtype, device,
-                           linear_layers=self.linear_layers, heads=self.linear_value_heads,
+                           move_rows, linear_layers=self.linear_layers, heads=self.linear_value_heads,
                            key_dim=self.linear_key_dim, value_dim=self.linear_value_dim,
                            conv_channels=self.conv_channels, conv_kernel=self.conv_kernel, step_tokens=STEP_TOKENS)
 

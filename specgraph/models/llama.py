@@ -8,12 +8,14 @@ GEMMs (qkv, gate_up, down) and an output projection: `fuse_hf_state` and `hf_sta
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from specgraph.cache import KVCache
 from specgraph.kernels import Kernels
+from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.kernels.norm import rmsnorm_reference
 
 
@@ -48,8 +50,10 @@ class LlamaShape:
     def cache_bytes(self, slots: int, itemsize: int) -> int:
         return self.kv_bytes_per_slot(itemsize) * slots
 
-    def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str, batch: int = 1) -> KVCache:
-        return KVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity, dtype, device)
+    def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str, batch: int = 1,
+                  move_rows: Callable = kv_move_reference) -> KVCache:
+        """`move_rows`: the cache's KV move kernel (kernels/kv_move)."""
+        return KVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity, dtype, device, move_rows)
 
     def fused_sizes(self) -> dict[str, list[int]]:
         return {"self_attn.qkv_proj": qkv_sizes(self.num_heads, self.num_kv_heads, self.head_dim),
@@ -185,9 +189,9 @@ class DecoderModel(nn.Module):
         self.served_vocab = shape.vocab_size  # logits cover token ids [0, served_vocab) (less when widened)
         self.kernels = Kernels()
 
-    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+    def new_cache(self, capacity: int, batch: int = 1, move_rows: Callable = kv_move_reference) -> KVCache:
         weight = self.embed_tokens.weight
-        return self.shape.new_cache(capacity, weight.dtype, weight.device, batch)
+        return self.shape.new_cache(capacity, weight.dtype, weight.device, batch, move_rows)
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Run every fused op (the layers', and the final add + norm) through `kernels` (before compiling the layers)."""

@@ -3,8 +3,12 @@
 Before: stages carry `device` and the tree plan.
 After:  + `static_shapes` (bool): forwards attend over the whole cache (shapes depend on T only);
           true where CUDA graphs are on (a GPU, `lowering.cuda_graphs`);
-        + `step_graphs` (bool, the same on every stage): each step phase (draft; verify + commit) is captured as one
-          CUDA graph: every stage on the target's GPU and greedy (no draws);
+        + `step_graphs` (bool): the stage's step phases are captured, each as one CUDA graph, where
+          nothing draws (temperature 0): serial execution captures a step's phases (draft; verify +
+          commit) when every stage is on the target's GPU with static shapes (the same on every
+          stage); asynchronous execution, each stage's own phases where its shapes are static;
+        + `alone_step_graphs` (bool): a step of the stage decoding alone (the `ar` baseline) is captured
+          as one CUDA graph: static shapes, no draws;
         + `graph_buckets`: where steps are not captured, the token counts T of the forwards a step
           runs, each captured once per stage and replayed:
             target  - 1 (autoregressive) and the drafter's tree + root;
@@ -16,29 +20,32 @@ After:  + `static_shapes` (bool): forwards attend over the whole cache (shapes d
 from __future__ import annotations
 
 from specgraph.graph import SpecGraph
+from specgraph.growing import GrowthPlan
 from specgraph.passes.base import graph_pass
 from specgraph.recipe import DynamicTree
 
 
 def expansion_sizes(tree) -> set[int]:
-    if isinstance(tree, DynamicTree):
+    if isinstance(tree, (DynamicTree, GrowthPlan)):
         return {tree.width}
     return {len(tree.expanding(depth)) for depth in range(1, tree.max_depth)}
 
 
-@graph_pass(requires=("device", "tree", "tree_nodes"), provides=("static_shapes", "step_graphs", "graph_buckets"))
+@graph_pass(requires=("device", "tree", "tree_nodes"), provides=("static_shapes", "step_graphs", "alone_step_graphs", "graph_buckets"))
 def capture_graphs(graph: SpecGraph) -> SpecGraph:
     recipe, target = graph.recipe, graph.target
     drafter = graph.drafter_of(target)
     for name in graph.stages():
         graph.node(name)["static_shapes"] = graph.node(name)["device"].type == "cuda" and recipe.lowering.cuda_graphs
     device = graph.node(target)["device"]
-    step_graphs = (all(graph.node(n)["static_shapes"] and graph.node(n)["device"] == device for n in graph.stages())
-                   and recipe.sampling.temperature == 0)
+    draws = recipe.sampling.temperature > 0
+    together = all(graph.node(n)["static_shapes"] and graph.node(n)["device"] == device for n in graph.stages())
     for name in graph.stages():
         node = graph.node(name)
-        node["step_graphs"] = step_graphs
-        if not node["static_shapes"] or step_graphs:
+        # serial: every stage's phases of a step, together; otherwise each stage's own
+        node["step_graphs"] = (together if recipe.execution == "serial" else node["static_shapes"]) and not draws
+        node["alone_step_graphs"] = node["static_shapes"] and recipe.sampling.temperature == 0
+        if not node["static_shapes"] or node["step_graphs"]:
             node["graph_buckets"] = ()
         elif name == target:
             node["graph_buckets"] = tuple(sorted({1} | ({graph.node(drafter)["tree_nodes"] + 1} if drafter else set())))

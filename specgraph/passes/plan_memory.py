@@ -2,7 +2,8 @@
 
 Before: stages carry `config`, `dtype` and the tree plan.
 After:  + `step_tokens`: the most tokens one step writes past the committed prefix (the verified
-        tree of the stage's drafter, or the drafter's own catch-up and tree);
+        tree of the stage's drafter, or the drafter's own catch-up and tree, or the region of the
+        tree it keeps growing);
         + `cache_slots`: KV slots = max_seq_len + step_tokens; `kv_bytes` and `weight_bytes`, for
         the report and for placement checks.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from specgraph.errors import RecipeError
 from specgraph.graph import SpecGraph
+from specgraph.growing import GrowthPlan
 from specgraph.models.hybrid import STEP_TOKENS, HybridShape
 from specgraph.models.loader import model_shape
 from specgraph.passes.base import graph_pass
@@ -22,8 +24,14 @@ def plan_memory(graph: SpecGraph) -> SpecGraph:
     for name in graph.stages():
         node = graph.node(name)
         drafter = graph.drafter_of(name)
-        # A target writes its drafter's tree (+ root); a drafter writes its own tree (+ one catch-up token).
-        step_tokens = 1 + (graph.node(drafter)["tree_nodes"] if drafter else node["tree_nodes"] + 1)
+        # A target writes its drafter's tree (+ root); a drafter writes its own tree (+ one catch-up token),
+        # or the region of a tree it keeps growing.
+        if drafter:
+            step_tokens = 1 + graph.node(drafter)["tree_nodes"]
+        elif isinstance(node["tree"], GrowthPlan):
+            step_tokens = node["tree"].region
+        else:
+            step_tokens = 2 + node["tree_nodes"]
         shape = model_shape(node["config"])
         if isinstance(shape, HybridShape) and step_tokens > STEP_TOKENS:
             raise RecipeError(f"stages.{graph.node(drafter)['index']}.tree: a hybrid target verifies at most "

@@ -1,30 +1,51 @@
 """plan_tree: fix the draft-tree plan of every drafting stage.
 
 Before: a drafting stage carries `spec.tree` as written (or None).
-After:  + `tree`: a TreeTopology (chain and static trees, node by node) or the DynamicTree spec;
-        `tree_nodes` (draft nodes verified per step, the root not counted) and `tree_depth`.
+After:  + `tree`: what the drafter grows — a TreeTopology (chain and static trees, node by node),
+        the DynamicTree spec, or, where the execution is disaggregated and the tree a chain or
+        dynamic, a GrowthPlan (one tree grown while the target verifies, re-rooted at each
+        verdict: growing.py; a chain is a tree of width 1); static trees are grown after each
+        verdict there; `tree_nodes` (draft nodes verified per step, the root not counted) and
+        `tree_depth` (their depth bound).
         A drafter without a tree gets the default chain of 4; the final target gets tree None, 0 nodes.
 """
 
 from __future__ import annotations
 
+from specgraph.errors import RecipeError
 from specgraph.graph import SpecGraph
+from specgraph.growing import GrowthPlan
 from specgraph.passes.base import graph_pass
 from specgraph.recipe import ChainTree, DynamicTree
+from specgraph.recipe import StaticTree as StaticTreeSpec
 from specgraph.tree import TreeTopology
 
 
 @graph_pass(requires=("config",), provides=("tree", "tree_nodes", "tree_depth"))
 def plan_tree(graph: SpecGraph) -> SpecGraph:
+    growing = graph.recipe.execution == "disaggregated"
     for name in graph.stages():
         node = graph.node(name)
+        spec = node["spec"]
         if name == graph.target:
             node.update(tree=None, tree_nodes=0, tree_depth=0)
             continue
-        spec = node["spec"].tree or ChainTree()
-        if isinstance(spec, DynamicTree):
-            node.update(tree=spec, tree_nodes=spec.nodes, tree_depth=spec.depth)
+        tree = spec.tree or ChainTree()
+        if spec.grow is not None and not (growing and not isinstance(tree, StaticTreeSpec)):
+            where = f"stages.{node['index']}.grow"
+            if not growing:
+                raise RecipeError(f"{where}: a drafter grows while the target verifies only with execution: disaggregated")
+            raise RecipeError(f"{where}: a static tree is drafted anew after each verdict; "
+                              "grow a chain or a dynamic tree while the target verifies")
+        if growing and isinstance(tree, ChainTree):
+            plan = GrowthPlan(1, tree.length, tree.length, tree.length if spec.grow is None else spec.grow)
+            node.update(tree=plan, tree_nodes=plan.nodes, tree_depth=plan.depth)
+        elif growing and isinstance(tree, DynamicTree):
+            plan = GrowthPlan(tree.width, tree.depth, tree.nodes, tree.depth if spec.grow is None else spec.grow)
+            node.update(tree=plan, tree_nodes=plan.nodes, tree_depth=plan.depth)
+        elif isinstance(tree, DynamicTree):
+            node.update(tree=tree, tree_nodes=tree.nodes, tree_depth=tree.depth)
         else:
-            topo = TreeTopology.from_spec(spec)
+            topo = TreeTopology.from_spec(tree)
             node.update(tree=topo, tree_nodes=topo.nodes, tree_depth=topo.max_depth)
     return graph

@@ -16,7 +16,7 @@ from specgraph.models.loader import is_hybrid, read_config, tokenizer_fingerprin
 from specgraph.passes.base import graph_pass
 from specgraph.recipe import DynamicTree
 
-RUNNABLE_EXECUTIONS = ("serial",)
+RUNNABLE_EXECUTIONS = ("serial", "disaggregated")
 
 
 @graph_pass(provides=("config", "tokenizer", "eos_ids", "rule"))
@@ -26,6 +26,8 @@ def validate(graph: SpecGraph) -> SpecGraph:
         raise RecipeError(f"execution: {recipe.execution!r} is not implemented yet; valid now: "
                           f"{', '.join(RUNNABLE_EXECUTIONS)}")
     stages = graph.stages()
+    if recipe.execution == "disaggregated" and len(stages) != 2:
+        raise RecipeError(f"stages: execution: disaggregated runs a drafter and a target, two stages (got {len(stages)})")
     if len(stages) > 2:
         raise RecipeError(f"stages: {len(stages)} stages form a hierarchy, which needs execution: pipeline "
                           "(not implemented yet); the serial executor runs one target with at most one drafter")

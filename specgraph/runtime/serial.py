@@ -1,140 +1,38 @@
 """The serial executor: draft, then verify, in lockstep on one host thread.
 
-Decoding state lives on the device (`Sequence`: the committed tokens and their count), and a
-step is two phases that read and write only device tensors:
+Decoding state lives on the device (`Sequence`), and a step is two phases that read and write
+only device tensors:
   draft   - the drafter's catch-up and tree growth (no host reads);
   verify  - the target scores the tree, the rule picks the path and bonus, both caches move the
             accepted K/V into place and the new tokens are appended.
-With L tokens committed, the target cache holds committed[:L - 1] and the tree's root is
-committed[L - 1], written at slot L - 1 with the tree after it. The host reads once per step:
-the number of new tokens and the tokens. When every phase is a fixed sequence of device
-operations on one GPU, each is captured as one CUDA graph and a step is two replays.
-With no drafter it is plain autoregressive decoding through the same path (a root-only tree).
+The host reads once per step: the number of new tokens and the tokens. When every phase is a
+fixed sequence of device operations on one GPU (the capture_graphs pass decides), each is
+captured as one CUDA graph and a step is two replays. With no drafter it is plain
+autoregressive decoding through the same path (a root-only tree).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from specgraph.draft import Drafter
-from specgraph.kernels import Kernels
-from specgraph.recipe import SamplingSpec, VerifySpec
-from specgraph.runtime.stage import Graph, Stage, step_mask
+from specgraph.draft import CATCH_UP, Draft, Drafter
+from specgraph.runtime.clock import Clock
+from specgraph.runtime.executor import Generation
+from specgraph.runtime.sequence import Sequence
+from specgraph.runtime.stage import Graph
+from specgraph.runtime.verifier import Verifier
 from specgraph.tree import Tree, TreeStructure
-from specgraph.verify import Verdict, verify
-
-
-@dataclass
-class Generation:
-    output_ids: list[int]  # new tokens only, ending at the first end-of-sequence token if one came
-    target_steps: int = 0
-    accepted_lengths: list[int] = field(default_factory=list)  # per target step: accepted drafts + bonus
-    seconds: float = 0.0
-    first_token_seconds: float = 0.0  # prompt in, first step's tokens out
-    draft_seconds: float = 0.0  # device time of the draft phases (GPU: CUDA events)
-    verify_seconds: float = 0.0
-
-
-class Sequence:
-    """The committed tokens on a device: `tokens` [capacity] long, the first `length` ([] long) valid."""
-
-    def __init__(self, capacity: int, device: torch.device):
-        self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)
-        self.length = torch.zeros((), dtype=torch.long, device=device)
-
-    def start(self, prompt: torch.Tensor) -> None:
-        self.tokens[: prompt.numel()] = prompt
-        self.length.fill_(prompt.numel())
-
-    def append(self, new: torch.Tensor, count: torch.Tensor) -> None:
-        """Commit new[:count] (new [D + 1]; the rest is written past the end and ignored)."""
-        self.tokens.index_copy_(0, self.length + torch.arange(new.numel(), device=new.device), new)
-        self.length += count
-
-    def copy_(self, other: Sequence) -> None:
-        self.tokens.copy_(other.tokens)
-        self.length.copy_(other.length)
-
-
-class Verifier:
-    """The target stage: scores a draft tree in one forward pass and commits the accepted path."""
-
-    def __init__(self, stage: Stage, spec: VerifySpec, rule: str, sampling: SamplingSpec,
-                 kernels: Kernels = Kernels(), compile: bool = False):
-        """`kernels`: the acceptance kernels' source; `compile`: build each step's placement with
-        torch.compile (a few fused kernels, not a dozen small ones)."""
-        self.stage = stage
-        self.device = stage.device
-        self.spec = spec.model_copy(update={"rule": rule})
-        self.sampling = sampling
-        self.kernels = kernels
-        if compile:
-            self.placement = torch.compile(self.placement, fullgraph=True)
-
-    @property
-    def captures(self) -> bool:
-        """Whether verification is a fixed sequence of device operations with no random draws."""
-        return self.sampling.temperature == 0
-
-    @torch.inference_mode()
-    def prefill(self, prompt: torch.Tensor) -> None:
-        """Feed all but the last prompt token [L] (the root of the first tree)."""
-        self.stage.cache.reset()
-        if prompt.numel() > 1:
-            self.stage.prefill(prompt[:-1])
-
-    def score(self, tree: Tree, length: torch.Tensor, width: int) -> torch.Tensor:
-        """The target's logits [N + 1, V] at every node of `tree` (root = the last of `length`
-        committed tokens) over `width` cache slots."""
-        return self.stage.forward(*self.placement(tree, length, width))
-
-    def placement(self, tree: Tree, length: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
-        """The forward's tokens, positions and slots [N + 1] and mask [N + 1, width]: the tree is written from the root's slot."""
-        root = length - 1
-        slots = root + torch.arange(tree.size, device=self.device)
-        return tree.tokens, root + tree.depths, slots, step_mask(root, tree.ancestors, width)
-
-    def verdict(self, tree: Tree, logits: torch.Tensor, generator: torch.Generator | None) -> Verdict:
-        return verify(tree, logits, self.spec, self.sampling, generator, self.kernels)
-
-    def commit(self, path: torch.Tensor, length: torch.Tensor) -> None:
-        """Keep the accepted path (path [D + 1], root first, -1 padded): its K/V move to slots L - 1 + depth."""
-        self.stage.cache.commit(path, length - 1)
-
-
-class Clock:
-    """Marks in time (a step's phase boundaries; the bench's copies): CUDA events on a GPU (read after
-    the step's one host read), host time on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            self.marks.append(torch.cuda.Event(enable_timing=True))
-            self.marks[-1].record()
-        else:
-            self.marks.append(time.perf_counter())
-
-    def seconds(self) -> list[float]:
-        """Seconds between consecutive marks (after the step's host read: no extra wait)."""
-        pairs = zip(self.marks, self.marks[1:])
-        if self.cuda:
-            return [a.elapsed_time(b) / 1e3 for a, b in pairs]
-        return [b - a for a, b in pairs]
 
 
 class SerialExecutor:
     def __init__(self, verifier: Verifier, drafter: Drafter | None, eos_ids: tuple[int, ...], max_seq_len: int,
                  step_graphs: bool = False, compile: bool = False):
-        """`step_graphs`: capture each phase as a CUDA graph where it is a fixed sequence of device
-        operations with no draws (needs every stage on the target's GPU with static shapes).
-        `compile`: run what follows the target's forward (verdict, commits, append) through
-        torch.compile where it has no draws, a few fused kernels instead of some twenty."""
+        """`step_graphs`: capture each phase as a CUDA graph (the plan's decision: every stage on the
+        target's GPU with static shapes, no draws). `compile`: run what follows the target's forward
+        (verdict, commits, append) through torch.compile where it has no draws, a few fused kernels
+        instead of some twenty."""
         self.verifier, self.drafter = verifier, drafter
         self.eos_ids = tuple(eos_ids)
         self.max_seq_len = max_seq_len
@@ -149,38 +47,40 @@ class SerialExecutor:
         stages = [verifier.stage] + ([drafter.stage] if drafter is not None else [])
         if step_graphs and not all(s.static_shapes and s.device == self.device for s in stages):
             raise ValueError("step graphs need every stage on the target's device with static shapes")
-        # whether steps are captured, unless a first step is not a fixed sequence (see Drafter.captures)
-        self.step_graphs = step_graphs and verifier.captures
+        assert not (step_graphs and verifier.draws), "a step that draws is not captured"
+        self.step_graphs = step_graphs
         self._graphs: dict[str, Graph] = {}
         self.max_step_tokens = 1 + (drafter.max_depth if drafter is not None else 0)  # accepted drafts + bonus
         self.lookahead = self.device.type == "cuda"  # enqueue the next step before reading this one
         pinned = self.device.type == "cuda"  # landing buffers on the host for two steps in flight
         self._host = [torch.empty(1 + self.max_step_tokens, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self._flip = 0
-        if compile and verifier.captures:
+        if compile and not verifier.draws:
             self._settle = torch.compile(self._settle, fullgraph=True)
 
-    def _draft(self, length: int, generator: torch.Generator | None) -> Tree:
+    def _draft(self, length: int, generator: torch.Generator | None) -> Draft:
         seq = self._draft_sequence
         if seq is not self.sequence:
             seq.copy_(self.sequence)
         width = self.drafter.stage.width(length, self.nodes + 1)
-        return self.drafter.draft(seq.tokens, seq.length, width, generator).to(self.device)
+        draft = self.drafter.draft(seq.tokens, seq.length, width, generator, min(CATCH_UP, length))
+        return Draft(draft.tree.to(self.device), draft.fed_at)
 
-    def _verify(self, tree: Tree, length: int, generator: torch.Generator | None) -> torch.Tensor:
+    def _verify(self, draft: Draft | None, length: int, generator: torch.Generator | None) -> torch.Tensor:
         """-> [D + 2]: the count of new tokens, then the new tokens (padded)."""
+        tree = self._root_tree() if draft is None else draft.tree
         width = self.verifier.stage.width(length, self.nodes + 1)
-        return self._settle(tree, self.verifier.score(tree, self.sequence.length, width), generator)
+        return self._settle(tree, draft, self.verifier.score(tree, self.sequence.length, width), generator)
 
-    def _settle(self, tree: Tree, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    def _settle(self, tree: Tree, draft: Draft | None, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """What follows the target's forward: the verdict on `tree` from its logits [N + 1, V], both
         caches' commits and the append -> [D + 2] (see `_verify`)."""
         seq = self.sequence
         verdict = self.verifier.verdict(tree, logits, generator)
         count, new = verdict.accepted(tree)
         self.verifier.commit(verdict.path, seq.length)
-        if self.drafter is not None:
-            self.drafter.commit(verdict.path.to(self.drafter.stage.device), self._draft_sequence.length)
+        if draft is not None:
+            self.drafter.commit(draft, verdict.path.to(self.drafter.stage.device), self._draft_sequence.length)
         seq.append(new, count)
         return torch.cat([count[None], new])
 
@@ -190,20 +90,21 @@ class SerialExecutor:
         return Tree(tokens, self._root_parents, None, self._root)
 
     def _step(self, length: int, generators: tuple, clock: Clock) -> torch.Tensor:
-        """One step from device state -> [D + 2] (see `_verify`); `length` (host) sizes eager forwards."""
+        """One step from device state -> [D + 2] (see `_verify`); `length` (host) sizes eager forwards
+        and the first catch-up (a one-token prompt's feeds one token: that step is not captured)."""
         draft_generator, generator = generators
         clock.mark()
-        if not (self.step_graphs and (self.drafter is None or self.drafter.captures)):
-            tree = self._root_tree() if self.drafter is None else self._draft(length, draft_generator)
+        if not (self.step_graphs and length >= CATCH_UP):
+            draft = None if self.drafter is None else self._draft(length, draft_generator)
             clock.mark()
-            return self._verify(tree, length, generator)
+            return self._verify(draft, length, generator)
         if self.drafter is None:
             clock.mark()
-            return self._replay("verify", lambda: self._verify(self._root_tree(), length, None))
-        tree = self._replay("draft", lambda: self._draft(length, None).tensors())
+            return self._replay("verify", lambda: self._verify(None, length, None))
+        outputs = self._replay("draft", lambda: self._draft(length, None).tensors())
         clock.mark()
         depth = self.drafter.max_depth
-        return self._replay("verify", lambda *t: self._verify(Tree.from_tensors(t, depth), length, None), *tree)
+        return self._replay("verify", lambda *t: self._verify(Draft.from_tensors(t, depth), length, None), *outputs)
 
     def _replay(self, name: str, fn, *inputs: torch.Tensor):
         """fn(*inputs) through its CUDA graph, recorded on first use (that call runs it for real)."""

@@ -1,0 +1,240 @@
+"""Parallel tree generation (SwiftSpec): the drafter of asynchronous executors keeps one tree that
+outlives each step. It grows by maximum-likelihood expansion while the target verifies what was
+sent, and each verdict re-roots it at the last accepted token: if the bonus token is already a
+(grown) node, the subtree under it survives — its K/V kept and compacted in place, nothing
+recomputed — and the next tree can be sent at once; otherwise the drafter restarts from the bonus.
+
+The tree lives in a pool of P nodes on the device (root at index 0, parents before children):
+token, parent, depth and score (cumulative draft log-probability from the root) per node, an
+ancestor matrix, a status (unused, leaf, expanded) and, for expanded nodes, the offset of its K/V
+in the draft cache's tree region. Every operation is a fixed sequence of device operations
+(capturable as a CUDA graph); the host reads once per verdict (survived? stop? consistent?).
+
+Draft-cache invariant (L tokens committed, the root being committed[L - 1]): slots [0, L - 1)
+hold the K/V of committed[:L - 1]; slot L - 1 + j holds the K/V of the node fed at region offset
+j, for j < fed_count; offset 0 is the root. Fed nodes are in feed order, which puts every node's
+ancestors before it, so a re-root is one compaction (destination <= source, in order): the
+accepted path's K/V land at L - 1 + depth (the new committed prefix), the surviving subtree's
+right after them (the new region, the new root at offset 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specgraph.draft import CATCH_UP
+from specgraph.runtime.stage import Stage, step_mask
+from specgraph.tree import TreeStructure
+
+UNUSED, LEAF, EXPANDED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class GrowthPlan:
+    """The sizes of a growing tree: `width` W leaves expanded per step (W children each), `depth`
+    D the sent tree's depth bound (and the expansion steps that grow a first tree), `nodes` N
+    the sent tree's nodes (root not counted), `grow` G expansion steps per verdict while waiting."""
+
+    width: int
+    depth: int
+    nodes: int
+    grow: int
+
+    @property
+    def steps(self) -> int:
+        """Most expansion steps between two re-roots: a first tree's D, then G while waiting."""
+        return self.depth + self.grow
+
+    @property
+    def keep(self) -> int:
+        """Nodes a re-rooted tree keeps at most (the most likely of the surviving subtree)."""
+        return 2 * (self.nodes + 1) + self.width ** 2
+
+    @property
+    def pool(self) -> int:
+        return self.keep + self.steps * self.width ** 2
+
+    @property
+    def region(self) -> int:
+        """Draft-cache slots past the committed prefix that the tree's fed nodes may take."""
+        return self.keep + self.steps * self.width + CATCH_UP
+
+
+class GrowingDrafter:
+    def __init__(self, stage: Stage, plan: GrowthPlan):
+        self.stage, self.plan = stage, plan
+        p, f, device = plan.pool, plan.region, stage.device
+        self.tokens = torch.zeros(p, dtype=torch.long, device=device)  # [P]
+        self.parents = torch.full((p,), -1, dtype=torch.long, device=device)  # [P]
+        self.depths = torch.zeros(p, dtype=torch.long, device=device)  # [P]
+        self.scores = torch.zeros(p, dtype=torch.float64, device=device)  # [P] (fp64: exact sums)
+        self.lineage = torch.zeros(p, p, dtype=torch.bool, device=device)  # [P, P] row i: i and its ancestors
+        self.status = torch.zeros(p, dtype=torch.long, device=device)  # [P] UNUSED, LEAF or EXPANDED
+        self.fed = torch.full((p,), -1, dtype=torch.long, device=device)  # [P] region offset of its K/V, -1
+        self._fed_node = torch.full((f + 1,), -1, dtype=torch.long, device=device)  # [F + 1]: offset F a dummy
+        self.fed_node = self._fed_node[:f]  # [F] node fed at each region offset, -1
+        self.size = torch.zeros((), dtype=torch.long, device=device)  # nodes made (the next free index)
+        self.fed_count = torch.zeros((), dtype=torch.long, device=device)
+        self.sent = torch.zeros(plan.nodes + 1, dtype=torch.long, device=device)  # [N + 1] pool index of each sent node
+        self._index = torch.arange(p, device=device)
+        self._causal = {t: torch.ones(t, t, dtype=torch.bool, device=device).tril() for t in range(1, CATCH_UP + 1)}
+        # host-side bounds of size and fed_count (re-roots shrink them by an amount only the device knows)
+        self.most_nodes, self.most_fed = 0, 0
+
+    def restart(self, committed: torch.Tensor, length: torch.Tensor, width: int, feeds: int = CATCH_UP) -> None:
+        """A fresh tree rooted at the last of the `length` committed tokens: the catch-up feeds the last
+        `feeds` of them (the root at region offset 0), then the root's children and D - 1 expansion steps."""
+        start = length - feeds
+        slots = start + torch.arange(feeds, device=self.stage.device)
+        mask = step_mask(start, self._causal[feeds], width)
+        logits = self.stage.forward(committed.index_select(0, slots), slots, slots, mask)[-1:]  # [1, V]
+        w = self.plan.width
+        self.status.zero_()
+        self.parents.fill_(-1)
+        self.fed.fill_(-1)
+        self._fed_node.fill_(-1)
+        self.lineage.zero_()
+        self.tokens[:1] = committed.index_select(0, length.reshape(1) - 1)
+        self.depths[:1] = 0
+        self.scores[:1] = 0
+        self.status[:1] = EXPANDED
+        self.fed[:1] = 0
+        self.fed_node[:1] = 0
+        self.lineage[0, 0] = True
+        self.size.fill_(1)
+        self.fed_count.fill_(1)
+        self._children(torch.zeros(1, dtype=torch.long, device=self.stage.device), torch.ones(1, dtype=torch.bool,
+                                                                                              device=self.stage.device), logits)
+        self.most_nodes, self.most_fed = 1 + w, 1
+        for _ in range(self.plan.depth - 1):
+            self.expand(length, width)
+
+    def expand(self, length: torch.Tensor, width: int) -> None:
+        """One expansion step: feed the W leaves of highest score (ties: the earlier made) at the next
+        region offsets and give each its W most likely children. Past the leaves there are (a tree
+        smaller than W leaves), picks are marked invalid: fed nowhere visible, their children unused."""
+        w = self.plan.width
+        assert self.most_nodes + w * w <= self.plan.pool and self.most_fed + w <= self.plan.region, "tree pool overflow"
+        device = self.stage.device
+        candidates = torch.where(self.status == LEAF, self.scores, float("-inf"))  # [P]
+        pick = candidates.sort(descending=True, stable=True).indices[:w]  # [W]
+        valid = candidates.index_select(0, pick) > float("-inf")  # [W]
+        offsets = self.fed_count + torch.arange(w, device=device)  # [W]
+        self.fed.index_put_((pick,), torch.where(valid, offsets, self.fed.index_select(0, pick)))
+        self.fed_node.index_put_((offsets,), torch.where(valid, pick, -1))
+        nodes_at = self.fed_node.clamp(min=0)  # [F]
+        visible = self.lineage.index_select(0, pick).index_select(1, nodes_at) & (self.fed_node >= 0)  # [W, F]
+        start = length - 1
+        logits = self.stage.forward(self.tokens.index_select(0, pick), start + self.depths.index_select(0, pick),
+                                    start + offsets, step_mask(start, visible, width))  # [W, V]
+        self.status.index_put_((pick,), torch.where(valid, EXPANDED, self.status.index_select(0, pick)))
+        self.fed_count += w
+        self._children(pick, valid, logits)
+        self.most_nodes += w * w
+        self.most_fed += w
+
+    def _children(self, parents: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor) -> None:
+        """Make the W most likely children of each of `parents` [E] (logits [E, V]) at the next free indices."""
+        w = self.plan.width
+        log_probs = logits.float().log_softmax(-1)
+        chosen = log_probs.topk(w, dim=-1)  # [E, W]
+        new = self.size + torch.arange(parents.numel() * w, device=self.stage.device)  # [E W]
+        parent = parents.repeat_interleave(w)  # [E W]
+        self.tokens.index_put_((new,), chosen.indices.flatten())
+        self.parents.index_put_((new,), parent)
+        self.depths.index_put_((new,), self.depths.index_select(0, parent) + 1)
+        self.scores.index_put_((new,), self.scores.index_select(0, parent) + chosen.values.flatten().double())
+        self.status.index_put_((new,), torch.where(valid.repeat_interleave(w), LEAF, UNUSED))
+        self.lineage.index_put_((new,), self.lineage.index_select(0, parent))
+        self.lineage.index_put_((new, new), torch.ones_like(new, dtype=torch.bool))
+        self.size += new.numel()
+
+    def select(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tree to send: the root and the N most likely nodes of depth at most D (ancestor-closed:
+        children never outscore parents, and ties keep parents first), in pool order -> tokens,
+        parents [N + 1]. Should fewer than N nodes qualify, the rest repeat the root's best child (a
+        sibling that carries its token is never accepted before it); `self.sent` maps the tree's
+        nodes back to the pool."""
+        n, p = self.plan.nodes, self.plan.pool
+        device = self.stage.device
+        eligible = (self.status != UNUSED) & (self._index > 0) & (self.depths <= self.plan.depth)
+        candidates = torch.where(eligible, self.scores, float("-inf"))  # [P]
+        order = candidates.sort(descending=True, stable=True).indices[:n]  # [N]
+        valid = candidates.index_select(0, order) > float("-inf")
+        best_child = order[:1]  # the most likely node is a child of the root
+        keys = torch.where(valid, order, p + torch.arange(n, device=device)).sort().values  # [N] pool order, padding last
+        padding = keys >= p
+        nodes = torch.where(padding, best_child, keys)  # [N]
+        self.sent.copy_(torch.cat([torch.zeros(1, dtype=torch.long, device=device), nodes]))
+        position = torch.full((p + 1,), -1, dtype=torch.long, device=device)  # pool index -> tree node (p: padding's)
+        position[0] = 0
+        position.index_put_((torch.where(padding, p, nodes),), torch.arange(1, n + 1, device=device))
+        parents = torch.where(padding, 0, position.index_select(0, self.parents.index_select(0, nodes).clamp(min=0)))
+        return self.tokens.index_select(0, self.sent), torch.cat([torch.full((1,), -1, device=device), parents])
+
+    def reroot(self, path: torch.Tensor, count: torch.Tensor, new: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        """Apply a verdict on the sent tree (path [D + 1] of its nodes, count [] new tokens, new [D + 1]
+        the new tokens) committed after `length` [] tokens: move the accepted path's K/V into the
+        prefix and, where the bonus is an expanded child of the last accepted node, keep its subtree
+        (the `keep` most likely of it) as the tree, compacted. Returns whether it survived [] bool;
+        if not, `restart` the tree."""
+        p, device = self.plan.pool, self.stage.device
+        on_path = torch.where(path >= 0, self.sent.index_select(0, path.clamp(min=0)), p)  # [D + 1] pool index, p: none
+        last = on_path.index_select(0, count.reshape(1) - 1)  # [1]
+        bonus = new.index_select(0, count.reshape(1) - 1)  # [1]
+        child = (self.parents == last) & (self.tokens == bonus) & (self.status != UNUSED) & (self._index > 0)  # [P]
+        b = child.long().argmax()
+        survived = child.any() & (self.status.index_select(0, b.reshape(1))[0] == EXPANDED)
+        below = self.lineage.index_select(1, b.reshape(1))[:, 0] & survived  # [P] b's subtree
+        ranked = torch.where(below, self.scores, float("-inf")).sort(descending=True, stable=True)
+        kept = torch.zeros(p + 1, dtype=torch.bool, device=device)
+        kept.index_put_((ranked.indices[: self.plan.keep],), ranked.values[: self.plan.keep] > float("-inf"))
+        kept = kept[:p]
+        path_mask = torch.zeros(p + 1, dtype=torch.bool, device=device)
+        path_mask.index_put_((on_path,), torch.ones_like(on_path, dtype=torch.bool))
+        moving = (path_mask[:p] | kept) & (self.fed >= 0)  # [P]
+        self._compact_pool(kept, b, count, self._compact_kv(moving, length))
+        self.most_nodes = self.most_fed = self.plan.keep
+        return survived
+
+    def _compact_kv(self, moving: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        """Move the K/V of `moving` nodes [P] to consecutive region offsets in feed order (a
+        compaction) -> each old offset's new one [F] (-1: not moved)."""
+        f, device = self.plan.region, self.stage.device
+        src = torch.where(moving, self.fed, f).sort().values[:f]  # [F] offsets, unmoved past the end
+        moved = src < f
+        offsets = torch.arange(f, device=device)
+        start = length - 1
+        self.stage.cache.move(start + torch.where(moved, src, offsets), start + offsets)
+        rank = torch.full((f + 1,), -1, dtype=torch.long, device=device)  # old offset -> new (f: dummy)
+        rank.index_put_((torch.where(moved, src, f),), offsets)
+        return rank[:f]
+
+    def _compact_pool(self, kept: torch.Tensor, b: torch.Tensor, count: torch.Tensor, moved_to: torch.Tensor) -> None:
+        """Keep `kept` nodes [P] (b's subtree, b first), in pool order, b the new root at depth 0 and score 0."""
+        p, f, device = self.plan.pool, self.plan.region, self.stage.device
+        old = torch.where(kept, self._index, p + self._index).sort().indices  # [P] new index -> old
+        live = self._index < kept.sum()  # [P] new index in use
+        renumber = torch.full((p,), -1, dtype=torch.long, device=device)
+        renumber.index_put_((old,), torch.where(live, self._index, -1))  # old index -> new, -1 dropped
+        root_depth, root_score = self.depths.index_select(0, b.reshape(1)), self.scores.index_select(0, b.reshape(1))
+        parents = self.parents.index_select(0, old)
+        self.parents.copy_(torch.where(live & (old != b), renumber.index_select(0, parents.clamp(min=0)), -1))
+        self.tokens.copy_(self.tokens.index_select(0, old))
+        self.depths.copy_(self.depths.index_select(0, old) - root_depth)
+        self.scores.copy_(self.scores.index_select(0, old) - root_score)
+        self.lineage.copy_(self.lineage.index_select(0, old).index_select(1, old) & live[:, None] & live[None, :])
+        self.status.copy_(torch.where(live, self.status.index_select(0, old), UNUSED))
+        fed = self.fed.index_select(0, old)  # [P] old offsets of the new nodes
+        new_offset = moved_to.index_select(0, fed.clamp(min=0)) - count  # the path's fed nodes went to the prefix
+        self.fed.copy_(torch.where(live & (fed >= 0), new_offset, -1))
+        self._fed_node.fill_(-1)
+        self._fed_node.index_put_((torch.where(self.fed >= 0, self.fed, f),), self._index)
+        self.size.copy_(kept.sum())
+        self.fed_count.copy_((self.fed >= 0).sum())
+
+    def structure(self, parents: torch.Tensor) -> TreeStructure:
+        """The sent tree's structure from its parents [N + 1] (see TreeStructure.of_parents)."""
+        return TreeStructure.of_parents(parents, self.plan.depth, self.plan.nodes)

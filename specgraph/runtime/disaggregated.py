@@ -1,0 +1,290 @@
+"""Disaggregated asynchronous tree speculation (SwiftSpec): the drafter and the target run in
+processes of their own, on their own devices, each with its own tensor-parallel degree, and talk
+only through typed messages (runtime/channel.py): trees up, verdicts down.
+
+    target  recv tree t  | verify t | send verdict t | read | recv tree t + 1 | verify ...
+    drafter send tree t  | grow G steps (while t is verified) | recv verdict t | re-root | send t + 1 ...
+
+A chain or dynamic drafter keeps one growing tree (growing.py): it sends the N most likely nodes,
+grows G more expansion steps while the target verifies them, and re-roots at the verdict — at
+once when the bonus token is already one of its nodes, which is what keeps the draft off the
+critical path. A static tree is drafted anew after each verdict (the serial drafter's growth).
+
+Each rank of a stage runs the same steps on its shard and receives the same messages (its
+leader broadcasts them), so every rank takes the same decisions. Each side reads the host once
+per step. On a GPU each side's phases are captured as CUDA graphs where they draw nothing; the
+messages go between the graphs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specgraph.draft import CATCH_UP, Draft, Drafter
+from specgraph.errors import SpecgraphError
+from specgraph.growing import GrowingDrafter
+from specgraph.launch import PROGRESS
+from specgraph.runtime.channel import Link, TreeMessage, VerdictMessage
+from specgraph.runtime.clock import Clock
+from specgraph.runtime.executor import Generation
+from specgraph.runtime.sequence import Sequence
+from specgraph.runtime.stage import Graph, Stage
+from specgraph.runtime.verifier import Verifier
+from specgraph.tree import Tree, TreeStructure
+
+
+class ProtocolError(SpecgraphError):
+    """A message that does not continue from its receiver's state (a bug, never a user's mistake)."""
+
+
+class _Phases:
+    """A stage's phases, each replayed from one CUDA graph (recorded on first use) or run eagerly."""
+
+    def __init__(self, stage: Stage, captured: bool):
+        self.stage, self.captured = stage, captured
+        self.graphs: dict[str, Graph] = {}
+
+    def run(self, name: str, fn, *inputs: torch.Tensor):
+        if not self.captured:
+            return fn(*inputs)
+        if name not in self.graphs:
+            self.graphs[name], first = Graph.record(fn, inputs, self.stage.pool)
+            return first
+        return self.graphs[name](*inputs)
+
+
+def _read(result: torch.Tensor) -> list[int]:
+    """The step's one host read."""
+    return result.tolist()
+
+
+class TargetWorker:
+    """The target's part: verify each tree the drafter sends, send back the verdict."""
+
+    def __init__(self, verifier: Verifier, trees: Link, verdicts: Link, drafter_name: str, nodes: int, depth: int,
+                 drawn_proposals: bool, eos_ids: tuple[int, ...], max_seq_len: int, step_graphs: bool):
+        """`nodes`, `depth`: the trees' N and depth bound; `drawn_proposals`: trees come with the
+        distributions their children were drawn from (else each node's proposal is its one-hot)."""
+        self.verifier, self.trees, self.verdicts = verifier, trees, verdicts
+        self.device = verifier.device
+        self.nodes, self.depth = nodes, depth
+        self.max_seq_len = max_seq_len
+        self.sequence = Sequence(max_seq_len + nodes + 1, self.device)
+        self.eos_ids = tuple(eos_ids)
+        self.eos = torch.tensor(eos_ids or [-1], device=self.device)
+        self.tree_buffer = torch.zeros(2 * nodes + 3, dtype=torch.long, device=self.device)
+        vocab = verifier.stage.model.served_vocab
+        self.proposal_buffer = torch.zeros(nodes + 1, vocab, device=self.device) if drawn_proposals else None
+        self.emitted = torch.zeros((), dtype=torch.long, device=self.device)
+        self.budget = torch.zeros((), dtype=torch.long, device=self.device)
+        self.phases = _Phases(verifier.stage, step_graphs)
+        self.waiting = f"waiting for a tree from stage {drafter_name} (rank {trees.src_rank})"
+
+    def _verify(self, packed: torch.Tensor, generator: torch.Generator | None, width: int) -> tuple[torch.Tensor, ...]:
+        """One tree (packed as its message) -> (the verdict's message packed, [ok, stop, count, *new])."""
+        message = TreeMessage.unpack(packed, self.proposal_buffer)
+        seq = self.sequence
+        structure = TreeStructure.of_parents(message.parents, self.depth, self.nodes)
+        proposals = message.proposals
+        if proposals is None and self.verifier.spec.rule == "sampling":  # chosen children: each its own one-hot
+            proposals = torch.nn.functional.one_hot(message.tokens, self.verifier.stage.model.served_vocab).float()
+            proposals[0].zero_()
+        tree = Tree(message.tokens, message.parents, proposals, structure)
+        ok = message.continues(seq.length)
+        logits = self.verifier.score(tree, seq.length, width)
+        verdict = self.verifier.verdict(tree, logits, generator)
+        count, new = verdict.accepted(tree)
+        base = seq.length.clone()
+        self.verifier.commit(verdict.path, seq.length)
+        seq.append(new, count)
+        self.emitted += count
+        ends = (new[None, :] == self.eos[:, None]).any(0) & (torch.arange(new.numel(), device=self.device) < count)
+        stop = (self.emitted >= self.budget) | ends.any()
+        reply = VerdictMessage(base, count, stop, verdict.path, new).pack()
+        return reply, torch.cat([torch.stack([ok.long(), stop.long(), count]), new])
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
+        start = time.perf_counter()
+        generator = torch.Generator(self.device).manual_seed(seed) if self.verifier.draws else None
+        prompt = torch.tensor(prompt_ids, device=self.device)
+        self.sequence.start(prompt)
+        self.verifier.prefill(prompt)
+        length = len(prompt_ids)
+        budget = min(max_new_tokens, self.max_seq_len - length)
+        self.budget.fill_(budget)
+        self.emitted.zero_()
+        out = Generation(output_ids=[])
+        verify_s = wait_s = 0.0
+        while True:  # until a verdict says stop: the drafter stops on the same message
+            clock = Clock(self.device)
+            clock.mark()
+            PROGRESS.enter(self.waiting)
+            buffers = (self.tree_buffer,) + ((self.proposal_buffer,) if self.proposal_buffer is not None else ())
+            self.trees.recv(*buffers)
+            clock.mark()
+            width = self.verifier.stage.width(length, self.nodes + 1)
+            reply, result = self.phases.run("verify", lambda t: self._verify(t, generator, width), self.tree_buffer)
+            clock.mark()
+            self.verdicts.send(reply)
+            ok, stop, count, *new = _read(result)
+            waited, verified = clock.seconds()
+            wait_s, verify_s = wait_s + waited, verify_s + verified
+            if not ok:
+                raise ProtocolError("a tree did not continue from the target's committed tokens")
+            out.target_steps += 1
+            out.accepted_lengths.append(count)
+            length += count
+            new = new[:count][: budget - len(out.output_ids)]
+            ended = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
+            out.output_ids.extend(new if ended is None else new[: ended + 1])
+            if out.target_steps == 1:
+                out.first_token_seconds = time.perf_counter() - start
+            if stop:
+                break
+        out.seconds = time.perf_counter() - start
+        out.verify_seconds = verify_s
+        if self.trees.ranks.rank == self.trees.dst_rank:
+            out.stats = {"target_verify_seconds": verify_s, "target_wait_seconds": wait_s}
+        return out
+
+
+class DraftWorker:
+    """The drafter's part: send a tree, grow while it is verified, re-root at its verdict."""
+
+    def __init__(self, drafter: GrowingDrafter | Drafter, trees: Link, verdicts: Link, target_name: str,
+                 max_seq_len: int, step_graphs: bool):
+        self.drafter, self.trees, self.verdicts = drafter, trees, verdicts
+        self.stage = drafter.stage
+        self.device = self.stage.device
+        growing = isinstance(drafter, GrowingDrafter)
+        self.nodes = drafter.plan.nodes if growing else drafter.nodes
+        self.depth = drafter.plan.depth if growing else drafter.max_depth
+        self.sequence = Sequence(max_seq_len + self.nodes + 1, self.device)
+        self.region = self.stage.cache.capacity - max_seq_len  # slots a step may write past the committed prefix
+        self.verdict_buffer = torch.zeros(2 * self.depth + 5, dtype=torch.long, device=self.device)
+        self.phases = _Phases(self.stage, step_graphs)
+        self.waiting = f"waiting for a verdict from stage {target_name} (rank {verdicts.src_rank})"
+        self._draft: Draft | None = None  # the static drafter's last tree, for its commit
+
+    def _width(self, length: int) -> int:
+        """Slots the drafter's forwards attend over, `length` tokens committed."""
+        return self.stage.width(length, self.region)
+
+    # -- a growing tree: phases
+    def _restart(self, length: int, feeds: int) -> torch.Tensor:
+        seq = self.sequence
+        self.drafter.restart(seq.tokens, seq.length, self._width(length), feeds)
+        return self._select()
+
+    def _select(self) -> torch.Tensor:
+        tokens, parents = self.drafter.select()
+        return TreeMessage(self.sequence.length, tokens, parents).pack()
+
+    def _grow(self, length: int) -> None:
+        self.drafter.expand(self.sequence.length, self._width(length))
+
+    def _settle(self, packed: torch.Tensor) -> torch.Tensor:
+        """A verdict -> [ok, stop, count, survived]: the tree re-rooted, the new tokens committed."""
+        verdict = VerdictMessage.unpack(packed)
+        seq = self.sequence
+        ok = verdict.continues(seq.length)
+        survived = self.drafter.reroot(verdict.path, verdict.count, verdict.new, seq.length)
+        seq.append(verdict.new, verdict.count)
+        return torch.stack([ok.long(), verdict.stop.long(), verdict.count, survived.long()])
+
+    # -- a static tree: drafted anew after each verdict
+    def _static_draft(self, length: int, feeds: int, generator) -> tuple[torch.Tensor, ...]:
+        seq = self.sequence
+        self._draft = self.drafter.draft(seq.tokens, seq.length, self._width(length), generator, feeds)
+        tree = self._draft.tree
+        packed = TreeMessage(seq.length, tree.tokens, tree.parents).pack()
+        return (packed,) if tree.proposals is None else (packed, tree.proposals.float())
+
+    def _static_settle(self, packed: torch.Tensor) -> torch.Tensor:
+        verdict = VerdictMessage.unpack(packed)
+        seq = self.sequence
+        ok = verdict.continues(seq.length)
+        self.drafter.commit(self._draft, verdict.path, seq.length)
+        seq.append(verdict.new, verdict.count)
+        return torch.stack([ok.long(), verdict.stop.long(), verdict.count, torch.zeros_like(verdict.count)])
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
+        growing = isinstance(self.drafter, GrowingDrafter)
+        generator = None if growing else torch.Generator(self.device).manual_seed(seed + 1)
+        prompt = torch.tensor(prompt_ids, device=self.device)
+        self.sequence.start(prompt)
+        if prompt.numel() > CATCH_UP:  # all but the last two tokens: the first catch-up feeds those
+            self.stage.prefill(prompt[:-CATCH_UP])
+        length = len(prompt_ids)
+        feeds = min(CATCH_UP, length)
+        rounds = survived = 0
+        clock = Clock(self.device)
+        clock.mark()
+        tree = (self.phases.run("restart", lambda: self._restart(length, feeds)) if growing
+                else self._static_draft(length, feeds, generator))
+        while True:
+            PROGRESS.enter("drafting")
+            self.trees.send(*(tree if isinstance(tree, tuple) else (tree,)))
+            clock.mark()  # the tree is out
+            if growing:
+                for _ in range(self.drafter.plan.grow):
+                    self.phases.run("grow", lambda: self._grow(length))
+            clock.mark()  # grown while the target verified
+            PROGRESS.enter(self.waiting)
+            self.verdicts.recv(self.verdict_buffer)
+            clock.mark()  # the verdict is in
+            settle = self._settle if growing else self._static_settle
+            ok, stop, count, kept = _read(self.phases.run("settle", settle, self.verdict_buffer))
+            if not ok:
+                raise ProtocolError("a verdict did not answer the drafter's last tree")
+            rounds += 1
+            length += count
+            if stop:
+                clock.mark()
+                break
+            PROGRESS.enter("drafting")
+            if not growing:
+                tree = self._static_draft(length, CATCH_UP, generator)
+            elif kept:
+                survived += 1
+                tree = self.phases.run("select", self._select)
+            else:
+                tree = self.phases.run("restart", lambda: self._restart(length, CATCH_UP))
+        marks = clock.seconds()  # first tree, then per round: grow, idle, settle + next tree
+        first, rest = marks[0], marks[1:]
+        hidden = sum(rest[0::3])
+        idle = sum(rest[1::3])
+        critical = first + sum(rest[2::3])
+        out = Generation(output_ids=[], draft_seconds=hidden + critical)
+        if self.trees.ranks.rank == self.trees.src_rank:
+            out.stats = {"draft_hidden_seconds": hidden, "draft_critical_seconds": critical,
+                         "draft_idle_seconds": idle, "rounds": rounds, "survived": survived}
+        return out
+
+
+def disaggregated_executor(graph, stages: dict[str, Stage], ranks) -> TargetWorker | DraftWorker:
+    """This rank's worker of a disaggregated program (two stages: a drafter and the target)."""
+    from specgraph.growing import GrowthPlan
+    from specgraph.passes.place import resolve_device
+    from specgraph.program import verifier_of
+
+    target = graph.target
+    drafter = graph.drafter_of(target)
+    leaders = {name: resolve_device(graph.node(name)["spec"].devices[0], "") for name in graph.stages()}
+    trees, verdicts = Link(ranks, drafter, target, leaders), Link(ranks, target, drafter, leaders)
+    node, draft_node = graph.node(target), graph.node(drafter)
+    plan = draft_node["tree"]
+    recipe = graph.recipe
+    if ranks.runs(target):
+        drawn = not isinstance(plan, GrowthPlan) and node["rule"] == "sampling"
+        return TargetWorker(verifier_of(graph, stages), trees, verdicts, drafter, draft_node["tree_nodes"],
+                            draft_node["tree_depth"], drawn, node["eos_ids"], recipe.max_seq_len, node["step_graphs"])
+    if isinstance(plan, GrowthPlan):
+        grower = GrowingDrafter(stages[drafter], plan)
+    else:
+        grower = Drafter(stages[drafter], plan, node["rule"], recipe.sampling)
+    return DraftWorker(grower, trees, verdicts, target, recipe.max_seq_len, draft_node["step_graphs"])
