@@ -1,9 +1,18 @@
 """Static KV cache of one stage: a committed prefix, then the region a step writes.
 
-Which slots are committed is the executor's to know (a device tensor, see runtime/serial.py):
+Which slots are committed is the executor's to know (a device tensor, see runtime/sequence.py):
 the cache is storage. A step writes its tokens (a catch-up, draft-tree nodes, the tree being
 verified) past the committed prefix; after verification, `commit` moves the accepted path's rows
 to the end of the prefix, and everything past it is garbage that later steps overwrite.
+
+The invariant, with L tokens committed (tests/test_kv_invariant.py checks it against
+recomputation from scratch over random trees and verdicts):
+  - slots [0, L - 1) hold the K/V of committed[:L - 1], each at its own position, in every stage;
+  - a verifier writes a tree from slot L - 1 (its root, committed[L - 1]) and `commit` leaves the
+    accepted path at L - 1 + depth;
+  - a drafter that keeps growing one tree across steps (growing.py) holds, at slot L - 1 + j, the
+    K/V of the tree node it fed at region offset j (offset 0: the root), in feed order, so that a
+    re-root is one compaction: the accepted path to the prefix, the surviving subtree after it.
 A hybrid model's cache also holds each gated-DeltaNet layer's recurrent state, which a step
 reads but does not change: the step leaves its tokens' factors, and `commit` folds the accepted
 path's into the state.

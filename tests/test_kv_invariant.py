@@ -1,0 +1,150 @@
+"""Tree-aware KV caches keep their invariant (cache.py) through random trees and random verdicts,
+checked against recomputation from scratch: the committed prefix's K/V equal a prefill of the
+committed tokens, and (the growing drafter) every fed node's K/V equal those of its whole path
+run alone, its score the sum of its path's draft log-probabilities."""
+
+import random
+
+import torch
+from conftest import EMBEDDED
+from helpers import chain_logits
+
+from specgraph.growing import EXPANDED, UNUSED, GrowingDrafter, GrowthPlan
+from specgraph.models.loader import load_model
+from specgraph.runtime.stage import Stage, step_mask
+from specgraph.tree import Tree
+
+CPU = torch.device("cpu")
+ATOL = 1e-5
+
+
+def kv_from_scratch(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [layers, Hkv, T, K] of `ids` [T] prefilled into a fresh cache."""
+    stage = Stage("fresh", model, ids.numel() + 4, CPU)
+    with torch.no_grad():
+        stage.prefill(ids)
+    return stage.cache.k[:, 0, :, : ids.numel()], stage.cache.v[:, 0, :, : ids.numel()]
+
+
+def assert_rows(cache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    assert torch.allclose(cache.k[:, 0, :, slots], k, atol=ATOL) and torch.allclose(cache.v[:, 0, :, slots], v, atol=ATOL)
+
+
+def path_of(g: GrowingDrafter, node: int) -> list[int]:
+    """Pool indices from the root to `node`."""
+    path = [node]
+    while path[-1] != 0:
+        path.append(int(g.parents[path[-1]]))
+    return path[::-1]
+
+
+def check_growing_tree(g: GrowingDrafter, committed: list[int], rng: random.Random) -> None:
+    model, cache = g.stage.model, g.stage.cache
+    length = len(committed)
+    k, v = kv_from_scratch(model, torch.tensor(committed[:-1]))
+    assert_rows(cache, torch.arange(length - 1), k, v)  # the committed prefix
+    assert int(g.tokens[0]) == committed[-1] and int(g.fed[0]) == 0  # the root: last committed, at offset 0
+    fed = [n for n in range(int(g.size)) if int(g.fed[n]) >= 0]
+    offsets = sorted(int(g.fed[n]) for n in fed)
+    assert offsets == list(range(int(g.fed_count))) or offsets == list(range(len(fed)))
+    for node in rng.sample(fed, min(6, len(fed))):  # a fed node's K/V: those of its whole path run alone
+        path = path_of(g, node)
+        ids = torch.tensor(committed + [int(g.tokens[n]) for n in path[1:]])
+        k, v = kv_from_scratch(model, ids)
+        assert_rows(cache, torch.tensor([length - 1 + int(g.fed[node])]), k[:, :, -1:], v[:, :, -1:])
+    for node in rng.sample(range(1, int(g.size)), min(4, int(g.size) - 1)):  # a node's score: its path's draft log-probability
+        if int(g.status[node]) == UNUSED:
+            continue
+        path = path_of(g, node)
+        ids = torch.tensor(committed + [int(g.tokens[n]) for n in path[1:]])
+        log_probs = chain_logits(model, ids).log_softmax(-1)
+        expected = sum(float(log_probs[length - 2 + d, ids[length - 1 + d]]) for d in range(1, len(path)))
+        assert abs(float(g.scores[node]) - expected) < 1e-3
+
+
+def check_selection(g: GrowingDrafter, tokens: torch.Tensor, parents: torch.Tensor) -> None:
+    """The sent tree: the root and the N most likely eligible nodes, ancestor-closed, in pool order
+    (then, where fewer qualify, repeats of the root's best child)."""
+    sent = g.sent.tolist()
+    eligible = [n for n in range(1, int(g.size)) if int(g.status[n]) != UNUSED and int(g.depths[n]) <= g.plan.depth]
+    best = sorted(eligible, key=lambda n: (-float(g.scores[n]), n))[: g.plan.nodes]
+    assert sent[0] == 0 and sent[1 : len(best) + 1] == sorted(best)
+    assert sent[len(best) + 1 :] == best[:1] * (g.plan.nodes - len(best)) and int(g.parents[best[0]]) == 0
+    for i, node in enumerate(sent[1:], start=1):
+        assert int(tokens[i]) == int(g.tokens[node]) and sent[int(parents[i])] == int(g.parents[node])
+
+
+def test_growing_tree_keeps_its_invariant_over_random_verdicts():
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    model = load_model(EMBEDDED / "draft", torch.float32, CPU)
+    plan = GrowthPlan(width=3, depth=3, nodes=8, grow=2)
+    stage = Stage("draft", model, 200 + plan.region, CPU)
+    g = GrowingDrafter(stage, plan)
+    committed = torch.randint(0, 4096, (12,)).tolist()
+    buffer = torch.zeros(200, dtype=torch.long)
+    buffer[: len(committed)] = torch.tensor(committed)
+    width = stage.cache.capacity  # forwards attend over every slot (the masks hide what they must not see)
+    with torch.no_grad():
+        stage.prefill(torch.tensor(committed[:-2]))
+        g.restart(buffer, torch.tensor(len(committed)), width)
+        survived = restarts = 0
+        for _ in range(24):
+            tokens, parents = g.select()
+            check_selection(g, tokens, parents)
+            length = torch.tensor(len(committed))
+            for _ in range(plan.grow):
+                g.expand(length, width)
+            tree = Tree(tokens, parents)
+            path = [0]
+            while tree.children(path[-1]) and rng.random() < 0.75:  # a random accepted path
+                path.append(rng.choice(tree.children(path[-1])))
+            last = int(g.sent[path[-1]])
+            kids = [n for n in range(int(g.size)) if int(g.parents[n]) == last and int(g.status[n]) != UNUSED]
+            expanded = [n for n in kids if int(g.status[n]) == EXPANDED]
+            if expanded and rng.random() < 0.6:  # a bonus the tree already holds ...
+                bonus = int(g.tokens[rng.choice(expanded)])
+            else:  # ... or one it does not
+                bonus = rng.choice([t for t in range(4096) if t not in {int(g.tokens[n]) for n in kids}])
+            new = [int(tokens[n]) for n in path[1:]] + [bonus]
+            count = len(new)
+            pad = plan.depth + 1 - count
+            held = bonus in {int(g.tokens[n]) for n in expanded}
+            kept = g.reroot(torch.tensor(path + [-1] * pad), torch.tensor(count), torch.tensor(new + [0] * pad), length)
+            assert bool(kept) == held
+            committed += new
+            buffer[: len(committed)] = torch.tensor(committed)
+            if kept:
+                survived += 1
+            else:
+                restarts += 1
+                g.restart(buffer, torch.tensor(len(committed)), width)
+            check_growing_tree(g, committed, rng)
+    assert survived >= 5 and restarts >= 5
+
+
+def test_a_target_commit_keeps_the_prefix_of_every_random_tree_and_verdict():
+    """KVCache.commit: after random trees and random accepted paths, the committed prefix's K/V
+    equal a prefill of the committed tokens (the target's side of the invariant)."""
+    torch.manual_seed(1)
+    rng = random.Random(1)
+    model = load_model(EMBEDDED / "target", torch.float32, CPU)
+    stage = Stage("target", model, 160, CPU)
+    committed = torch.randint(0, 4096, (10,)).tolist()
+    with torch.no_grad():
+        stage.prefill(torch.tensor(committed[:-1]))
+        for _ in range(8):
+            n = rng.randint(1, 9)
+            parents = [-1] + [rng.randrange(i) for i in range(1, n + 1)]
+            tree = Tree(torch.tensor([committed[-1]] + torch.randint(0, 4096, (n,)).tolist()), torch.tensor(parents))
+            root = len(committed) - 1
+            mask = step_mask(torch.tensor(root), tree.ancestors, 160)
+            stage.forward(tree.tokens, root + tree.depths, root + torch.arange(tree.size), mask)
+            path = [0]
+            while tree.children(path[-1]) and rng.random() < 0.7:
+                path.append(rng.choice(tree.children(path[-1])))
+            padded = path + [-1] * (tree.max_depth + 1 - len(path))
+            stage.cache.commit(torch.tensor(padded), root)
+            committed += [int(tree.tokens[i]) for i in path[1:]] + [rng.randrange(4096)]  # accepted drafts, a bonus
+            k, v = kv_from_scratch(model, torch.tensor(committed[:-1]))
+            assert_rows(stage.cache, torch.arange(len(committed) - 1), k, v)
