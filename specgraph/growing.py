@@ -203,7 +203,8 @@ class GrowingDrafter:
         """Move the K/V of `moving` nodes [P] to consecutive region offsets in feed order (a
         compaction) -> each old offset's new one [F] (-1: not moved)."""
         f, device = self.plan.region, self.stage.device
-        src = torch.where(moving, self.fed, f).sort().values[:f]  # [F] offsets, unmoved past the end
+        unmoved = torch.full((f,), f, dtype=torch.long, device=device)  # (a pool may hold fewer nodes than F)
+        src = torch.cat([torch.where(moving, self.fed, f), unmoved]).sort().values[:f]  # [F] offsets, unmoved last
         moved = src < f
         offsets = torch.arange(f, device=device)
         start = length - 1

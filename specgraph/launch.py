@@ -258,19 +258,22 @@ class Cluster:
                 raise SpecgraphError(self._failure(dead[0]))
 
     def _failure(self, rank: int) -> str:
-        """The one line that explains why rank `rank` ended: its own report, another rank's, or its exit status."""
+        """The one line that explains why rank `rank` ended: a rank killed by a signal (the others'
+        errors follow from it), else the first report of a rank, else its exit status."""
         deadline = time.monotonic() + 2.0
         reports = []
         while time.monotonic() < deadline and not reports:
             while not self._errors.empty():
                 reports.append(self._errors.get())
             time.sleep(0.05)
+        killed = [r for r, p in enumerate(self.processes) if p.exitcode is not None and p.exitcode < 0]
+        if killed:
+            code = self.processes[killed[0]].exitcode
+            return f"{self.names[killed[0]]} was killed by signal {-code} ({signal.Signals(-code).name})"
         own = [m for r, m in reports if r == rank]
         if own or reports:
             return (own or [reports[0][1]])[0]
-        code = self.processes[rank].exitcode
-        how = f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with status {code}"
-        return f"{self.names[rank]} {how}"
+        return f"{self.names[rank]} exited with status {self.processes[rank].exitcode}"
 
     def _stop(self) -> None:
         """Stop every rank (terminate, then kill what is left) and wait for them: none outlives the run."""

@@ -32,6 +32,25 @@ def code_prompts() -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+PROMPTS, NEW_TOKENS = 16, 128  # the greedy-equivalence tests: held-out code prompts x new tokens
+
+
+@pytest.fixture(scope="session")
+def target_reference(code_prompts):
+    """transformers' greedy continuation (fp32) of the first prompts by the target fixture: [(prompt ids, new ids)]."""
+    from helpers import hf_greedy
+
+    return hf_greedy(EMBEDDED / "target", code_prompts[:PROMPTS], NEW_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def hybrid_reference(code_prompts):
+    """The same by the hybrid (Qwen3.5) fixture."""
+    from helpers import hf_greedy
+
+    return hf_greedy(shared_models() / "hybrid", code_prompts[:PROMPTS], NEW_TOKENS)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -2,12 +2,11 @@
 in fp32 on the CPU: 16 held-out code prompts x 128 new tokens, for every tree shape and drafter."""
 
 import pytest
-from conftest import EMBEDDED, shared_models
-from helpers import hf_greedy, two_stage
+from conftest import EMBEDDED, NEW_TOKENS, shared_models
+from helpers import two_stage
 
 from specgraph.program import Program
 
-PROMPTS, NEW_TOKENS = 16, 128
 TREES = {
     "chain": {"shape": "chain", "length": 4},
     "static": {"shape": "static", "branching": [3, 2, 1, 1]},
@@ -16,9 +15,8 @@ TREES = {
 
 
 @pytest.fixture(scope="module")
-def reference(code_prompts):
-    """transformers' greedy continuation of each prompt by the target."""
-    return hf_greedy(EMBEDDED / "target", code_prompts[:PROMPTS], NEW_TOKENS)
+def reference(target_reference):
+    return target_reference
 
 
 def drafter_path(name):

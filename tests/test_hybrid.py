@@ -5,8 +5,8 @@ builds, and greedy speculative output token for token (16 held-out prompts x 128
 import pytest
 import torch
 import transformers
-from conftest import EMBEDDED, REPO, shared_models
-from helpers import LONG_PROMPT, hf_greedy, two_stage
+from conftest import EMBEDDED, NEW_TOKENS, REPO, shared_models
+from helpers import LONG_PROMPT, two_stage
 
 from specgraph.models.loader import load_model
 from specgraph.program import Program
@@ -14,7 +14,6 @@ from specgraph.runtime.stage import Stage, step_mask
 from specgraph.tree import Tree
 
 LOGIT_TOL = 1e-4  # fp32: transformers runs a prompt through its chunked algorithm, we through the closed form
-PROMPTS, NEW_TOKENS = 16, 128
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +62,8 @@ def test_tree_nodes_and_committed_state_match_each_path_run_alone(hybrid, hf):
 
 
 @pytest.fixture(scope="module")
-def reference(hybrid, code_prompts):
-    return hf_greedy(hybrid, code_prompts[:PROMPTS], NEW_TOKENS)
+def reference(hybrid_reference):
+    return hybrid_reference
 
 
 @pytest.mark.parametrize("drafter, tree", [

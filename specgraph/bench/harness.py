@@ -161,7 +161,25 @@ def _measure(system, spec: BenchSpec, encoded: list[list[int]], progress: Progre
         "verify_step_ms": 1e3 * sum(r.verify_seconds for r in last) / n_steps if n_steps else None,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "outputs": [r.output_ids for r in last],
+        **_overlap({key: sum(r.stats.get(key, 0) for r in last) for r in last for key in r.stats}),
     }
+
+
+def _overlap(stats: dict[str, float]) -> dict:
+    """What a disaggregated executor measured (summed over the prompts): the share of the draft's
+    work done while the target verified, how often a tree's subtree survived its verdict, and how
+    busy each side was (the rest of its time it waited for the other)."""
+    if "rounds" not in stats:
+        return {}
+    draft_work = stats["draft_hidden_seconds"] + stats["draft_critical_seconds"]
+    return {"overlap": {
+        "hidden_draft_share": stats["draft_hidden_seconds"] / draft_work if draft_work else None,
+        "survival_rate": stats["survived"] / stats["rounds"] if stats["rounds"] else None,
+        "target_busy_share": stats["target_verify_seconds"] / (stats["target_verify_seconds"] + stats["target_wait_seconds"]),
+        "draft_busy_share": draft_work / (draft_work + stats["draft_idle_seconds"]),
+        "rounds": stats["rounds"], "survived": stats["survived"],
+        **{key: stats[key] for key in ("target_verify_seconds", "target_wait_seconds", "draft_hidden_seconds",
+                                      "draft_critical_seconds", "draft_idle_seconds")}}}
 
 
 def bench_on(program, spec: BenchSpec) -> dict:

@@ -37,6 +37,11 @@ def print_table(report: dict, console: Console | None = None) -> None:
                   "whose tokens equal specgraph's own autoregressive output")
     for name, r in report["systems"].items():
         console.print(f"  {name}: {r['description']}")
+        if "overlap" in r:
+            o = r["overlap"]
+            console.print(f"    draft work hidden behind verification {_fmt(o['hidden_draft_share'], '.0%')}, subtree "
+                          f"survived {o['survived']} of {o['rounds']} verdicts ({_fmt(o['survival_rate'], '.0%')}), "
+                          f"busy: target {_fmt(o['target_busy_share'], '.0%')}, drafter {_fmt(o['draft_busy_share'], '.0%')}")
     for name, why in report["skipped"].items():
         console.print(f"  {name}: not run: {why}")
     if "bandwidth_bound" in report:

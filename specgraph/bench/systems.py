@@ -27,6 +27,7 @@ class Run:
     accepted_lengths: list[int] = field(default_factory=list)  # empty where the system does not report steps
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)  # an executor's own measurements (Generation.stats)
 
     @property
     def decode_tokens(self) -> int:
@@ -53,7 +54,7 @@ class SpecgraphSystem:
         _sync(self.device)
         first = min(gen.accepted_lengths[0], len(gen.output_ids)) if gen.accepted_lengths else 0
         return Run(gen.output_ids, gen.seconds, gen.first_token_seconds, first, gen.accepted_lengths,
-                   gen.draft_seconds, gen.verify_seconds)
+                   gen.draft_seconds, gen.verify_seconds, gen.stats)
 
 
 def hf_mirror(model: LlamaModel | HybridModel, config: PretrainedConfig) -> torch.nn.Module:

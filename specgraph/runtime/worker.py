@@ -117,6 +117,9 @@ class Worker:
             dist.gather_object(generation.stats, gathered, dst=0, group=self.ranks.control)
             if gathered is not None:
                 generation.stats = {key: value for stats in gathered for key, value in stats.items()}
+                if "draft_hidden_seconds" in generation.stats:  # the drafter's work, hidden or not
+                    generation.draft_seconds = (generation.stats["draft_hidden_seconds"]
+                                                + generation.stats["draft_critical_seconds"])
         return generation
 
     def shutdown(self) -> None:

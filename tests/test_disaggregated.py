@@ -1,0 +1,205 @@
+"""The disaggregated executor (SwiftSpec): drafter and target in processes of their own, messages
+between them over torch.distributed (gloo on the CPU). Its greedy output equals transformers'
+greedy output of the target on the fixtures (16 held-out prompts x 128 new tokens); its sampled
+output follows the target's distribution; faults end the run in one line with no process left."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import EMBEDDED, REPO, shared_models
+from helpers import PROMPT, splittable_recipe, two_stage
+
+from specgraph.errors import SpecgraphError
+from specgraph.program import Program
+from specgraph.recipe import Recipe
+
+DYNAMIC = {"shape": "dynamic", "width": 4, "depth": 5, "nodes": 24}
+
+
+def disaggregated(target, draft, tree, **fields) -> Recipe:
+    return two_stage(target, draft, tree, execution="disaggregated", **fields)
+
+
+def gone(pids: list[int]) -> bool:
+    """Whether none of `pids` is still running (a zombie is not: its parent has not reaped it yet)."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] != "Z":
+                    return False
+        except FileNotFoundError:
+            continue
+    return True
+
+
+@pytest.mark.parametrize("target, drafter, tree", [
+    ("target", "draft", DYNAMIC),
+    ("target", "mid", {"shape": "chain", "length": 4}),
+    ("hybrid", "draft", DYNAMIC),
+], ids=["dynamic-draft", "chain-mid", "hybrid-dynamic"])
+def test_greedy_output_equals_the_target_alone(target, drafter, tree, request):
+    reference = request.getfixturevalue("hybrid_reference" if target == "hybrid" else "target_reference")
+    target_path = shared_models() / "hybrid" if target == "hybrid" else EMBEDDED / "target"
+    draft_path = EMBEDDED / "draft" if drafter == "draft" else shared_models() / "mid"
+    accepted, survived, rounds = [], 0, 0
+    with Program.from_recipe(disaggregated(target_path, draft_path, tree, max_new_tokens=128)) as program:
+        for ids, expected in reference:
+            generation = program.generate(ids)
+            assert generation.output_ids == expected
+            accepted += generation.accepted_lengths
+            survived, rounds = survived + generation.stats["survived"], rounds + generation.stats["rounds"]
+    assert sum(accepted) / len(accepted) > 1.5  # the drafts are really being accepted
+    assert rounds == len(accepted) and 0 < survived < rounds  # trees re-rooted with their subtree, and restarted
+
+
+def test_static_trees_and_typical_acceptance_through_the_executor(target_reference):
+    """A static tree (drafted anew after each verdict) is exact; typical acceptance at temperature 0
+    accepts only the target's argmax, so it is exact too."""
+    for tree, verify in (({"shape": "static", "branching": [3, 2, 1]}, {"rule": "greedy"}), (DYNAMIC, {"rule": "typical"})):
+        recipe = disaggregated(EMBEDDED / "target", EMBEDDED / "draft", tree, max_new_tokens=48)
+        recipe = recipe.model_copy(update={"stages": [recipe.stages[0], recipe.stages[1].model_copy(
+            update={"verify": recipe.stages[1].verify.model_copy(update=verify)})]})
+        with Program.from_recipe(recipe) as program:
+            for ids, expected in target_reference[:4]:
+                assert program.generate(ids).output_ids == expected[:48]
+
+
+def test_a_tensor_parallel_target_with_a_one_process_drafter(tmp_path, target_reference):
+    """Three processes: the target split over two (gloo all-reduces in its own group), the drafter in
+    a third. The fixtures' heads do not split in two, so both are widened (same function) to 6 query
+    heads over 2 KV heads: the output is still transformers' greedy output of the target fixture."""
+    recipe = Recipe.from_yaml(splittable_recipe(tmp_path), ["execution=disaggregated", "stages.0.tree={shape: dynamic}",
+                                                            "stages.1.devices=[cpu,cpu]", "max_new_tokens=128"])
+    with Program.from_recipe(recipe) as program:
+        assert len(program.cluster.pids) == 3
+        for ids, expected in target_reference:
+            assert program.generate(ids).output_ids == expected
+
+
+def test_sampling_through_the_executor_follows_the_target_distribution():
+    """Two sampled tokens after a prompt, many seeds: their empirical joint approaches the target's
+    exact one (temperature 1, top-k 3: 9 outcomes), far below the distance of the draft's own."""
+    from specgraph.sampling import probs_from_logits
+    from specgraph.recipe import SamplingSpec
+    from helpers import chain_logits
+    from specgraph.models.loader import load_model
+
+    sampling = {"temperature": 1.0, "top_k": 3}
+    prompt = "import os\nimport sys\n\n\ndef main("
+    recipe = disaggregated(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "dynamic", "width": 2, "depth": 2, "nodes": 4},
+                           sampling=sampling, max_new_tokens=2)
+    with Program.from_recipe(recipe) as program:
+        ids = program.encode(prompt)
+        counts = {}
+        for seed in range(1200):
+            pair = tuple(program.generate(ids, seed=seed).output_ids)
+            counts[pair] = counts.get(pair, 0) + 1
+    spec = SamplingSpec(**sampling)
+
+    def joint(name: str) -> dict:
+        model = load_model(EMBEDDED / name, torch.float32, "cpu")
+        first = probs_from_logits(chain_logits(model, torch.tensor(ids))[-1], spec)
+        out = {}
+        for a in first.nonzero().flatten().tolist():
+            second = probs_from_logits(chain_logits(model, torch.tensor(ids + [a]))[-1], spec)
+            for b in second.nonzero().flatten().tolist():
+                out[(a, b)] = float(first[a] * second[b])
+        return out
+
+    exact, draft = joint("target"), joint("draft")
+    observed = {k: v / 1200 for k, v in counts.items()}
+    tv = lambda p, q: 0.5 * sum(abs(p.get(k, 0) - q.get(k, 0)) for k in set(p) | set(q))  # noqa: E731
+    assert set(observed) <= set(exact)  # nothing outside the target's support
+    assert tv(draft, exact) > 0.25  # the draft's own law is far from the target's
+    assert tv(observed, exact) < 0.06  # ours is close (the expected distance at 1200 draws is about 0.03)
+
+
+def test_killing_a_worker_ends_the_run_with_one_line_and_no_process_left():
+    recipe = disaggregated(EMBEDDED / "target", EMBEDDED / "draft", DYNAMIC, max_new_tokens=2000, max_seq_len=2048)
+    program = Program.from_recipe(recipe)
+    pids = program.cluster.pids
+    ids = program.encode(PROMPT)
+    program.generate(ids, 4)
+    killer = __import__("threading").Timer(1.0, os.kill, (pids[1], signal.SIGKILL))
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(SpecgraphError, match=r"^stage draft rank 1 was killed by signal 9 \(SIGKILL\)$"):
+        program.generate(ids, 2000)
+    assert time.monotonic() - start < 15
+    assert gone(pids)
+
+
+def test_a_worker_that_stops_answering_ends_the_run_within_the_timeout():
+    """SIGSTOP: the drafter hangs (its own watchdog cannot run); the target's names it."""
+    recipe = disaggregated(EMBEDDED / "target", EMBEDDED / "draft", DYNAMIC, max_new_tokens=2000, max_seq_len=2048,
+                           timeout=2.0)
+    program = Program.from_recipe(recipe)
+    pids = program.cluster.pids
+    ids = program.encode(PROMPT)
+    program.generate(ids, 4)  # the first request may take ten times the timeout; later ones one
+    stopper = __import__("threading").Timer(1.0, os.kill, (pids[1], signal.SIGSTOP))
+    stopper.start()
+    start = time.monotonic()
+    with pytest.raises(SpecgraphError, match=r"^stage target rank 0: waiting for a verdict|^stage target rank 0: "
+                                             r"waiting for a tree from stage draft \(rank 1\) for more than 2 s"):
+        program.generate(ids, 2000)
+    assert time.monotonic() - start < 15
+    assert gone(pids)
+
+
+def test_ctrl_c_stops_every_worker(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((REPO / "recipes" / "disaggregated.yaml").read_text().replace("models/", str(REPO / "recipes" / "models") + "/"))
+    proc = subprocess.Popen([sys.executable, "-m", "specgraph", "run", str(recipe), "--prompt", PROMPT,
+                             "--max-new-tokens", "2000", "--set", "max_seq_len=2048"],
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines = []
+    for line in proc.stderr:  # wait until the workers run
+        lines.append(line)
+        if "starting 2 processes" in line:
+            break
+    time.sleep(6)
+    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()]
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+    assert proc.wait(timeout=20) == 130
+    assert "specgraph: interrupted" in proc.stderr.read()
+    assert workers and gone(workers)
+
+
+def test_torchrun_standalone_runs_the_recipe(tmp_path, code_prompts, target_reference):
+    _, expected = target_reference[0]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((REPO / "recipes" / "disaggregated.yaml").read_text().replace("models/", str(REPO / "recipes" / "models") + "/"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": code_prompts[0]["prompt"]}) + "\n")
+    out = tmp_path / "out.json"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run([*torchrun, "-m", "specgraph", "run", str(recipe), "--prompts", str(prompts),
+                           "--max-new-tokens", "32", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(out.read_text())["results"][0]["output_ids"] == expected[:32]
+
+
+def test_bench_runs_the_executor_beside_serial_ar_and_transformers(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "import os\\nimport sys\\n"}\n{"prompt": "class Node:\\n    def __init__(self"}\n')
+    out = tmp_path / "bench.json"
+    from specgraph.cli import main
+
+    assert main(["bench", str(REPO / "recipes" / "disaggregated.yaml"), "--prompts", str(prompts), "--max-new-tokens", "24",
+                 "--repeats", "1", "--baselines", "hf,hf-assisted,ar,serial", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["systems"]) == {"specgraph", "serial", "ar", "hf"}
+    assert "needs the drafter in the target's process" in report["skipped"]["hf-assisted"]
+    assert all(r["same_tokens_as_ar"] == 1.0 for r in report["systems"].values())  # fp32 on the CPU: all exact
+    mine = report["systems"]["specgraph"]
+    overlap = mine["overlap"]
+    assert overlap["rounds"] == len(mine["accepted_lengths"])  # one verdict per target step
+    assert 0 < overlap["hidden_draft_share"] < 1 and 0 < overlap["target_busy_share"] <= 1
+    assert "draft work hidden behind verification" in capsys.readouterr().out
