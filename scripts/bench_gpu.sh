@@ -1,7 +1,5 @@
 #!/usr/bin/env bash
-# Run specgraph bench on a fresh GPU machine that has only this repository, plus
-#   .fixtures/  mid/, hybrid/ and prompts_code.jsonl from ../shared/fixtures (target and draft are embedded)
-#   .whl/       wheels of what the machine may lack (pydantic, rich and their needs; see docs/benchmarks.md)
+# Run specgraph bench on a fresh GPU machine that has only this repository (see scripts/gpu_setup.sh).
 # Results (JSON per benchmark, and a log) go to $OUT (default: bench-results/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,22 +9,9 @@ NEW_TOKENS=${NEW_TOKENS:-128}
 REPEATS=${REPEATS:-1}
 SHAPE=${SHAPE:-llama-3-8b}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-150}
-
-# Install from local wheels only what does not import (the machine has no package index).
-missing=()
-for module in pydantic rich pytest; do
-  python3 -c "import $module" 2>/dev/null || missing+=("$module")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "installing from .whl/ (missing: ${missing[*]})"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}:/tmp/site
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+source scripts/gpu_setup.sh
 
 head -n "$PROMPTS" .fixtures/prompts_code.jsonl > "$OUT/prompts.jsonl"
-sg() { python3 -m specgraph.cli "$@"; }
 common=(--prompts "$OUT/prompts.jsonl" --max-new-tokens "$NEW_TOKENS" --repeats "$REPEATS" --widen "$SHAPE")
 mid=(--set models.draft.path=../.fixtures/mid)
 

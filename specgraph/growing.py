@@ -12,10 +12,11 @@ in the draft cache's tree region. Every operation is a fixed sequence of device 
 
 Draft-cache invariant (L tokens committed, the root being committed[L - 1]): slots [0, L - 1)
 hold the K/V of committed[:L - 1]; slot L - 1 + j holds the K/V of the node fed at region offset
-j, for j < fed_count; offset 0 is the root. Fed nodes are in feed order, which puts every node's
-ancestors before it, so a re-root is one compaction (destination <= source, in order): the
-accepted path's K/V land at L - 1 + depth (the new committed prefix), the surviving subtree's
-right after them (the new region, the new root at offset 0).
+j < fed_count (offset 0 is the root; an offset may hold nothing, where a step had fewer leaves to
+feed than it feeds). Offsets follow feed order, which puts every node's ancestors before it, so a
+re-root is one compaction (destination <= source, in order): the accepted path's K/V land at
+L - 1 + depth (the new committed prefix), the surviving subtree's right after them (the new
+region, the new root at offset 0).
 """
 
 from __future__ import annotations
@@ -33,33 +34,40 @@ UNUSED, LEAF, EXPANDED = 0, 1, 2
 
 @dataclass(frozen=True)
 class GrowthPlan:
-    """The sizes of a growing tree: `width` W leaves expanded per step (W children each), `depth`
-    D the sent tree's depth bound (and the expansion steps that grow a first tree), `nodes` N
-    the sent tree's nodes (root not counted), `grow` G expansion steps per verdict while waiting."""
+    """The sizes of a growing tree: `width` W children per expanded node, `depth` D the sent
+    tree's depth bound (and the expansion steps that grow a first tree), `nodes` N the sent tree's
+    nodes (root not counted), `grow` G expansion steps per verdict, taken while the target verifies,
+    `leaves` B leaves fed per expansion step (on a GPU a step costs about the same for any small
+    B, so more leaves buy more coverage of the bonus tokens a verdict may bring), `first` the
+    expansion steps (the root's included) that grow a fresh tree before it is sent."""
 
     width: int
     depth: int
     nodes: int
     grow: int
+    leaves: int
+    first: int
 
     @property
     def steps(self) -> int:
-        """Most expansion steps between two re-roots: a first tree's D, then G while waiting."""
-        return self.depth + self.grow
+        """Most expansion steps between two re-roots (the executor's schedule): a fresh tree's
+        first - 1 after the root's, then G while the target verifies."""
+        return self.first + self.grow
 
     @property
     def keep(self) -> int:
         """Nodes a re-rooted tree keeps at most (the most likely of the surviving subtree)."""
-        return 2 * (self.nodes + 1) + self.width ** 2
+        return 2 * (self.nodes + 1) + self.leaves * self.width
 
     @property
     def pool(self) -> int:
-        return self.keep + self.steps * self.width ** 2
+        """Nodes the pool holds: what a re-root keeps and what the steps until the next make."""
+        return self.keep + self.width + self.steps * self.leaves * self.width
 
     @property
     def region(self) -> int:
         """Draft-cache slots past the committed prefix that the tree's fed nodes may take."""
-        return self.keep + self.steps * self.width + CATCH_UP
+        return self.keep + self.steps * self.leaves + CATCH_UP
 
 
 class GrowingDrafter:
@@ -80,60 +88,55 @@ class GrowingDrafter:
         self.sent = torch.zeros(plan.nodes + 1, dtype=torch.long, device=device)  # [N + 1] pool index of each sent node
         self._index = torch.arange(p, device=device)
         self._causal = {t: torch.ones(t, t, dtype=torch.bool, device=device).tril() for t in range(1, CATCH_UP + 1)}
-        # host-side bounds of size and fed_count (re-roots shrink them by an amount only the device knows)
-        self.most_nodes, self.most_fed = 0, 0
 
     def restart(self, committed: torch.Tensor, length: torch.Tensor, width: int, feeds: int = CATCH_UP) -> None:
         """A fresh tree rooted at the last of the `length` committed tokens: the catch-up feeds the last
-        `feeds` of them (the root at region offset 0), then the root's children and D - 1 expansion steps."""
+        `feeds` of them (the root at region offset 0), then the root's children and `first` - 1 expansion steps."""
         start = length - feeds
         slots = start + torch.arange(feeds, device=self.stage.device)
         mask = step_mask(start, self._causal[feeds], width)
         logits = self.stage.forward(committed.index_select(0, slots), slots, slots, mask)[-1:]  # [1, V]
-        w = self.plan.width
         self.status.zero_()
         self.parents.fill_(-1)
         self.fed.fill_(-1)
         self._fed_node.fill_(-1)
         self.lineage.zero_()
         self.tokens[:1] = committed.index_select(0, length.reshape(1) - 1)
-        self.depths[:1] = 0
-        self.scores[:1] = 0
-        self.status[:1] = EXPANDED
-        self.fed[:1] = 0
-        self.fed_node[:1] = 0
-        self.lineage[0, 0] = True
+        # (fill_, not `x[:1] = 0`: that copies a CPU tensor in, which a CUDA graph cannot hold)
+        self.depths[:1].fill_(0)
+        self.scores[:1].fill_(0)
+        self.status[:1].fill_(EXPANDED)
+        self.fed[:1].fill_(0)
+        self.fed_node[:1].fill_(0)
+        self.lineage[0, 0].fill_(True)
         self.size.fill_(1)
         self.fed_count.fill_(1)
         self._children(torch.zeros(1, dtype=torch.long, device=self.stage.device), torch.ones(1, dtype=torch.bool,
                                                                                               device=self.stage.device), logits)
-        self.most_nodes, self.most_fed = 1 + w, 1
-        for _ in range(self.plan.depth - 1):
+        for _ in range(self.plan.first - 1):
             self.expand(length, width)
 
     def expand(self, length: torch.Tensor, width: int) -> None:
-        """One expansion step: feed the W leaves of highest score (ties: the earlier made) at the next
+        """One expansion step: feed the B leaves of highest score (ties: the earlier made) at the next
         region offsets and give each its W most likely children. Past the leaves there are (a tree
-        smaller than W leaves), picks are marked invalid: fed nowhere visible, their children unused."""
-        w = self.plan.width
-        assert self.most_nodes + w * w <= self.plan.pool and self.most_fed + w <= self.plan.region, "tree pool overflow"
+        with fewer than B), picks are marked invalid: fed nowhere visible, their children unused.
+        The pool and region hold the `steps` expansions a re-root is followed by (GrowthPlan)."""
+        b = self.plan.leaves
         device = self.stage.device
         candidates = torch.where(self.status == LEAF, self.scores, float("-inf"))  # [P]
-        pick = candidates.sort(descending=True, stable=True).indices[:w]  # [W]
-        valid = candidates.index_select(0, pick) > float("-inf")  # [W]
-        offsets = self.fed_count + torch.arange(w, device=device)  # [W]
+        pick = candidates.sort(descending=True, stable=True).indices[:b]  # [B]
+        valid = candidates.index_select(0, pick) > float("-inf")  # [B]
+        offsets = self.fed_count + torch.arange(b, device=device)  # [B]
         self.fed.index_put_((pick,), torch.where(valid, offsets, self.fed.index_select(0, pick)))
         self.fed_node.index_put_((offsets,), torch.where(valid, pick, -1))
         nodes_at = self.fed_node.clamp(min=0)  # [F]
-        visible = self.lineage.index_select(0, pick).index_select(1, nodes_at) & (self.fed_node >= 0)  # [W, F]
+        visible = self.lineage.index_select(0, pick).index_select(1, nodes_at) & (self.fed_node >= 0)  # [B, F]
         start = length - 1
         logits = self.stage.forward(self.tokens.index_select(0, pick), start + self.depths.index_select(0, pick),
-                                    start + offsets, step_mask(start, visible, width))  # [W, V]
+                                    start + offsets, step_mask(start, visible, width))  # [B, V]
         self.status.index_put_((pick,), torch.where(valid, EXPANDED, self.status.index_select(0, pick)))
-        self.fed_count += w
+        self.fed_count += b
         self._children(pick, valid, logits)
-        self.most_nodes += w * w
-        self.most_fed += w
 
     def _children(self, parents: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor) -> None:
         """Make the W most likely children of each of `parents` [E] (logits [E, V]) at the next free indices."""
@@ -169,7 +172,7 @@ class GrowingDrafter:
         nodes = torch.where(padding, best_child, keys)  # [N]
         self.sent.copy_(torch.cat([torch.zeros(1, dtype=torch.long, device=device), nodes]))
         position = torch.full((p + 1,), -1, dtype=torch.long, device=device)  # pool index -> tree node (p: padding's)
-        position[0] = 0
+        position[0].fill_(0)
         position.index_put_((torch.where(padding, p, nodes),), torch.arange(1, n + 1, device=device))
         parents = torch.where(padding, 0, position.index_select(0, self.parents.index_select(0, nodes).clamp(min=0)))
         return self.tokens.index_select(0, self.sent), torch.cat([torch.full((1,), -1, device=device), parents])
@@ -196,7 +199,6 @@ class GrowingDrafter:
         path_mask.index_put_((on_path,), torch.ones_like(on_path, dtype=torch.bool))
         moving = (path_mask[:p] | kept) & (self.fed >= 0)  # [P]
         self._compact_pool(kept, b, count, self._compact_kv(moving, length))
-        self.most_nodes = self.most_fed = self.plan.keep
         return survived
 
     def _compact_kv(self, moving: torch.Tensor, length: torch.Tensor) -> torch.Tensor:

@@ -204,6 +204,7 @@ class Cluster:
         try:
             for process in self.processes:
                 process.start()
+            theirs.close()  # rank 0 holds it now: if rank 0 dies, our end reads end-of-file
             self._reply()  # rank 0 is ready once every rank has loaded its stages
         except SpecgraphError as exc:
             self._stop()
@@ -243,13 +244,16 @@ class Cluster:
 
     def _reply(self):
         sentinels = {p.sentinel: r for r, p in enumerate(self.processes)}
+        self._conn_dead = False
         while True:
-            ready = multiprocessing.connection.wait([self._conn, *sentinels], timeout=1.0)
+            waiting_on = ([] if self._conn_dead else [self._conn]) + list(sentinels)
+            ready = multiprocessing.connection.wait(waiting_on, timeout=1.0)
             if self._conn in ready:
                 try:
                     kind, value = self._conn.recv()
-                except EOFError:
-                    continue  # rank 0 died: its sentinel says so
+                except (EOFError, OSError):  # rank 0 died (maybe mid-message): its sentinel says so
+                    self._conn_dead = True
+                    continue
                 if kind == "error":
                     raise SpecgraphError(value)
                 return value

@@ -104,6 +104,22 @@ class VerifySpec(_Strict):
     typical_alpha: float = Field(0.3, gt=0, le=1, description="typical: entropy-scaled floor delta")
 
 
+class GrowSpec(_Strict):
+    """How a drafter keeps growing its tree while the target verifies what it sent (execution:
+    disaggregated; chain and dynamic trees)."""
+
+    steps: NonNegativeInt | None = Field(
+        None, description="expansion steps per verdict; default: the tree's depth. Best when they take about as long "
+        "as the target's verification (`specgraph bench` reports each side's busy share)")
+    leaves: PositiveInt | None = Field(
+        None, description="leaves fed per expansion step; default: the tree's width on the CPU, four times it (at "
+        "most 32) on a GPU, where a step costs about the same for more, which cover more of the tokens a verdict "
+        "may bring")
+    first: PositiveInt | None = Field(
+        None, description="expansion steps (the root's included) before a fresh tree is sent, when a verdict's "
+        "bonus token is not in the tree; default: the tree's depth. Fewer put less on the critical path")
+
+
 class StageSpec(_Strict):
     """A node of the graph: one model on one device partition."""
 
@@ -111,9 +127,8 @@ class StageSpec(_Strict):
     model: str = Field(description="key into `models`")
     devices: list[str] = Field(["auto"], min_length=1, description="cpu, cuda:N or auto; TP over the list")
     tree: TreeSpec | None = Field(None, description="draft-tree shape, for a stage that others verify")
-    grow: NonNegativeInt | None = Field(
-        None, description="execution: disaggregated: expansion steps this drafter takes while the target verifies "
-        "the tree it sent (chain and dynamic trees; default: the tree's depth)")
+    grow: GrowSpec | None = Field(None, description="execution: disaggregated: how this drafter grows its tree "
+                                  "while the target verifies")
     verifies: str | None = Field(None, description="name of the stage whose drafts this stage verifies")
     verify: VerifySpec = VerifySpec()
 
@@ -220,7 +235,7 @@ def describe_validation_error(exc: ValidationError) -> str:
 def _fields_at(loc: tuple) -> list[str]:
     """Field names of the schema object found by walking `loc` from Recipe."""
     model: Any = Recipe
-    walk = {"models": ModelSpec, "stages": StageSpec, "sampling": SamplingSpec, "verify": VerifySpec,
+    walk = {"models": ModelSpec, "stages": StageSpec, "sampling": SamplingSpec, "verify": VerifySpec, "grow": GrowSpec,
             "lowering": LoweringSpec,
             "chain": ChainTree, "static": StaticTree, "dynamic": DynamicTree}
     for part in loc:

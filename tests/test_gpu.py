@@ -152,3 +152,25 @@ def test_hybrid_target_captured_and_compiled_gives_the_eager_tokens_and_never_wa
         assert fast.generate(ids).output_ids == slow.generate(ids).output_ids
     assert set(fast.executor._graphs) == {"draft", "verify"}
     assert step_without_host_sync(fast.executor) >= 1
+
+
+def disaggregated_on(draft_device: str, target_device: str, tree: dict, **fields) -> Program:
+    recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", tree, execution="disaggregated", **fields)
+    devices = [[draft_device], [target_device]]
+    return Program.from_recipe(recipe.model_copy(update={"stages": [
+        s.model_copy(update={"devices": d}) for s, d in zip(recipe.stages, devices)]}))
+
+
+@pytest.mark.parametrize("draft_device", ["cuda:1", "cuda:0"], ids=["two-gpus-nccl", "one-gpu-two-processes"])
+def test_disaggregated_decodes_the_serial_tokens(draft_device):
+    """fp32: the drafter on its own GPU (trees and verdicts over NCCL) or sharing the target's in a
+    process of its own (over gloo); each side's phases captured as CUDA graphs."""
+    if torch.cuda.device_count() < int(draft_device[-1]) + 1:
+        pytest.skip("needs two GPUs")
+    tree = {"shape": "dynamic", "width": 3, "depth": 3, "nodes": 8}
+    serial = on_gpu(tree, max_new_tokens=64)
+    with disaggregated_on(draft_device, "cuda:0", tree, max_new_tokens=64) as program:
+        assert program.graph.node("draft")["step_graphs"] and program.graph.node("target")["step_graphs"]
+        for text in PROMPTS:
+            ids = serial.encode(text)
+            assert program.generate(ids).output_ids == serial.generate(ids).output_ids

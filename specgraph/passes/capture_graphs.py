@@ -26,7 +26,9 @@ from specgraph.recipe import DynamicTree
 
 
 def expansion_sizes(tree) -> set[int]:
-    if isinstance(tree, (DynamicTree, GrowthPlan)):
+    if isinstance(tree, GrowthPlan):
+        return {tree.leaves}
+    if isinstance(tree, DynamicTree):
         return {tree.width}
     return {len(tree.expanding(depth)) for depth in range(1, tree.max_depth)}
 

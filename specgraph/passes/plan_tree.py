@@ -16,12 +16,12 @@ from specgraph.errors import RecipeError
 from specgraph.graph import SpecGraph
 from specgraph.growing import GrowthPlan
 from specgraph.passes.base import graph_pass
-from specgraph.recipe import ChainTree, DynamicTree
+from specgraph.recipe import ChainTree, DynamicTree, GrowSpec
 from specgraph.recipe import StaticTree as StaticTreeSpec
 from specgraph.tree import TreeTopology
 
 
-@graph_pass(requires=("config",), provides=("tree", "tree_nodes", "tree_depth"))
+@graph_pass(requires=("config", "device"), provides=("tree", "tree_nodes", "tree_depth"))
 def plan_tree(graph: SpecGraph) -> SpecGraph:
     growing = graph.recipe.execution == "disaggregated"
     for name in graph.stages():
@@ -37,11 +37,13 @@ def plan_tree(graph: SpecGraph) -> SpecGraph:
                 raise RecipeError(f"{where}: a drafter grows while the target verifies only with execution: disaggregated")
             raise RecipeError(f"{where}: a static tree is drafted anew after each verdict; "
                               "grow a chain or a dynamic tree while the target verifies")
-        if growing and isinstance(tree, ChainTree):
-            plan = GrowthPlan(1, tree.length, tree.length, tree.length if spec.grow is None else spec.grow)
-            node.update(tree=plan, tree_nodes=plan.nodes, tree_depth=plan.depth)
-        elif growing and isinstance(tree, DynamicTree):
-            plan = GrowthPlan(tree.width, tree.depth, tree.nodes, tree.depth if spec.grow is None else spec.grow)
+        if growing and isinstance(tree, (ChainTree, DynamicTree)):
+            width, depth, nodes = (1, tree.length, tree.length) if isinstance(tree, ChainTree) else (
+                tree.width, tree.depth, tree.nodes)
+            grow = spec.grow or GrowSpec()
+            leaves = grow.leaves or (width if node["device"].type == "cpu" else min(4 * width, 32))  # GPU: ~free
+            plan = GrowthPlan(width, depth, nodes, depth if grow.steps is None else grow.steps, leaves,
+                              min(depth, grow.first or depth))
             node.update(tree=plan, tree_nodes=plan.nodes, tree_depth=plan.depth)
         elif isinstance(tree, DynamicTree):
             node.update(tree=tree, tree_nodes=tree.nodes, tree_depth=tree.depth)

@@ -84,7 +84,6 @@ class Link:
         a, b = devices[src], devices[dst]
         self.on_device = a.type == b.type == "cuda" and a != b  # NCCL between two GPUs
         self.group = ranks.groups[dst]
-        self.device = devices[dst] if ranks.runs(dst) else devices[src]
         self.dst_broadcasts = len(ranks.stage_ranks[dst]) > 1
 
     def send(self, *tensors: torch.Tensor) -> None:
@@ -104,7 +103,7 @@ class Link:
         for buffer in buffers:
             if self.ranks.rank == self.dst_rank:
                 if self.on_device:
-                    dist.irecv(buffer, self.src_rank).wait()
+                    dist.irecv(buffer, self.src_rank).wait()  # the stream waits; the host does not
                 else:
                     landing = torch.empty_like(buffer, device="cpu")
                     dist.recv(landing, self.src_rank)

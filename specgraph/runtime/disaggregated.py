@@ -224,16 +224,16 @@ class DraftWorker:
         rounds = survived = 0
         clock = Clock(self.device)
         clock.mark()
-        tree = (self.phases.run("restart", lambda: self._restart(length, feeds)) if growing
+        tree = (self.phases.run(f"restart{feeds}", lambda: self._restart(length, feeds)) if growing
                 else self._static_draft(length, feeds, generator))
         while True:
             PROGRESS.enter("drafting")
             self.trees.send(*(tree if isinstance(tree, tuple) else (tree,)))
             clock.mark()  # the tree is out
-            if growing:
+            if growing:  # while the target verifies it
                 for _ in range(self.drafter.plan.grow):
                     self.phases.run("grow", lambda: self._grow(length))
-            clock.mark()  # grown while the target verified
+            clock.mark()
             PROGRESS.enter(self.waiting)
             self.verdicts.recv(self.verdict_buffer)
             clock.mark()  # the verdict is in
@@ -253,7 +253,7 @@ class DraftWorker:
                 survived += 1
                 tree = self.phases.run("select", self._select)
             else:
-                tree = self.phases.run("restart", lambda: self._restart(length, CATCH_UP))
+                tree = self.phases.run(f"restart{CATCH_UP}", lambda: self._restart(length, CATCH_UP))
         marks = clock.seconds()  # first tree, then per round: grow, idle, settle + next tree
         first, rest = marks[0], marks[1:]
         hidden = sum(rest[0::3])

@@ -67,7 +67,7 @@ class Worker:
         target = self.graph.target
         devices = self.recipe.stages[self.graph.node(target)["index"]].devices
         recipe = self.recipe.model_copy(update={"execution": "serial", "stages": [
-            s.model_copy(update={"devices": devices}) for s in self.recipe.stages]})
+            s.model_copy(update={"devices": devices, "grow": None}) for s in self.recipe.stages]})
         graph = plan(recipe)
         group = self.ranks.groups[target]
         ranks = Ranks(self.ranks.rank, self.ranks.world, self.ranks.control, dict.fromkeys(graph.stages(), group),

@@ -1,0 +1,16 @@
+# Sourced by the GPU scripts on a fresh machine that has only this repository, plus
+#   .fixtures/  what they need of ../shared/fixtures (mid/, hybrid/, prompts_code.jsonl; target and draft are embedded)
+#   .whl/       wheels of what the machine may lack (pydantic and its needs: ../shared/wheels-gpu)
+# Installs from .whl/ whatever does not import, keeps NVLink multicast off, and prints the versions.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-150}
+missing=()
+for module in pydantic rich pytest; do
+  python3 -c "import $module" 2>/dev/null || missing+=("$module")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing from .whl/ (missing: ${missing[*]})"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}:/tmp/site
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name(0))"
+sg() { python3 -m specgraph "$@"; }
