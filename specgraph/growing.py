@@ -177,12 +177,13 @@ class GrowingDrafter:
         parents = torch.where(padding, 0, position.index_select(0, self.parents.index_select(0, nodes).clamp(min=0)))
         return self.tokens.index_select(0, self.sent), torch.cat([torch.full((1,), -1, device=device), parents])
 
-    def reroot(self, path: torch.Tensor, count: torch.Tensor, new: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    def reroot(self, path: torch.Tensor, count: torch.Tensor, new: torch.Tensor,
+               length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Apply a verdict on the sent tree (path [D + 1] of its nodes, count [] new tokens, new [D + 1]
         the new tokens) committed after `length` [] tokens: move the accepted path's K/V into the
         prefix and, where the bonus is an expanded child of the last accepted node, keep its subtree
-        (the `keep` most likely of it) as the tree, compacted. Returns whether it survived [] bool;
-        if not, `restart` the tree."""
+        (the `keep` most likely of it) as the tree, compacted. Returns whether it survived [] bool
+        (if not, `restart` the tree) and whether the bonus was a node at all [] bool (grown or not)."""
         p, device = self.plan.pool, self.stage.device
         on_path = torch.where(path >= 0, self.sent.index_select(0, path.clamp(min=0)), p)  # [D + 1] pool index, p: none
         last = on_path.index_select(0, count.reshape(1) - 1)  # [1]
@@ -199,7 +200,7 @@ class GrowingDrafter:
         path_mask.index_put_((on_path,), torch.ones_like(on_path, dtype=torch.bool))
         moving = (path_mask[:p] | kept) & (self.fed >= 0)  # [P]
         self._compact_pool(kept, b, count, self._compact_kv(moving, length))
-        return survived
+        return survived, child.any()
 
     def _compact_kv(self, moving: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         """Move the K/V of `moving` nodes [P] to consecutive region offsets in feed order (a

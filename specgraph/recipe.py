@@ -109,15 +109,14 @@ class GrowSpec(_Strict):
     disaggregated; chain and dynamic trees)."""
 
     steps: NonNegativeInt | None = Field(
-        None, description="expansion steps per verdict; default: the tree's depth. Best when they take about as long "
-        "as the target's verification (`specgraph bench` reports each side's busy share)")
+        None, description="expansion steps per verdict; default: the tree's depth - 1. Best when they take about as "
+        "long as the target's verification (`specgraph bench` reports each side's busy share)")
     leaves: PositiveInt | None = Field(
-        None, description="leaves fed per expansion step; default: the tree's width on the CPU, four times it (at "
-        "most 32) on a GPU, where a step costs about the same for more, which cover more of the tokens a verdict "
-        "may bring")
+        None, description="leaves fed per expansion step; default: the tree's width on the CPU, 16 (or the width, if "
+        "more) on a GPU, where a step costs about the same for more, which cover more of the tokens a verdict may bring")
     first: PositiveInt | None = Field(
         None, description="expansion steps (the root's included) before a fresh tree is sent, when a verdict's "
-        "bonus token is not in the tree; default: the tree's depth. Fewer put less on the critical path")
+        "bonus token is not in the tree; default: 2 (at most the depth). More give a better tree, later")
 
 
 class StageSpec(_Strict):

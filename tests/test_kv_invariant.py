@@ -111,8 +111,10 @@ def test_growing_tree_keeps_its_invariant_over_random_verdicts():
             count = len(new)
             pad = plan.depth + 1 - count
             held = bonus in {int(g.tokens[n]) for n in expanded}
-            kept = g.reroot(torch.tensor(path + [-1] * pad), torch.tensor(count), torch.tensor(new + [0] * pad), length)
-            assert bool(kept) == held
+            among = bonus in {int(g.tokens[n]) for n in kids}
+            kept, present = g.reroot(torch.tensor(path + [-1] * pad), torch.tensor(count), torch.tensor(new + [0] * pad),
+                                     length)
+            assert bool(kept) == held and bool(present) == among
             committed += new
             buffer[: len(committed)] = torch.tensor(committed)
             if kept:

@@ -41,9 +41,9 @@ def plan_tree(graph: SpecGraph) -> SpecGraph:
             width, depth, nodes = (1, tree.length, tree.length) if isinstance(tree, ChainTree) else (
                 tree.width, tree.depth, tree.nodes)
             grow = spec.grow or GrowSpec()
-            leaves = grow.leaves or (width if node["device"].type == "cpu" else min(4 * width, 32))  # GPU: ~free
-            plan = GrowthPlan(width, depth, nodes, depth if grow.steps is None else grow.steps, leaves,
-                              min(depth, grow.first or depth))
+            leaves = grow.leaves or (width if node["device"].type == "cpu" else max(16, width))  # GPU: ~free
+            plan = GrowthPlan(width, depth, nodes, max(1, depth - 1) if grow.steps is None else grow.steps, leaves,
+                              min(depth, grow.first or 2))
             node.update(tree=plan, tree_nodes=plan.nodes, tree_depth=plan.depth)
         elif isinstance(tree, DynamicTree):
             node.update(tree=tree, tree_nodes=tree.nodes, tree_depth=tree.depth)

@@ -187,13 +187,13 @@ class DraftWorker:
         self.drafter.expand(self.sequence.length, self._width(length))
 
     def _settle(self, packed: torch.Tensor) -> torch.Tensor:
-        """A verdict -> [ok, stop, count, survived]: the tree re-rooted, the new tokens committed."""
+        """A verdict -> [ok, stop, count, survived, bonus was a node]: the tree re-rooted, the new tokens committed."""
         verdict = VerdictMessage.unpack(packed)
         seq = self.sequence
         ok = verdict.continues(seq.length)
-        survived = self.drafter.reroot(verdict.path, verdict.count, verdict.new, seq.length)
+        survived, present = self.drafter.reroot(verdict.path, verdict.count, verdict.new, seq.length)
         seq.append(verdict.new, verdict.count)
-        return torch.stack([ok.long(), verdict.stop.long(), verdict.count, survived.long()])
+        return torch.stack([ok.long(), verdict.stop.long(), verdict.count, survived.long(), present.long()])
 
     # -- a static tree: drafted anew after each verdict
     def _static_draft(self, length: int, feeds: int, generator) -> tuple[torch.Tensor, ...]:
@@ -209,7 +209,8 @@ class DraftWorker:
         ok = verdict.continues(seq.length)
         self.drafter.commit(self._draft, verdict.path, seq.length)
         seq.append(verdict.new, verdict.count)
-        return torch.stack([ok.long(), verdict.stop.long(), verdict.count, torch.zeros_like(verdict.count)])
+        none = torch.zeros_like(verdict.count)
+        return torch.stack([ok.long(), verdict.stop.long(), verdict.count, none, none])
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
@@ -221,7 +222,7 @@ class DraftWorker:
             self.stage.prefill(prompt[:-CATCH_UP])
         length = len(prompt_ids)
         feeds = min(CATCH_UP, length)
-        rounds = survived = 0
+        rounds = survived = ungrown = 0
         clock = Clock(self.device)
         clock.mark()
         tree = (self.phases.run(f"restart{feeds}", lambda: self._restart(length, feeds)) if growing
@@ -238,10 +239,11 @@ class DraftWorker:
             self.verdicts.recv(self.verdict_buffer)
             clock.mark()  # the verdict is in
             settle = self._settle if growing else self._static_settle
-            ok, stop, count, kept = _read(self.phases.run("settle", settle, self.verdict_buffer))
+            ok, stop, count, kept, present = _read(self.phases.run("settle", settle, self.verdict_buffer))
             if not ok:
                 raise ProtocolError("a verdict did not answer the drafter's last tree")
             rounds += 1
+            ungrown += present and not kept
             length += count
             if stop:
                 clock.mark()
@@ -262,7 +264,8 @@ class DraftWorker:
         out = Generation(output_ids=[], draft_seconds=hidden + critical)
         if self.trees.ranks.rank == self.trees.src_rank:
             out.stats = {"draft_hidden_seconds": hidden, "draft_critical_seconds": critical,
-                         "draft_idle_seconds": idle, "rounds": rounds, "survived": survived}
+                         "draft_idle_seconds": idle, "rounds": rounds, "survived": survived,
+                         "bonus_not_grown": ungrown}
         return out
 
 
