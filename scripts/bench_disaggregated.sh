@@ -11,8 +11,9 @@ NEW_TOKENS=${NEW_TOKENS:-128}
 REPEATS=${REPEATS:-1}
 DRAFTERS=${DRAFTERS:-draft mid}
 BASELINES=${BASELINES:-serial,ar}
-GROW_DRAFT=${GROW_DRAFT:-"{steps: 4, leaves: 16}"}  # expansion steps while the target verifies: about its
-GROW_MID=${GROW_MID:-"{steps: 2, leaves: 16}"}      # verification time (a 3B drafter's steps take longer)
+GROW_DRAFT=${GROW_DRAFT:-}  # e.g. "{steps: 4, leaves: 16}"; empty: the recipe's defaults
+GROW_MID=${GROW_MID:-}
+TARGET=${TARGET:-llama}     # llama (the 8B shape) or hybrid (.fixtures/hybrid at the Qwen3.5-9B shape)
 mkdir -p "$OUT"
 source scripts/gpu_setup.sh
 
@@ -20,7 +21,10 @@ head -n "$PROMPTS" .fixtures/prompts_code.jsonl > "$OUT/prompts.jsonl"
 for drafter in $DRAFTERS; do
   path=models/draft grow=$GROW_DRAFT
   [ "$drafter" = mid ] && path=../.fixtures/mid grow=$GROW_MID
+  extra=() shape=llama-3-8b
+  [ -n "$grow" ] && extra+=(--set "stages.0.grow=$grow")
+  [ "$TARGET" = hybrid ] && shape=qwen3.5-9b extra+=(--set models.target.path=../.fixtures/hybrid)
   sg bench recipes/disaggregated.yaml --prompts "$OUT/prompts.jsonl" --max-new-tokens "$NEW_TOKENS" --repeats "$REPEATS" \
-    --widen llama-3-8b --set "models.draft.path=$path" --set 'stages.0.devices=[cuda:1]' --set 'stages.1.devices=[cuda:0]' \
-    --set "stages.0.grow=$grow" --baselines "$BASELINES" --json "$OUT/llama-3-8b-disaggregated-$drafter.json"
+    --widen "$shape" --set "models.draft.path=$path" --set 'stages.0.devices=[cuda:1]' --set 'stages.1.devices=[cuda:0]' \
+    "${extra[@]}" --baselines "$BASELINES" --json "$OUT/$shape-disaggregated-$drafter.json"
 done

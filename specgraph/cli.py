@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -31,8 +32,13 @@ def _prompt_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specgraph", description="graph-compiled speculative decoding")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="specgraph", description="graph-compiled speculative decoding")
+    common = argparse.ArgumentParser(add_help=False)  # every command's
+    common.add_argument("--debug", action="store_true", help="print the traceback of an error too (or SPECGRAPH_DEBUG=1)")
+    common.add_argument("--threads", type=int, metavar="N",
+                        help="CPU threads (default: the cores that other processes leave free, at least one)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub.add_parser = functools.partial(sub.add_parser, parents=[common])
 
     run = sub.add_parser("run", help="decode prompts with a recipe (or a compiled program)")
     _recipe_args(run, optional=True)
@@ -65,16 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_prompts(args: argparse.Namespace, default: str | None) -> list[dict]:
+    from specgraph.files import read_text
+
     if args.prompt is not None:
         return [{"id": "000", "prompt": args.prompt}]
     if args.prompts is None:
         if default is None:
             raise SpecgraphError("no prompt: give --prompt TEXT or --prompts FILE.jsonl, or set 'prompt' in the recipe")
         return [{"id": "000", "prompt": default}]
-    if not args.prompts.is_file():
-        raise SpecgraphError(f"--prompts: {args.prompts} does not exist")
     prompts = []
-    for n, line in enumerate(args.prompts.read_text().splitlines(), start=1):
+    for n, line in enumerate(read_text(args.prompts, "--prompts").splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -98,12 +104,19 @@ def _load_recipe(args: argparse.Namespace):
     return recipe, read_prompts(args, recipe.prompt)
 
 
-def cmd_run(args: argparse.Namespace) -> None:
+def cmd_run(args: argparse.Namespace) -> int:
+    """Decode every prompt, keeping what finished: a prompt that cannot be decoded is reported and
+    skipped, and a stop (Ctrl-C, or the program's processes failing) still writes the JSON of the
+    prompts done before it."""
     from tqdm import tqdm
 
+    from specgraph.errors import PromptError
     from specgraph.export import load_program
+    from specgraph.files import check_output
     from specgraph.program import Program
 
+    if args.json is not None:
+        check_output(args.json, "--json")
     if args.program is not None:
         if args.recipe is not None or args.overrides:
             raise SpecgraphError("--program: give a compiled folder or a recipe (with --set), not both")
@@ -119,15 +132,37 @@ def cmd_run(args: argparse.Namespace) -> None:
         if any(program.graph.node(name)["compile"] for name in program.graph.stages()):
             print("specgraph: step functions compile with torch.compile during the first steps "
                   "(--no-compile skips it)", file=sys.stderr)
-    results = []
-    with program:
-        for row in tqdm(prompts, desc="prompts", unit="prompt", disable=len(prompts) == 1, file=sys.stderr):
-            ids = program.encode(row["prompt"])
-            gen = program.generate(ids, args.max_new_tokens)
-            results.append({"id": row["id"], "prompt_tokens": len(ids), "output_ids": gen.output_ids,
-                            "text": program.decode(gen.output_ids), "target_steps": gen.target_steps,
-                            "accepted_lengths": gen.accepted_lengths, "wall_seconds": gen.seconds,
-                            "first_seconds": gen.first_token_seconds})
+    results, errors = [], []
+    try:
+        with program:
+            for row in tqdm(prompts, desc="prompts", unit="prompt", disable=len(prompts) == 1, file=sys.stderr):
+                ids = program.encode(row["prompt"])
+                try:
+                    gen = program.generate(ids, args.max_new_tokens)
+                except PromptError as exc:
+                    print(f"specgraph: error: prompt {row['id']}: {exc}; skipped", file=sys.stderr)
+                    errors.append({"id": row["id"], "error": str(exc)})
+                    continue
+                result = {"id": row["id"], "prompt_tokens": len(ids), "output_ids": gen.output_ids,
+                          "text": program.decode(gen.output_ids), "target_steps": gen.target_steps,
+                          "accepted_lengths": gen.accepted_lengths, "wall_seconds": gen.seconds,
+                          "first_seconds": gen.first_token_seconds}
+                if gen.clipped:
+                    result["clipped"] = True
+                    print(f"specgraph: note: prompt {row['id']}: max_seq_len {recipe.max_seq_len} cut it to "
+                          f"{len(gen.output_ids)} new tokens", file=sys.stderr)
+                results.append(result)
+    finally:  # also on Ctrl-C or a failed process: what finished is kept
+        _report_run(args, recipe.name, prompts, results, errors)
+    if errors:
+        raise SpecgraphError(f"{len(errors)} of {len(prompts)} prompts failed (first: prompt {errors[0]['id']}: "
+                             f"{errors[0]['error']})")
+    return 0
+
+
+def _report_run(args: argparse.Namespace, name: str, prompts: list[dict], results: list[dict], errors: list[dict]) -> None:
+    from specgraph.files import write_atomically
+
     steps = [n for r in results for n in r["accepted_lengths"]]
     new_tokens = sum(len(r["output_ids"]) for r in results)
     wall = sum(r.pop("wall_seconds") for r in results)
@@ -135,19 +170,27 @@ def cmd_run(args: argparse.Namespace) -> None:
     summary = {"new_tokens": new_tokens, "wall_seconds": round(wall, 4),
                "tokens_per_second": round(new_tokens / wall, 2) if wall > 0 else 0.0,
                "mean_accepted_length": round(sum(steps) / len(steps), 3) if steps else 0.0}
-    if len(results) == 1:
+    if len(prompts) == 1 and results:
         print(prompts[0]["prompt"] + results[0]["text"])
-    print(f"{summary['new_tokens']} new tokens in {summary['wall_seconds']:.2f} s ({first:.2f} s to the first "
-          f"token{'s' if len(results) > 1 else ''}, including prefill and any compilation): "
-          f"{summary['tokens_per_second']:.1f} tokens/s, mean accepted length {summary['mean_accepted_length']:.2f}")
+    if results:
+        done = "" if len(results) == len(prompts) else f" ({len(results)} of {len(prompts)} prompts)"
+        print(f"{summary['new_tokens']} new tokens in {summary['wall_seconds']:.2f} s{done} ({first:.2f} s to the first "
+              f"token{'s' if len(results) > 1 else ''}, including prefill and any compilation): "
+              f"{summary['tokens_per_second']:.1f} tokens/s, mean accepted length {summary['mean_accepted_length']:.2f}")
     if args.json is not None:
-        args.json.write_text(json.dumps({"recipe": recipe.name, "results": results, "summary": summary}, indent=1))
+        report = {"recipe": name, "results": results, "summary": summary} | ({"errors": errors} if errors else {})
+        write_atomically(args.json, json.dumps(report, indent=1))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
     from specgraph.bench.harness import BenchSpec, run_bench
     from specgraph.bench.report import plot, print_table
 
+    from specgraph.files import check_output, write_atomically
+
+    for path, flag in ((args.json, "--json"), (args.plot, "--plot")):
+        if path is not None:
+            check_output(path, flag)
     recipe, prompts = _load_recipe(args)
     if args.repeats < 1:
         raise SpecgraphError(f"--repeats: must be at least 1 (got {args.repeats})")
@@ -156,17 +199,18 @@ def cmd_bench(args: argparse.Namespace) -> None:
     report = run_bench(spec)
     print_table(report)
     if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=1))
+        write_atomically(args.json, json.dumps(report, indent=1))
     if args.plot is not None:
         plot(report, args.plot)
 
 
 def cmd_compile(args: argparse.Namespace) -> None:
-    from specgraph.export import export_program
+    from specgraph.export import check_program_folder, export_program
     from specgraph.passes.place import world_size
     from specgraph.program import Program, plan
     from specgraph.recipe import Recipe
 
+    check_program_folder(args.output)  # before any work
     recipe = Recipe.from_yaml(args.recipe, [*args.overrides, "lowering.compile=false"])
     graph = plan(recipe)
     if recipe.execution != "serial":
@@ -178,10 +222,13 @@ def cmd_compile(args: argparse.Namespace) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
+    from specgraph.files import check_output, write_atomically
     from specgraph.graph import SpecGraph
     from specgraph.passes import run_pipeline
     from specgraph.recipe import Recipe
 
+    if args.dot is not None:
+        check_output(args.dot, "--dot")
     recipe = Recipe.from_yaml(args.recipe, args.overrides)
     graph = SpecGraph.from_recipe(recipe)
     print(f"recipe {recipe.name}: execution {recipe.execution}\n{graph.describe()}")
@@ -192,26 +239,57 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
     planned = run_pipeline(graph, after_each=show)
     if args.dot is not None:
-        args.dot.write_text(planned.to_dot() + "\n")
+        write_atomically(args.dot, planned.to_dot() + "\n")
         print(f"\nwrote {args.dot}")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line, exit status 2 (argparse's own prints the usage first)."""
+        print(f"specgraph: error: {self.prog.removeprefix('specgraph ')}: {message} (see {self.prog} --help)",
+              file=sys.stderr)
+        sys.exit(2)
+
+
+def default_threads() -> int:
+    """CPU threads for this process: every core it may use, less those other processes keep busy
+    (by the one-minute load average), at least one: on a busy CPU, threads that wait for a core
+    cost more than they bring."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, cores - round(os.getloadavg()[0]) + 1))
+
+
 def main(argv: list[str] | None = None) -> int:
+    import os
+    import traceback
+
+    import torch
+
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    debug = args.debug or bool(os.environ.get("SPECGRAPH_DEBUG"))
+    threads = torch.get_num_threads()
     try:
+        if args.threads is not None and args.threads < 1:
+            raise SpecgraphError(f"--threads: must be at least 1 (got {args.threads})")
+        torch.set_num_threads(args.threads or default_threads())
         if getattr(args, "max_new_tokens", None) is not None and args.max_new_tokens < 1:
             raise SpecgraphError(f"--max-new-tokens: must be at least 1 (got {args.max_new_tokens})")
         commands = {"run": cmd_run, "bench": cmd_bench, "compile": cmd_compile, "export": cmd_compile,
                     "inspect": cmd_inspect}
-        commands[args.command](args)
+        return commands[args.command](args) or 0
     except SpecgraphError as exc:
+        if debug:
+            traceback.print_exc()
         print(f"specgraph: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("specgraph: interrupted", file=sys.stderr)
         return 130
-    return 0
+    finally:
+        torch.set_num_threads(threads)  # (main may run inside a longer process, as in the tests)
 
 
 if __name__ == "__main__":

@@ -11,3 +11,7 @@ class RecipeError(SpecgraphError):
 
 class CheckpointError(SpecgraphError):
     """A checkpoint folder cannot be used (missing files, unsupported architecture, pickles)."""
+
+
+class PromptError(SpecgraphError):
+    """One request cannot be decoded (too long, a bad token budget); the program is fine."""

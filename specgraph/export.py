@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Callable
@@ -29,10 +30,12 @@ from torch.export import Dim
 
 from specgraph.cache import KVCache
 from specgraph.errors import SpecgraphError
+from specgraph.files import read_json, write_atomically
 from specgraph.kernels import Kernels
 from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.models.hybrid import HybridModel, HybridShape
 from specgraph.models.llama import LlamaShape
+from specgraph.models.loader import DTYPES
 from specgraph.recipe import Recipe
 
 MAX_STEP_TOKENS = 64
@@ -101,20 +104,64 @@ def _first_difference(old, new, where: str = "") -> str | None:
     return None if old == new else where or "recipe"
 
 
-def export_program(program, out: Path) -> dict:
-    """Write one package per stage of the lowered `program` and the manifest; reuse an up-to-date folder."""
-    recipe = program.recipe
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
+               "merges.txt", "tokenizer.model", "special_tokens_map.json")  # what a program needs of a checkpoint
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _digest(manifest: dict) -> str:
+    """The hash of a manifest's content (all but its `digest`): an edit shows."""
+    return hashlib.sha256(json.dumps({k: v for k, v in manifest.items() if k != "digest"}, sort_keys=True).encode()).hexdigest()
+
+
+def check_program_folder(out: Path) -> dict | None:
+    """The folder's manifest if it is a program folder of ours; refuse a file, or a folder holding
+    anything else (nothing of the user's is ever overwritten)."""
+    if out.exists() and not out.is_dir():
+        raise SpecgraphError(f"-o: {out} is a file; give a folder for the program")
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
     manifest_path = out / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        if isinstance(manifest, dict) and manifest.get("digest") == _digest(manifest):
+            return manifest
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        pass
+    raise SpecgraphError(f"-o: {out} holds files that are not a specgraph program of this version; "
+                         "give an empty or new folder")
+
+
+def export_program(program, out: Path) -> dict:
+    """Write one package per stage of the lowered `program`, the configs and tokenizers its models
+    need (models/NAME/), and the manifest with a hash of each file and of itself; reuse an
+    up-to-date folder. The folder is then all `run --program` needs, from any working folder."""
+    out = Path(out)
+    recipe = program.recipe
     key = program_key(recipe)
-    if manifest_path.is_file():
-        old = json.loads(manifest_path.read_text())
-        if old.get("key") == key and all((out / s["package"]).is_file() for s in old["stages"].values()):
+    old = check_program_folder(out)
+    if old is not None:
+        intact = all((out / f).is_file() and _sha256(out / f) == h for f, h in old.get("files", {}).items())
+        if old.get("key") == key and intact:
             _log(f"{out}: compiled program is up to date (key {key[:12]})")
             return old
         reason = (_first_difference(old.get("recipe"), recipe.model_dump(mode="json"))
-                  or _first_difference(old.get("versions"), versions()) or "missing package")
+                  or _first_difference(old.get("versions"), versions()) or "a damaged file")
         _log(f"{out}: recompiling: {reason} changed")
     out.mkdir(parents=True, exist_ok=True)
+    for name, model in recipe.models.items():
+        folder = out / "models" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for file in MODEL_FILES:
+            if (model.path / file).is_file():
+                shutil.copyfile(model.path / file, folder / file)
     stages = {}
     for name, stage in program.stages.items():
         stage.model.use_kernels(Kernels())  # AOTInductor compiles the plain-PyTorch ops (ours are Python custom ops)
@@ -136,36 +183,57 @@ def export_program(program, out: Path) -> dict:
                         "device": str(stage.device), "verifies": program.graph.drafter_of(name),
                         "tree_nodes": node["tree_nodes"], "cache_slots": node["cache_slots"],
                         "graph_buckets": list(node["graph_buckets"]), "step_graphs": node["step_graphs"]}
-    manifest = {"key": key, "versions": versions(), "recipe": recipe.model_dump(mode="json"), "stages": stages}
-    manifest_path.write_text(json.dumps(manifest, indent=1))
+    files = {p.relative_to(out).as_posix(): _sha256(p) for p in sorted(out.rglob("*"))
+             if p.is_file() and p.name != "manifest.json"}
+    manifest = {"key": key, "versions": versions(), "recipe": recipe.model_dump(mode="json"), "stages": stages,
+                "files": files}
+    manifest["digest"] = _digest(manifest)
+    write_atomically(out / "manifest.json", json.dumps(manifest, indent=1))
     _log(f"wrote {out} ({', '.join(stages)})")
     return manifest
 
 
 def load_program(folder: Path):
-    """The Program of a compiled folder: its recipe, with each stage running its package."""
+    """The Program of a compiled folder: its recipe, its models' configs and tokenizers from the
+    folder, each stage running its package. Everything is checked before anything is loaded: the
+    library versions, the manifest against its digest, each file against its hash."""
     from specgraph.program import Program, plan
 
-    manifest_path = Path(folder) / "manifest.json"
+    folder = Path(folder)
+    manifest_path = folder / "manifest.json"
     if not manifest_path.is_file():
         raise SpecgraphError(f"--program: {folder} has no manifest.json; make one with specgraph compile RECIPE -o {folder}")
-    manifest = json.loads(manifest_path.read_text())
+    manifest = read_json(manifest_path, "--program")
+    if not isinstance(manifest, dict):
+        raise SpecgraphError(f"--program: {manifest_path} is not a specgraph manifest; compile the recipe again")
     compiled_with = manifest.get("versions") or {}
     changed = _first_difference(compiled_with, versions())
     if changed is not None:
         raise SpecgraphError(f"--program: {folder} was compiled with another {changed} "
                              f"({compiled_with.get(changed)}, here {versions()[changed]}); compile it again")
-    recipe = Recipe.from_dict(manifest["recipe"])
+    missing = [k for k in ("key", "recipe", "stages", "files", "digest") if k not in manifest]
+    if missing:
+        raise SpecgraphError(f"--program: {manifest_path} lacks '{missing[0]}'; compile the recipe again")
+    if manifest["digest"] != _digest(manifest):
+        raise SpecgraphError(f"--program: {manifest_path} was edited (it no longer matches its digest); "
+                             "compile the recipe again")
+    for file, expected in manifest["files"].items():
+        path = folder / file
+        if not path.is_file():
+            raise SpecgraphError(f"--program: {path} is missing; compile the recipe again")
+        if _sha256(path) != expected:
+            raise SpecgraphError(f"--program: {path} was changed or damaged (its hash differs from the manifest's); "
+                                 "compile the recipe again")
+    data = manifest["recipe"]
+    data = {**data, "models": {name: {**spec, "path": str(folder.resolve() / "models" / name)}
+                               for name, spec in data["models"].items()}}
+    recipe = Recipe.from_dict(data)
     recipe = recipe.model_copy(update={"lowering": recipe.lowering.model_copy(update={"compile": False})})
     graph = plan(recipe)
     models = {}
     for name, entry in manifest["stages"].items():
-        package = Path(folder) / entry["package"]
-        if not package.is_file():
-            raise SpecgraphError(f"--program: {package} is missing; compile the recipe again")
         shape = {k: tuple(v) if isinstance(v, list) else v for k, v in entry["shape"].items()}  # (JSON has no tuples)
         shape = HybridShape(**shape) if entry["hybrid"] else LlamaShape(**shape)
-        models[name] = ExportedModel(package, shape, entry["served_vocab"],
-                                     getattr(torch, entry["dtype"]), torch.device(entry["device"]), entry["max_step_tokens"])
+        models[name] = ExportedModel(folder / entry["package"], shape, entry["served_vocab"], DTYPES[entry["dtype"]],
+                                     torch.device(entry["device"]), entry["max_step_tokens"])
     return Program(graph, models)
-

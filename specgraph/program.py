@@ -7,7 +7,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from specgraph.draft import Drafter
-from specgraph.errors import SpecgraphError
+from specgraph.errors import PromptError, SpecgraphError
 from specgraph.graph import SpecGraph
 from specgraph.kernels import Kernels
 from specgraph.models.loader import load_model
@@ -183,10 +183,13 @@ class Program:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None, seed: int | None = None) -> Generation:
         if not 0 < len(prompt_ids) < self.recipe.max_seq_len:
-            raise SpecgraphError(f"a prompt of {len(prompt_ids)} tokens does not fit: prompts need 1 to "
+            raise PromptError(f"a prompt of {len(prompt_ids)} tokens does not fit: prompts need 1 to "
                                  f"{self.recipe.max_seq_len - 1} tokens (max_seq_len {self.recipe.max_seq_len})")
-        return self.executor.generate(prompt_ids, max_new_tokens or self.recipe.max_new_tokens,
-                                      self.recipe.sampling.seed if seed is None else seed)
+        if max_new_tokens is None:
+            max_new_tokens = self.recipe.max_new_tokens
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise PromptError(f"max_new_tokens: must be a whole number of at least 1 (got {max_new_tokens!r})")
+        return self.executor.generate(prompt_ids, max_new_tokens, self.recipe.sampling.seed if seed is None else seed)
 
 
 class RemoteExecutor:

@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from specgraph.errors import RecipeError
+from specgraph.files import read_text
 
 
 class _Strict(BaseModel):
@@ -149,7 +150,8 @@ class LoweringSpec(_Strict):
 
 
 class Recipe(_Strict):
-    """A decoding topology. See DESIGN.md for the format."""
+    """A decoding topology (docs/design.md). `name` is required in a dict or Python recipe; a YAML
+    file's defaults to the file's stem."""
 
     name: str = Field(min_length=1)
     models: dict[str, ModelSpec] = Field(min_length=1)
@@ -177,11 +179,12 @@ class Recipe(_Strict):
         if not path.is_file():
             raise RecipeError(f"recipe file {path} does not exist")
         try:
-            data = yaml.safe_load(path.read_text())
+            data = yaml.safe_load(read_text(path, "recipe"))
         except yaml.YAMLError as exc:
             raise RecipeError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
         if not isinstance(data, dict):
             raise RecipeError(f"{path}: a recipe is a YAML mapping with keys name, models, stages, ...")
+        data.setdefault("name", path.stem)  # a file's recipe is named after it unless it says otherwise
         for override in overrides:
             apply_override(data, override)
         return cls.from_dict(data, base_dir=path.parent)

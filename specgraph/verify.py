@@ -54,7 +54,12 @@ def verify_sampling(tree: Tree, logits: torch.Tensor, sampling: SamplingSpec, ge
     """logits [N + 1, V]; `accept`: the acceptance kernel, given one uniform per try and one for the bonus."""
     probs = probs_from_logits(logits.float(), sampling)  # [N + 1, V]
     uniforms = torch.rand(tree.max_depth * tree.child_table.shape[1] + 1, generator=generator, device=logits.device)
-    return Verdict(*accept(tree.tokens, tree.child_table, probs, tree.proposals.float(), uniforms, tree.max_depth))
+    if tree.proposals is None:  # the root alone (plain sampling): no child is tried, the bonus is drawn from p
+        assert tree.size == 1, "a drafted tree carries the distributions its nodes were drawn from"
+        proposals = probs
+    else:
+        proposals = tree.proposals.float()
+    return Verdict(*accept(tree.tokens, tree.child_table, probs, proposals, uniforms, tree.max_depth))
 
 
 def verify_typical(tree: Tree, logits: torch.Tensor, sampling: SamplingSpec, spec: VerifySpec,

@@ -121,3 +121,32 @@ stages:
 max_new_tokens: 24
 """)
     return recipe
+
+
+def two_token_law(checkpoint: Path, ids: list[int], sampling: dict) -> dict[tuple[int, int], float]:
+    """The exact probability of each pair of first two sampled tokens after `ids` under `sampling`
+    (the checkpoint in fp32, through our module): {(a, b): p}."""
+    from specgraph.recipe import SamplingSpec
+    from specgraph.sampling import probs_from_logits
+
+    spec, model = SamplingSpec(**sampling), load_model(checkpoint, torch.float32, "cpu")
+    first = probs_from_logits(chain_logits(model, torch.tensor(ids))[-1], spec)
+    law = {}
+    for a in first.nonzero().flatten().tolist():
+        second = probs_from_logits(chain_logits(model, torch.tensor(ids + [a]))[-1], spec)
+        for b in second.nonzero().flatten().tolist():
+            law[(a, b)] = float(first[a] * second[b])
+    return law
+
+
+def sampled_law(generate, samples: int) -> dict[tuple[int, int], float]:
+    """The empirical law of the first two tokens that `generate(seed)` returns over `samples` seeds."""
+    counts: dict[tuple[int, int], int] = {}
+    for seed in range(samples):
+        pair = tuple(generate(seed)[:2])
+        counts[pair] = counts.get(pair, 0) + 1
+    return {pair: n / samples for pair, n in counts.items()}
+
+
+def total_variation(p: dict, q: dict) -> float:
+    return 0.5 * sum(abs(p.get(k, 0) - q.get(k, 0)) for k in set(p) | set(q))

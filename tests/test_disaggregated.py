@@ -11,9 +11,8 @@ import sys
 import time
 
 import pytest
-import torch
 from conftest import EMBEDDED, REPO, shared_models
-from helpers import PROMPT, splittable_recipe, two_stage
+from helpers import PROMPT, sampled_law, splittable_recipe, total_variation, two_stage, two_token_law
 
 from specgraph.errors import SpecgraphError
 from specgraph.program import Program
@@ -85,39 +84,16 @@ def test_a_tensor_parallel_target_with_a_one_process_drafter(tmp_path, target_re
 def test_sampling_through_the_executor_follows_the_target_distribution():
     """Two sampled tokens after a prompt, many seeds: their empirical joint approaches the target's
     exact one (temperature 1, top-k 3: 9 outcomes), far below the distance of the draft's own."""
-    from specgraph.sampling import probs_from_logits
-    from specgraph.recipe import SamplingSpec
-    from helpers import chain_logits
-    from specgraph.models.loader import load_model
-
     sampling = {"temperature": 1.0, "top_k": 3}
-    prompt = "import os\nimport sys\n\n\ndef main("
     recipe = disaggregated(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "dynamic", "width": 2, "depth": 2, "nodes": 4},
                            sampling=sampling, max_new_tokens=2)
     with Program.from_recipe(recipe) as program:
-        ids = program.encode(prompt)
-        counts = {}
-        for seed in range(1200):
-            pair = tuple(program.generate(ids, seed=seed).output_ids)
-            counts[pair] = counts.get(pair, 0) + 1
-    spec = SamplingSpec(**sampling)
-
-    def joint(name: str) -> dict:
-        model = load_model(EMBEDDED / name, torch.float32, "cpu")
-        first = probs_from_logits(chain_logits(model, torch.tensor(ids))[-1], spec)
-        out = {}
-        for a in first.nonzero().flatten().tolist():
-            second = probs_from_logits(chain_logits(model, torch.tensor(ids + [a]))[-1], spec)
-            for b in second.nonzero().flatten().tolist():
-                out[(a, b)] = float(first[a] * second[b])
-        return out
-
-    exact, draft = joint("target"), joint("draft")
-    observed = {k: v / 1200 for k, v in counts.items()}
-    tv = lambda p, q: 0.5 * sum(abs(p.get(k, 0) - q.get(k, 0)) for k in set(p) | set(q))  # noqa: E731
+        ids = program.encode("import os\nimport sys\n\n\ndef main(")
+        observed = sampled_law(lambda seed: program.generate(ids, seed=seed).output_ids, 1200)
+    exact, draft = two_token_law(EMBEDDED / "target", ids, sampling), two_token_law(EMBEDDED / "draft", ids, sampling)
     assert set(observed) <= set(exact)  # nothing outside the target's support
-    assert tv(draft, exact) > 0.25  # the draft's own law is far from the target's
-    assert tv(observed, exact) < 0.06  # ours is close (the expected distance at 1200 draws is about 0.03)
+    assert total_variation(draft, exact) > 0.25  # the draft's own law is far from the target's
+    assert total_variation(observed, exact) < 0.06  # ours is close (the expected distance at 1200 draws is about 0.03)
 
 
 def test_killing_a_worker_ends_the_run_with_one_line_and_no_process_left():

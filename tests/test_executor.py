@@ -36,7 +36,7 @@ def test_generation_stops_at_end_of_sequence_inclusive():
 
 def test_budget_is_exact_even_when_a_step_overshoots():
     gen = executor(eos=()).generate([1], 6)
-    assert gen.output_ids == [2, 3, 4, 0, 1, 2] and gen.accepted_lengths == [4, 4]
+    assert gen.output_ids == [2, 3, 4, 0, 1, 2] and gen.accepted_lengths == [4, 2]  # what each step emitted
 
 
 def test_a_useless_draft_still_yields_the_target_tokens():
@@ -47,7 +47,8 @@ def test_a_useless_draft_still_yields_the_target_tokens():
 
 def test_generation_is_clipped_to_max_seq_len():
     gen = executor(eos=(), max_seq_len=10).generate([1, 2, 3], 100)
-    assert len(gen.output_ids) == 7
+    assert len(gen.output_ids) == 7 and gen.clipped and sum(gen.accepted_lengths) == 7
+    assert not executor(eos=(), max_seq_len=10).generate([1, 2, 3], 7).clipped
 
 
 def test_a_static_tree_step_touches_only_device_tensors():

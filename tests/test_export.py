@@ -27,14 +27,16 @@ def compiled(tmp_path_factory):
 
 
 def test_exported_program_reloads_in_a_fresh_process_with_the_same_tokens(compiled, tmp_path):
-    assert {p.name for p in compiled.iterdir()} == {"manifest.json", "draft.pt2", "target.pt2"}
+    assert {p.name for p in compiled.iterdir()} == {"manifest.json", "draft.pt2", "target.pt2", "models"}
+    assert {p.name for p in (compiled / "models" / "target").iterdir()} >= {"config.json", "tokenizer.json"}
     stages = json.loads((compiled / "manifest.json").read_text())["stages"]
     assert stages["target"]["verifies"] == "draft" and stages["draft"]["verifies"] is None  # the topology
     assert stages["draft"]["tree_nodes"] == 5 and stages["target"]["cache_slots"] == 400 + 1 + 5  # chain 5
     assert stages["target"]["max_step_tokens"] == 64
     result = tmp_path / "out.json"
     proc = subprocess.run([sys.executable, "-m", "specgraph.cli", "run", "--program", str(compiled), "--prompt", LONG_PROMPT,
-                           "--max-new-tokens", "40", "--json", str(result)], capture_output=True, text=True)
+                           "--max-new-tokens", "40", "--json", str(result)], capture_output=True, text=True,
+                          cwd=tmp_path)  # another working folder: the program folder holds what it needs
     assert proc.returncode == 0, proc.stderr
     exported = json.loads(result.read_text())["results"][0]
     eager = Program.from_recipe(Recipe.from_yaml(DEMO, ["max_seq_len=400"]))
@@ -61,3 +63,50 @@ def test_run_program_errors(tmp_path, capsys):
             "compile it again") in capsys.readouterr().err
     assert main(["run"]) == 2
     assert "give a RECIPE file or --program DIR" in capsys.readouterr().err
+
+
+def edited_copy(compiled, tmp_path, edit) -> "Path":
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(compiled, copy)
+    edit(copy)
+    return copy
+
+
+def edit_manifest(change):
+    def edit(folder):
+        manifest = json.loads((folder / "manifest.json").read_text())
+        change(manifest)
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+    return edit
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (edit_manifest(lambda m: m["stages"]["target"]["shape"].update(num_layers=3)), "was edited"),
+    (edit_manifest(lambda m: m["recipe"].update(max_seq_len=9999)), "was edited"),
+    (edit_manifest(lambda m: m.update(key="0" * 64)), "was edited"),
+    (edit_manifest(lambda m: m["recipe"]["models"]["target"].update(path="/elsewhere")), "was edited"),
+    (edit_manifest(lambda m: m.pop("stages")), "lacks 'stages'"),
+    (lambda f: (f / "manifest.json").write_text("{not json"), "is not JSON"),
+    (lambda f: (f / "target.pt2").write_bytes((f / "target.pt2").read_bytes()[:1000]), "was changed or damaged"),
+    (lambda f: (f / "models" / "draft" / "tokenizer.json").unlink(), "is missing"),
+], ids=["layers", "max-seq-len", "key", "model-path", "no-stages", "not-json", "truncated-package", "missing-file"])
+def test_an_edited_or_damaged_program_folder_is_refused_before_loading(compiled, tmp_path, edit, expected, capsys):
+    folder = edited_copy(compiled, tmp_path, edit)
+    assert main(["run", "--program", str(folder), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("specgraph: error: --program: ") and expected in err[-1], err
+
+
+def test_compile_never_overwrites_what_is_not_a_program(tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "target.pt2").write_text("the user's own file")
+    assert main(["compile", str(DEMO), "-o", str(mine), *SMALL]) == 2
+    assert "holds files that are not a specgraph program" in capsys.readouterr().err
+    assert (mine / "target.pt2").read_text() == "the user's own file"
+    afile = tmp_path / "a.txt"
+    afile.write_text("x")
+    assert main(["compile", str(DEMO), "-o", str(afile)]) == 2
+    assert f"-o: {afile} is a file; give a folder" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from helpers import two_stage
 
 from specgraph.errors import CheckpointError, RecipeError
 from specgraph.graph import SpecGraph
+from specgraph.models.loader import load_model
 from specgraph.passes import PIPELINE, run_pipeline
 from specgraph.passes.capture_graphs import capture_graphs
 from specgraph.passes.compile_stages import compile_stages
@@ -145,8 +146,6 @@ def test_bad_checkpoints_are_refused(tmp_path):
     cases = {
         "missing": (tmp_path / "nowhere", "models.draft.path: .*nowhere: checkpoint folder does not exist"),
         "noconfig": (copy_model(DRAFT, tmp_path / "noconfig", lambda f: (f / "config.json").unlink()), "no config.json"),
-        "pickle": (copy_model(DRAFT, tmp_path / "pickle", lambda f: ((f / "model.safetensors").rename(f / "pytorch_model.bin"))),
-                   "no \\*.safetensors weights \\(found pytorch_model.bin: pickle checkpoints are never loaded"),
         "arch": (copy_model(DRAFT, tmp_path / "arch", edit_json("config.json", lambda c: c.update(architectures=["GPT2LMHeadModel"], model_type="gpt2"))),
                  "unsupported architecture GPT2LMHeadModel; supported: LlamaForCausalLM"),
         "tokenizer": (copy_model(DRAFT, tmp_path / "tok", edit_json("tokenizer.json", lambda t: t["model"]["vocab"].update({"zz": 4095}))),
@@ -157,6 +156,10 @@ def test_bad_checkpoints_are_refused(tmp_path):
     for name, (folder, expected) in cases.items():
         with pytest.raises(CheckpointError, match=expected):
             run_pipeline(graph(draft=folder))
+    pickle = copy_model(DRAFT, tmp_path / "pickle", lambda f: ((f / "model.safetensors").rename(f / "pytorch_model.bin")))
+    with pytest.raises(CheckpointError, match="no \\*.safetensors weights \\(found pytorch_model.bin: pickle checkpoints "
+                                              "are never loaded"):
+        load_model(pickle, torch.float32, "cpu")
 
 
 @pytest.mark.parametrize("change, expected", [

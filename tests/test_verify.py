@@ -100,3 +100,25 @@ def test_speculative_sampling_reproduces_the_target_distribution(plan, sampling)
     assert wrong > 0.3  # the draft's own distribution is far from the target's
     assert tv(many, exact) < tv(few, exact)  # the distance shrinks with samples
     assert tv(many, exact) < 0.06 < wrong / 5  # and ends far below that of the wrong distribution
+
+
+def test_autoregressive_sampling_draws_from_the_target_distribution():
+    """No drafter: each step samples the bonus from the target's filtered distribution."""
+    p, _ = markov_tables(11)
+    sampling = SamplingSpec(temperature=0.9, top_k=4)
+    cpu = torch.device("cpu")
+    executor = SerialExecutor(Verifier(Stage("t", MarkovModel(p), 64, cpu), VerifySpec(), "sampling", sampling), None,
+                              eos_ids=(), max_seq_len=64)
+
+    def frequencies(samples: int) -> torch.Tensor:
+        counts = torch.zeros(V, V)
+        for seed in range(samples):
+            first, second = executor.generate([0], 2, seed=seed).output_ids
+            counts[first, second] += 1
+        return counts / samples
+
+    fp = filtered(p, sampling)
+    exact = fp[0][:, None] * fp
+    few, many = frequencies(300), frequencies(3000)
+    assert tv(many, exact) < tv(few, exact) and tv(many, exact) < 0.05
+    assert (many[exact == 0] == 0).all()  # nothing outside top-k

@@ -198,9 +198,10 @@ def bench_on(program, spec: BenchSpec) -> dict:
                     raise
                 first_line = (str(exc).splitlines() or [""])[0][:200]
                 skipped[system.name] = f"transformers failed in this run: {type(exc).__name__}: {first_line}"
-    reference = results.get("ar", results["specgraph"])["outputs"]
-    for result in results.values():
-        result["same_tokens_as_ar"] = sum(a == b for a, b in zip(result.pop("outputs"), reference)) / len(reference)
+    reference = results["ar"]["outputs"] if "ar" in results else None
+    for result in results.values():  # (None where ar did not run)
+        outputs = result.pop("outputs")
+        result["same_tokens_as_ar"] = None if reference is None else sum(map(list.__eq__, outputs, reference)) / len(reference)
     report = {
         "recipe": spec.recipe.name, "widen": spec.widen, "device": _device_name(device),
         "date": time.strftime("%Y-%m-%d"), "prompts": len(encoded), "max_new_tokens": spec.max_new_tokens,

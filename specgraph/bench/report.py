@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specgraph.errors import SpecgraphError
+from specgraph.files import write_atomically
 
 
 def _fmt(value, spec: str, scale: float = 1.0) -> str:
@@ -30,7 +31,7 @@ def print_table(report: dict, console: Console | None = None) -> None:
                       "—" if speedup is None else f"{speedup:.2f}x", _fmt(r["ttft_seconds"], ".1f", 1e3),
                       _fmt(r["mean_accepted_length"], ".2f"), _fmt(r["draft_step_ms"], ".2f"),
                       _fmt(r["verify_step_ms"], ".2f"), _fmt(r["peak_memory_bytes"], ".1f", 2 ** -30),
-                      f"{r['same_tokens_as_ar']:.0%}")
+                      _fmt(r["same_tokens_as_ar"], ".0%"))
     console.print(table)
     console.print("tok/s: decode tokens per second, median and min-max over repeats; specgraph ÷: its speedup over "
                   "the row; accepted: tokens per target step; draft/verify ms: per step; = ar: share of prompts "
@@ -76,5 +77,5 @@ def plot(report: dict, path: Path) -> None:
     right.set_ylabel("steps")
     right.set_title("specgraph accepted lengths", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_atomically(path, lambda temporary: fig.savefig(temporary, dpi=110, format="png"))
     plt.close(fig)

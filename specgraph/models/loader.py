@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -25,13 +26,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def read_config(path: Path) -> PretrainedConfig:
-    """The checkpoint's config, after checking that the folder holds a model we can run."""
+    """The checkpoint's config, after checking that it describes a model we can run (its weights are
+    checked when they are loaded: a compiled program's folder holds configs without them)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint folder does not exist")
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (a Hugging Face checkpoint folder has config.json + *.safetensors)")
-    safetensor_files(path)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as exc:
@@ -45,7 +46,10 @@ def read_config(path: Path) -> PretrainedConfig:
 def safetensor_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{index}: not a safetensors index (JSON with a 'weight_map' of shard files)") from None
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
             raise CheckpointError(f"{path}: shard {missing[0]} named in model.safetensors.index.json is missing")
@@ -59,13 +63,25 @@ def safetensor_files(path: Path) -> list[Path]:
 
 
 def tokenizer_fingerprint(path: Path) -> str | None:
-    """A hash of the tokenizer files, or None where the folder carries none."""
+    """A hash of what the tokenizer maps (tokenizer.json's model — vocabulary and merges — and its
+    added tokens, parsed, so that a re-indented file is the same tokenizer; other tokenizer files by
+    their bytes), or None where the folder carries none."""
     digest = hashlib.sha256()
     found = False
     for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model"):
-        if (path / name).is_file():
-            digest.update(name.encode() + (path / name).read_bytes())
-            found = True
+        file = path / name
+        if not file.is_file():
+            continue
+        found = True
+        if name == "tokenizer.json":
+            try:
+                spec = json.loads(file.read_text(encoding="utf-8"))
+                mapping = {"model": spec["model"], "added_tokens": spec.get("added_tokens")}
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+                raise CheckpointError(f"{file}: not a tokenizer (JSON with a 'model')") from None
+            digest.update(name.encode() + json.dumps(mapping, sort_keys=True).encode())
+        else:
+            digest.update(name.encode() + file.read_bytes())
     return digest.hexdigest() if found else None
 
 
@@ -145,7 +161,11 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> Ll
     model.to_empty(device=device)
     state = {}
     for file in safetensor_files(path):
-        for name, tensor in load_file(file, device=str(device)).items():
+        try:
+            weights = load_file(file, device=str(device))
+        except (SafetensorError, OSError, ValueError) as exc:  # truncated, foreign, unreadable
+            raise CheckpointError(f"{file}: not a readable safetensors file ({str(exc).splitlines()[0][:120]})") from None
+        for name, tensor in weights.items():
             state[name.removeprefix("model.")] = tensor
     if hybrid:
         state = from_hf_norms(state)
@@ -158,7 +178,10 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> Ll
     if missing or unexpected:
         what = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
         raise CheckpointError(f"{path}: weights do not match the {config.architectures[0]} layout ({what})")
-    model.load_state_dict(state, strict=True)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:  # a tensor of another shape than config.json says
+        raise CheckpointError(f"{path}: weights do not match config.json ({str(exc).splitlines()[-1].strip()[:160]})") from None
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.embed_tokens.weight
     rotary = model.shape.rotary_dim if hybrid else model.shape.head_dim

@@ -116,7 +116,7 @@ class TargetWorker:
         budget = min(max_new_tokens, self.max_seq_len - length)
         self.budget.fill_(budget)
         self.emitted.zero_()
-        out = Generation(output_ids=[])
+        out = Generation(output_ids=[], clipped=budget < max_new_tokens)
         verify_s = wait_s = 0.0
         while True:  # until a verdict says stop: the drafter stops on the same message
             clock = Clock(self.device)
@@ -135,11 +135,12 @@ class TargetWorker:
             if not ok:
                 raise ProtocolError("a tree did not continue from the target's committed tokens")
             out.target_steps += 1
-            out.accepted_lengths.append(count)
             length += count
             new = new[:count][: budget - len(out.output_ids)]
             ended = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
-            out.output_ids.extend(new if ended is None else new[: ended + 1])
+            new = new if ended is None else new[: ended + 1]
+            out.output_ids.extend(new)
+            out.accepted_lengths.append(len(new))  # what the step added to the output
             if out.target_steps == 1:
                 out.first_token_seconds = time.perf_counter() - start
             if stop:

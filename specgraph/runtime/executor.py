@@ -16,7 +16,9 @@ import torch
 class Generation:
     output_ids: list[int]  # new tokens only, ending at the first end-of-sequence token if one came
     target_steps: int = 0
-    accepted_lengths: list[int] = field(default_factory=list)  # per target step: accepted drafts + bonus
+    accepted_lengths: list[int] = field(default_factory=list)  # per target step: the tokens it added to the output
+    # (accepted drafts + the bonus, fewer where the budget or an end-of-sequence token cut the step)
+    clipped: bool = False  # max_seq_len cut the request short of max_new_tokens
     seconds: float = 0.0
     first_token_seconds: float = 0.0  # prompt in, first step's tokens out
     draft_seconds: float = 0.0  # device time of the draft phases (GPU: CUDA events)

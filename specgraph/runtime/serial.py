@@ -148,7 +148,7 @@ class SerialExecutor:
         generators = (draft_generator, generator)
         length = len(prompt_ids)
         budget = min(max_new_tokens, self.max_seq_len - length)
-        out = Generation(output_ids=[])
+        out = Generation(output_ids=[], clipped=budget < max_new_tokens)
         pending = self._launch(length, generators) if budget > 0 else None
         while pending is not None:
             ahead = None
@@ -162,13 +162,13 @@ class SerialExecutor:
             out.draft_seconds += draft_s
             out.verify_seconds += verify_s
             out.target_steps += 1
-            out.accepted_lengths.append(count)
             length += count
             new = new[:count][: budget - len(out.output_ids)]
             hit_eos = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
             if hit_eos is not None:
                 new = new[: hit_eos + 1]
             out.output_ids.extend(new)
+            out.accepted_lengths.append(len(new))  # what the step added to the output
             if out.target_steps == 1:
                 out.first_token_seconds = time.perf_counter() - start
             if hit_eos is not None or len(out.output_ids) >= budget:

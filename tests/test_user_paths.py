@@ -1,0 +1,200 @@
+"""Every user path works or says why in one line (exit status 2, no traceback): sampling without a
+drafter, output paths, damaged checkpoints and prompt files, results kept when a prompt fails or
+the user presses Ctrl-C, consistent figures, threads."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import EMBEDDED, REPO
+from helpers import PROMPT
+
+from specgraph.cli import default_threads, main
+from specgraph.errors import CheckpointError, PromptError
+from specgraph.program import Program
+from specgraph.recipe import Recipe
+
+DEMO = REPO / "recipes" / "demo.yaml"
+
+
+def one_line_error(capsys, expected: str) -> None:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("specgraph: error: ") and expected in err[-1], err
+    assert not any("Traceback" in line for line in err)
+
+
+def test_sampling_with_no_drafter_runs_from_the_cli_and_bench(tmp_path):
+    out = tmp_path / "out.json"
+    assert main(["run", str(REPO / "recipes" / "autoregressive.yaml"), "--set", "sampling.temperature=0.8",
+                 "--prompt", PROMPT, "--max-new-tokens", "8", "--json", str(out)]) == 0
+    assert len(json.loads(out.read_text())["results"][0]["output_ids"]) == 8
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
+    bench = tmp_path / "bench.json"
+    assert main(["bench", str(REPO / "recipes" / "sampling.yaml"), "--prompts", str(prompts), "--max-new-tokens", "8",
+                 "--repeats", "1", "--baselines", "ar", "--json", str(bench)]) == 0
+    assert set(json.loads(bench.read_text())["systems"]) == {"specgraph", "ar"}
+
+
+@pytest.mark.parametrize("command", [
+    ["run", str(DEMO), "--prompt", "x", "--json"],
+    ["bench", str(DEMO), "--prompt", "x", "--json"],
+    ["bench", str(DEMO), "--prompt", "x", "--plot"],
+    ["inspect", str(DEMO), "--dot"],
+], ids=["run-json", "bench-json", "bench-plot", "inspect-dot"])
+def test_output_paths_are_checked_before_any_work(command, tmp_path, capsys):
+    afile = tmp_path / "a.txt"
+    afile.write_text("mine")
+    cases = [(tmp_path / "no" / "out", "does not exist"), (tmp_path, "is a folder"), (afile / "out", "does not exist")]
+    for path, expected in cases:
+        start = time.monotonic()
+        assert main([*command, str(path)]) == 2
+        one_line_error(capsys, expected)
+        assert time.monotonic() - start < 5  # refused before loading anything
+    assert afile.read_text() == "mine"
+
+
+def test_results_are_written_atomically(tmp_path):
+    from specgraph.files import write_atomically
+
+    out = tmp_path / "r.json"
+    out.write_text("old")
+
+    def fails(temporary):
+        temporary.write_text("half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(Exception, match="No space left on device"):
+        write_atomically(out, fails)
+    assert out.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["r.json"]  # nothing half-written
+
+
+def damaged_checkpoint(tmp_path, how: str):
+    folder = tmp_path / how
+    shutil.copytree(EMBEDDED / "draft", folder)
+    weights = folder / "model.safetensors"
+    if how == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "foreign":
+        weights.write_bytes(b"PK\x03\x04 not safetensors at all")
+    elif how == "reshaped":
+        config = json.loads((folder / "config.json").read_text())
+        config["intermediate_size"] += 8
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("how", ["truncated", "foreign", "reshaped"])
+def test_a_damaged_checkpoint_is_one_line(how, tmp_path, capsys):
+    folder = damaged_checkpoint(tmp_path, how)
+    assert main(["run", str(DEMO), "--set", f"models.draft.path={folder}", "--prompt", "x", "--max-new-tokens", "2"]) == 2
+    one_line_error(capsys, str(folder))
+
+
+def test_a_prompt_file_that_is_not_utf8(tmp_path, capsys):
+    bad = tmp_path / "p.jsonl"
+    bad.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    assert main(["run", str(DEMO), "--prompts", str(bad)]) == 2
+    one_line_error(capsys, "is not UTF-8 text")
+
+
+def test_a_failing_prompt_is_skipped_and_the_others_kept(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": i, "prompt": p}) for i, p in
+                                 [("short", "import os\n"), ("long", "x = 1\n" * 60), ("also", "def f():\n")]) + "\n")
+    out = tmp_path / "out.json"
+    assert main(["run", str(DEMO), "--prompts", str(prompts), "--max-new-tokens", "4", "--set", "max_seq_len=64",
+                 "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "prompt long: a prompt of" in err and "skipped" in err and "1 of 3 prompts failed" in err
+    data = json.loads(out.read_text())
+    assert [r["id"] for r in data["results"]] == ["short", "also"] and data["errors"][0]["id"] == "long"
+
+
+def test_ctrl_c_writes_the_finished_prompts(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": PROMPT}) + "\n" for i in range(200)))
+    out = tmp_path / "out.json"
+    proc = subprocess.Popen([sys.executable, "-m", "specgraph", "run", str(DEMO), "--prompts", str(prompts),
+                             "--max-new-tokens", "24", "--json", str(out)], stderr=subprocess.PIPE, text=True)
+    seen = ""
+    while max(map(int, re.findall(r"(\d+)/200", seen)), default=0) < 2:  # the progress bar: two prompts done
+        seen += proc.stderr.read(1)
+        assert proc.poll() is None, seen
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    results = json.loads(out.read_text())["results"]
+    assert 2 <= len(results) < 200 and [r["id"] for r in results] == [str(i) for i in range(len(results))]
+
+
+def test_token_budgets_and_clipping_are_reported_as_they_are(tmp_path, capsys):
+    program = Program.from_recipe(Recipe.from_yaml(DEMO, ["max_seq_len=64"]))
+    ids = program.encode(PROMPT)
+    for bad in (0, -1):
+        with pytest.raises(PromptError, match="max_new_tokens: must be a whole number of at least 1"):
+            program.generate(ids, bad)
+    one = program.generate(ids, 1)
+    assert len(one.output_ids) == 1 and one.accepted_lengths == [1] and not one.clipped
+    clipped = program.generate(ids, 200)
+    assert clipped.clipped and len(clipped.output_ids) == 64 - len(ids) == sum(clipped.accepted_lengths)
+    out = tmp_path / "out.json"
+    assert main(["run", str(DEMO), "--prompt", PROMPT, "--set", "max_seq_len=64", "--max-new-tokens", "200",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["results"][0]["clipped"] is True
+    assert "max_seq_len 64 cut it to" in capsys.readouterr().err
+
+
+def test_a_baseline_that_did_not_run_shows_no_agreement(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(DEMO), "--prompts", str(prompts), "--max-new-tokens", "6", "--repeats", "1",
+                 "--baselines", "hf", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert all(r["same_tokens_as_ar"] is None for r in report["systems"].values())
+    assert "100%" not in capsys.readouterr().out
+
+
+def test_a_reindented_tokenizer_is_the_same_and_another_vocabulary_is_not(tmp_path, capsys):
+    folder = tmp_path / "draft"
+    shutil.copytree(EMBEDDED / "draft", folder)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer, indent=7))
+    assert main(["run", str(DEMO), "--set", f"models.draft.path={folder}", "--prompt", "x", "--max-new-tokens", "2"]) == 0
+    vocab = tokenizer["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(CheckpointError, match="tokenizer differs"):
+        Program.from_recipe(Recipe.from_yaml(DEMO, [f"models.draft.path={folder}"]))
+
+
+def test_a_recipe_file_without_a_name_is_named_after_it(tmp_path):
+    recipe = tmp_path / "my-recipe.yaml"
+    recipe.write_text((REPO / "recipes" / "autoregressive.yaml").read_text().replace("name: autoregressive\n", "")
+                      .replace("models/", str(EMBEDDED) + "/"))
+    assert Recipe.from_yaml(recipe).name == "my-recipe"
+
+
+def test_threads_default_to_the_free_cores_and_can_be_set(monkeypatch, capsys):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert default_threads() == cores
+    monkeypatch.setattr(os, "getloadavg", lambda: (cores + 3.0, 0.0, 0.0))  # others keep every core busy
+    assert default_threads() == 1
+    assert main(["run", str(DEMO), "--prompt", "x", "--max-new-tokens", "2", "--threads", "1"]) == 0
+    assert main(["run", str(DEMO), "--prompt", "x", "--threads", "0"]) == 2
+    one_line_error(capsys, "--threads: must be at least 1")
+
+
+def test_debug_shows_the_traceback(capsys):
+    assert main(["run", "nowhere.yaml", "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1] == "specgraph: error: recipe file nowhere.yaml does not exist"
+
