@@ -13,6 +13,11 @@ recomputation from scratch over random trees and verdicts):
   - a drafter that keeps growing one tree across steps (growing.py) holds, at slot L - 1 + j, the
     K/V of the tree node it fed at region offset j (offset 0: the root), in feed order, so that a
     re-root is one compaction: the accepted path to the prefix, the surviving subtree after it.
+  - a pipeline stage (runtime/pipeline.py) rolled back to L' committed tokens keeps slots
+    [0, min(fed, L' - 1)) as they are, `fed` being the committed tokens whose K/V it holds: a
+    rollback recomputes nothing; besides the root, the committed tokens not fed yet are those
+    adopted from the stages above since the stage last stepped (at most one from each), fed with
+    its next step.
 A hybrid model's cache also holds each gated-DeltaNet layer's recurrent state, which a step
 reads but does not change: the step leaves its tokens' factors, and `commit` folds the accepted
 path's into the state.

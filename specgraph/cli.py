@@ -147,6 +147,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                           "text": program.decode(gen.output_ids), "target_steps": gen.target_steps,
                           "accepted_lengths": gen.accepted_lengths, "wall_seconds": gen.seconds,
                           "first_seconds": gen.first_token_seconds}
+                if gen.stats:
+                    result["stats"] = gen.stats  # the executor's own measurements (per stage, for a pipeline)
                 if gen.clipped:
                     result["clipped"] = True
                     print(f"specgraph: note: prompt {row['id']}: max_seq_len {recipe.max_seq_len} cut it to "
@@ -161,6 +163,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _report_run(args: argparse.Namespace, name: str, prompts: list[dict], results: list[dict], errors: list[dict]) -> None:
+    from specgraph.bench.pipespec import stage_table
     from specgraph.files import write_atomically
 
     steps = [n for r in results for n in r["accepted_lengths"]]
@@ -170,6 +173,10 @@ def _report_run(args: argparse.Namespace, name: str, prompts: list[dict], result
     summary = {"new_tokens": new_tokens, "wall_seconds": round(wall, 4),
                "tokens_per_second": round(new_tokens / wall, 2) if wall > 0 else 0.0,
                "mean_accepted_length": round(sum(steps) / len(steps), 3) if steps else 0.0}
+    pipeline = stage_table({key: sum(r.get("stats", {}).get(key, 0) for r in results)
+                            for r in results for key in r.get("stats", {})})
+    if pipeline is not None:
+        summary["pipeline"] = pipeline
     if len(prompts) == 1 and results:
         print(prompts[0]["prompt"] + results[0]["text"])
     if results:

@@ -109,14 +109,17 @@ CATCH_UP = 2  # committed tokens a catch-up feeds: the last accepted draft (mayb
 
 
 class Drafter:
-    def __init__(self, stage: Stage, plan: TreeTopology | DynamicTree, rule: str, sampling: SamplingSpec):
-        self.stage, self.plan, self.rule, self.sampling = stage, plan, rule, sampling
+    def __init__(self, stage: Stage, plan: TreeTopology | DynamicTree, rule: str, sampling: SamplingSpec,
+                 max_feeds: int = CATCH_UP):
+        """`max_feeds`: the most committed tokens a catch-up feeds (a pipeline's first stage may
+        have adopted one token from each stage above since its last step)."""
+        self.stage, self.plan, self.rule, self.sampling, self.max_feeds = stage, plan, rule, sampling, max_feeds
         device = stage.device
         self.static = None if isinstance(plan, DynamicTree) else _StaticPlan(plan, device)  # the constants of a fixed shape
         self.dynamic = _DynamicPlan(plan) if isinstance(plan, DynamicTree) else None
         self.nodes = plan.nodes if isinstance(plan, DynamicTree) else len(plan.parents) - 1
         self.max_depth = plan.depth if isinstance(plan, DynamicTree) else plan.max_depth
-        self._causal = {t: torch.ones(t, t, dtype=torch.bool, device=device).tril() for t in range(1, CATCH_UP + 1)}
+        self._causal = {t: torch.ones(t, t, dtype=torch.bool, device=device).tril() for t in range(1, max_feeds + 1)}
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ Ctrl-C; the client stops them all.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.connection
 import os
 import signal
@@ -88,6 +89,17 @@ class Progress:
 
     def idle(self) -> None:
         self.state = None
+
+    @contextlib.contextmanager
+    def within(self, phase: str):
+        """`phase` for the duration of a block inside another phase (which then goes on, its clock
+        not reset): a send that blocks names whom it waits for."""
+        outer = self.state
+        self.enter(phase)
+        try:
+            yield
+        finally:
+            self.state = outer
 
     def first_request_done(self) -> None:
         self.grace = 1

@@ -67,7 +67,8 @@ def load_stage(graph: SpecGraph, name: str, model: nn.Module | None = None, rank
 
 def make_executor(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks = Ranks()) -> Executor:
     """This process's executor for the `execution` the recipe names, over its loaded `stages`: the
-    serial executor (on every rank of a serial program), or this rank's worker of a disaggregated one."""
+    serial executor (on every rank of a serial program), or this rank's worker of a disaggregated
+    program, or its stage of a pipeline."""
     recipe = graph.recipe
     if recipe.execution == "serial":
         target = graph.node(graph.target)
@@ -77,6 +78,10 @@ def make_executor(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks = Ran
         from specgraph.runtime.disaggregated import disaggregated_executor
 
         return disaggregated_executor(graph, stages, ranks)
+    if recipe.execution == "pipeline":
+        from specgraph.runtime.pipeline import pipeline_executor
+
+        return pipeline_executor(graph, stages, ranks)
     raise SpecgraphError(f"execution: {recipe.execution!r} has no executor yet")
 
 

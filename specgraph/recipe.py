@@ -103,6 +103,9 @@ class VerifySpec(_Strict):
     )
     typical_threshold: float = Field(0.09, gt=0, le=1, description="typical: hard probability floor epsilon")
     typical_alpha: float = Field(0.3, gt=0, le=1, description="typical: entropy-scaled floor delta")
+    window: PositiveInt | None = Field(
+        None, description="execution: pipeline: most tokens of the stage below verified in one forward; "
+        "default: the first stage's chain length")
 
 
 class GrowSpec(_Strict):
@@ -149,6 +152,16 @@ class LoweringSpec(_Strict):
         "auto", description="fused-op implementations: auto (Triton where it pays on a GPU), reference (plain PyTorch), triton")
 
 
+class PipelineSpec(_Strict):
+    """execution: pipeline: how the stages run together."""
+
+    synchronous: bool = Field(False, description="each stage waits for the one above to verify a window of its "
+                              "tokens before it goes on (PipeSpec's synchronous ablation); default: every stage runs "
+                              "at once, rolled back by the stages above")
+    ahead: PositiveInt | None = Field(None, description="tokens a stage may produce beyond what the stage above has "
+                                      "verified; default: twice the window above (one window when synchronous)")
+
+
 class Recipe(_Strict):
     """A decoding topology (docs/design.md). `name` is required in a dict or Python recipe; a YAML
     file's defaults to the file's stem."""
@@ -162,6 +175,7 @@ class Recipe(_Strict):
     max_seq_len: PositiveInt = Field(2048, description="prompt + generated tokens that the caches hold")
     prompt: str | None = Field(None, description="prompt used when the command line gives none")
     lowering: LoweringSpec = LoweringSpec()
+    pipeline: PipelineSpec = PipelineSpec()
     timeout: float = Field(120.0, gt=0, description="multi-process runs: seconds a process may wait on another stage, "
                            "or spend in one step, before the run stops with an error naming the stage and rank "
                            "(ten times this during the first request, where compilation and graph capture happen)")
@@ -238,7 +252,7 @@ def _fields_at(loc: tuple) -> list[str]:
     """Field names of the schema object found by walking `loc` from Recipe."""
     model: Any = Recipe
     walk = {"models": ModelSpec, "stages": StageSpec, "sampling": SamplingSpec, "verify": VerifySpec, "grow": GrowSpec,
-            "lowering": LoweringSpec,
+            "lowering": LoweringSpec, "pipeline": PipelineSpec,
             "chain": ChainTree, "static": StaticTree, "dynamic": DynamicTree}
     for part in loc:
         model = walk.get(part, model) if isinstance(part, str) else model

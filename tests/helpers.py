@@ -150,3 +150,41 @@ def sampled_law(generate, samples: int) -> dict[tuple[int, int], float]:
 
 def total_variation(p: dict, q: dict) -> float:
     return 0.5 * sum(abs(p.get(k, 0) - q.get(k, 0)) for k in set(p) | set(q))
+
+
+def gone(pids: list[int]) -> bool:
+    """Whether none of `pids` is still running (a zombie is not: its parent has not reaped it yet)."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] != "Z":
+                    return False
+        except FileNotFoundError:
+            continue
+    return True
+
+
+def fault_ends_the_run(program, pid: int, sig: int, error: str) -> None:
+    """Send `sig` to `pid` a second into a long request of a multi-process `program` (after a first
+    request, which may take ten times the recipe's timeout): the request must fail with a one-line
+    error matching `error` within 15 s, and no process of the program may be left."""
+    import os
+    import re
+    import threading
+    import time
+
+    from specgraph.errors import SpecgraphError
+
+    pids = program.cluster.pids
+    ids = program.encode(PROMPT)
+    program.generate(ids, 4)
+    threading.Timer(1.0, os.kill, (pid, sig)).start()
+    start = time.monotonic()
+    try:
+        program.generate(ids, 2000)
+    except SpecgraphError as exc:
+        assert re.match(error, str(exc)), str(exc)
+    else:
+        raise AssertionError("the request did not fail")
+    assert time.monotonic() - start < 15
+    assert gone(pids)

@@ -89,8 +89,9 @@ def test_bad_prompt_files(tmp_path, capsys):
 
 
 def test_user_errors_print_no_traceback():
-    proc = subprocess.run([sys.executable, "-m", "specgraph.cli", "run", str(DEMO), "--set", "execution=pipeline"],
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "specgraph.cli", "run", str(DEMO), "--set", "execution=pipeline",
+                           "--set", "stages.0.tree={shape: static, branching: [2]}"], capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        "specgraph: error: execution: 'pipeline' is not implemented yet; valid now: serial, disaggregated")
+        "specgraph: error: stages.0.tree: a pipeline's first stage drafts a chain ({shape: chain, length: N}); "
+        "a static tree needs execution: serial or disaggregated")

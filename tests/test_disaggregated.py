@@ -12,9 +12,8 @@ import time
 
 import pytest
 from conftest import EMBEDDED, REPO, shared_models
-from helpers import PROMPT, sampled_law, splittable_recipe, total_variation, two_stage, two_token_law
+from helpers import PROMPT, fault_ends_the_run, gone, sampled_law, splittable_recipe, total_variation, two_stage, two_token_law
 
-from specgraph.errors import SpecgraphError
 from specgraph.program import Program
 from specgraph.recipe import Recipe
 
@@ -23,18 +22,6 @@ DYNAMIC = {"shape": "dynamic", "width": 4, "depth": 5, "nodes": 24}
 
 def disaggregated(target, draft, tree, **fields) -> Recipe:
     return two_stage(target, draft, tree, execution="disaggregated", **fields)
-
-
-def gone(pids: list[int]) -> bool:
-    """Whether none of `pids` is still running (a zombie is not: its parent has not reaped it yet)."""
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(")")[-1].split()[0] != "Z":
-                    return False
-        except FileNotFoundError:
-            continue
-    return True
 
 
 @pytest.mark.parametrize("target, drafter, tree", [
@@ -99,16 +86,7 @@ def test_sampling_through_the_executor_follows_the_target_distribution():
 def test_killing_a_worker_ends_the_run_with_one_line_and_no_process_left():
     recipe = disaggregated(EMBEDDED / "target", EMBEDDED / "draft", DYNAMIC, max_new_tokens=2000, max_seq_len=2048)
     program = Program.from_recipe(recipe)
-    pids = program.cluster.pids
-    ids = program.encode(PROMPT)
-    program.generate(ids, 4)
-    killer = __import__("threading").Timer(1.0, os.kill, (pids[1], signal.SIGKILL))
-    killer.start()
-    start = time.monotonic()
-    with pytest.raises(SpecgraphError, match=r"^stage draft rank 1 was killed by signal 9 \(SIGKILL\)$"):
-        program.generate(ids, 2000)
-    assert time.monotonic() - start < 15
-    assert gone(pids)
+    fault_ends_the_run(program, program.cluster.pids[1], signal.SIGKILL, r"^stage draft rank 1 was killed by signal 9 \(SIGKILL\)$")
 
 
 def test_a_worker_that_stops_answering_ends_the_run_within_the_timeout():
@@ -116,17 +94,8 @@ def test_a_worker_that_stops_answering_ends_the_run_within_the_timeout():
     recipe = disaggregated(EMBEDDED / "target", EMBEDDED / "draft", DYNAMIC, max_new_tokens=2000, max_seq_len=2048,
                            timeout=2.0)
     program = Program.from_recipe(recipe)
-    pids = program.cluster.pids
-    ids = program.encode(PROMPT)
-    program.generate(ids, 4)  # the first request may take ten times the timeout; later ones one
-    stopper = __import__("threading").Timer(1.0, os.kill, (pids[1], signal.SIGSTOP))
-    stopper.start()
-    start = time.monotonic()
-    with pytest.raises(SpecgraphError, match=r"^stage target rank 0: waiting for a verdict|^stage target rank 0: "
-                                             r"waiting for a tree from stage draft \(rank 1\) for more than 2 s"):
-        program.generate(ids, 2000)
-    assert time.monotonic() - start < 15
-    assert gone(pids)
+    fault_ends_the_run(program, program.cluster.pids[1], signal.SIGSTOP, r"^stage target rank 0: waiting for a verdict|"
+                       r"^stage target rank 0: waiting for a tree from stage draft \(rank 1\) for more than 2 s")
 
 
 def test_ctrl_c_stops_every_worker(tmp_path):

@@ -35,7 +35,7 @@ SETTINGS = {
     "sampling.top_k": (["0", "1", "4", "5000"], ["-1"]),
     "sampling.seed": (["0", "7", "-3"], []),
     "max_seq_len": (["32", "64", "512"], ["0"]),
-    "execution": (["serial"], ["pipeline", "sideways"]),
+    "execution": (["serial"], ["sideways"]),
     "lowering.kernels": (["reference", "auto"], ["fast"]),
     "stages.0.grow": ([], ["{steps: 2}"]),
     "unknown.key": ([], ["1"]),

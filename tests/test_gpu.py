@@ -12,6 +12,7 @@ from helpers import sampled_law, total_variation, two_stage, two_token_law
 
 from specgraph.export import export_program
 from specgraph.program import Program
+from specgraph.recipe import Recipe
 from specgraph.runtime.clock import Clock
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -138,11 +139,11 @@ def test_tensor_parallel_target_on_two_gpus_decodes_the_single_gpu_tokens(tmp_pa
     assert json.loads(out.read_text())["results"][0]["output_ids"] == expected
 
 
-def hybrid_fixture():
-    """The hybrid fixture from ../shared, or from .fixtures/ where a GPU machine got only the checkout."""
-    found = [p for p in (SHARED / "models" / "hybrid", REPO / ".fixtures" / "hybrid") if p.is_dir()]
+def shared_fixture(name: str):
+    """A fixture model from ../shared, or from .fixtures/ where a GPU machine got only the checkout."""
+    found = [p for p in (SHARED / "models" / name, REPO / ".fixtures" / name) if p.is_dir()]
     if not found:
-        pytest.skip("the hybrid fixture is not present")
+        pytest.skip(f"the {name} fixture is not present")
     return found[0]
 
 
@@ -150,8 +151,8 @@ def test_hybrid_target_captured_and_compiled_gives_the_eager_tokens_and_never_wa
     """fp32; the Qwen3.5 target's whole steps captured, its layers compiled, Triton kernels, against
     eager forwards of the reference kernels; then a captured step under sync debug mode."""
     tree = {"shape": "static", "branching": [3, 2, 1, 1]}
-    fast = on_gpu(tree, hybrid_fixture(), max_new_tokens=64)
-    slow = on_gpu(tree, hybrid_fixture(), max_new_tokens=64,
+    fast = on_gpu(tree, shared_fixture("hybrid"), max_new_tokens=64)
+    slow = on_gpu(tree, shared_fixture("hybrid"), max_new_tokens=64,
                   lowering={"compile": False, "cuda_graphs": False, "kernels": "reference"})
     for text in PROMPTS:
         ids = fast.encode(text)
@@ -180,3 +181,23 @@ def test_disaggregated_decodes_the_serial_tokens(draft_device):
         for text in PROMPTS:
             ids = serial.encode(text)
             assert program.generate(ids).output_ids == serial.generate(ids).output_ids
+
+
+@pytest.mark.parametrize("devices", [["cuda:1", "cuda:1", "cuda:0"], ["cuda:0", "cuda:0", "cuda:0"]],
+                         ids=["two-gpus", "one-gpu-three-processes"])
+def test_pipeline_decodes_the_autoregressive_tokens(devices):
+    """fp32: draft -> mid -> target, each stage in a process of its own (on two GPUs, or sharing
+    one), its forwards replayed from CUDA graphs; the output is the target's own autoregressive one."""
+    if torch.cuda.device_count() < 2 and "cuda:1" in devices:
+        pytest.skip("needs two GPUs")
+    recipe = Recipe.from_yaml(REPO / "recipes" / "pipeline.yaml", [
+        f"models.mid.path={shared_fixture('mid')}", "max_new_tokens=64", "models.target.dtype=float32",
+        "models.mid.dtype=float32", "models.draft.dtype=float32",
+        *(f"stages.{i}.devices=[{d}]" for i, d in enumerate(devices))])
+    alone = two_stage(EMBEDDED / "target", None, max_new_tokens=64)
+    alone = Program.from_recipe(alone.model_copy(update={"stages": [alone.stages[0].model_copy(update={"devices": ["cuda:0"]})]}))
+    with Program.from_recipe(recipe) as program:
+        assert all(program.graph.node(n)["graph_buckets"] for n in program.graph.stages())
+        for text in PROMPTS:
+            ids = alone.encode(text)
+            assert program.generate(ids).output_ids == alone.generate(ids).output_ids

@@ -151,3 +151,95 @@ def test_a_target_commit_keeps_the_prefix_of_every_random_tree_and_verdict():
             committed += [int(tree.tokens[i]) for i in path[1:]] + [rng.randrange(4096)]  # accepted drafts, a bonus
             k, v = kv_from_scratch(model, torch.tensor(committed[:-1]))
             assert_rows(stage.cache, torch.arange(len(committed) - 1), k, v)
+
+
+class QuietMailbox:
+    """A pipeline stage's mailbox that sends nowhere: the test plays the stages beside it."""
+
+    capacity, vocab = 64, None
+
+    def send(self, dst, header, tokens=(), proposals=None) -> None:
+        pass
+
+    def open(self, finals, is_final) -> None:
+        pass
+
+
+def pipeline_stage(index: int):
+    """Stage `index` of a draft -> target -> target pipeline on the CPU, built as its process would."""
+    from specgraph.draft import Drafter
+    from specgraph.program import load_stage, plan, verifier_of
+    from specgraph.recipe import Recipe
+    from specgraph.runtime.pipeline import DraftingStage, VerifyingStage
+
+    models = {"draft": {"path": str(EMBEDDED / "draft")}, "target": {"path": str(EMBEDDED / "target")}}
+    stages = [{"name": "s0", "model": "draft", "devices": ["cpu"], "tree": {"shape": "chain", "length": 3}},
+              {"name": "s1", "model": "target", "devices": ["cpu"], "verifies": "s0", "verify": {"window": 4}},
+              {"name": "s2", "model": "target", "devices": ["cpu"], "verifies": "s1"}]
+    graph = plan(Recipe.from_dict({"name": "p", "models": models, "stages": stages, "execution": "pipeline",
+                                   "max_seq_len": 96}))
+    name = f"s{index}"
+    node = graph.node(name)
+    common = dict(names=["s0", "s1", "s2"], index=index, leaders=[2, 1, 0], mailbox=QuietMailbox(), window=node["window"] or 0,
+                  ahead=node["ahead"], synchronous=False, device=CPU, max_seq_len=96)
+    stage = load_stage(graph, name)
+    if index == 0:
+        return DraftingStage(Drafter(stage, node["tree"], "greedy", graph.recipe.sampling), False, node["cache_slots"], **common)
+    return VerifyingStage(verifier_of(graph, {name: stage}, name), (), False, **common)
+
+
+def check_rolled_back_stage(stage, model) -> None:
+    """The pipeline's invariant: the cache holds the K/V of committed[:fed] at their own slots; not
+    fed are the root and the tokens adopted from above since the last step (here at most one)."""
+    assert len(stage.committed) - 2 <= stage.fed <= len(stage.committed) - 1
+    k, v = kv_from_scratch(model, torch.tensor(stage.committed[: stage.fed]))
+    assert_rows(stage.stage.cache, torch.arange(stage.fed), k, v)
+
+
+def greedy_after(model, tokens: list[int]) -> int:
+    return int(chain_logits(model, torch.tensor(tokens))[-1].argmax())
+
+
+def test_pipeline_stages_keep_every_verified_tokens_kv_through_random_rollbacks():
+    """A verifying stage and a drafting stage, driven through random windows (their own greedy
+    tokens, some corrupted), steps and CHECKs from above (rollbacks to random positions with random
+    tokens, and extensions): after every event the cache equals a prefill of what is committed and
+    fed, and every token a step committed is its model's greedy token there."""
+    from specgraph.runtime.channel import Mail
+    from specgraph.runtime.pipeline import CHECK
+
+    rng = random.Random(0)
+    prompt = [1, 450, 996, 1735, 1701, 2991]
+    for index in (1, 0):
+        stage = pipeline_stage(index)
+        model = stage.stage.model
+        vocab = model.served_vocab
+        stage.start(prompt)
+        stage.begin(prompt, 0)
+        epoch = 0
+        events = {"step": 0, "rollback": 0, "extension": 0}
+        for _ in range(30):
+            roll = rng.random()
+            length = len(stage.committed)
+            if roll < 0.25 and length > len(prompt):  # a CHECK from above
+                extension = stage.fed == length - 1 and (rng.random() < 0.3 or not events["extension"])
+                position = length + 1 if extension else rng.randint(len(prompt) + 1, length)
+                epoch += 1
+                token = rng.randrange(vocab)
+                stage.handle(Mail(0, [CHECK, epoch, position, 0, token], [], None))
+                events["extension" if extension else "rollback"] += 1
+            elif index == 1 and roll < 0.6:  # tokens from below: the model's own greedy ones, some corrupted
+                tokens, context = [], stage.committed + stage.pending
+                for _ in range(rng.randint(1, 5)):
+                    token = greedy_after(model, context) if rng.random() < 0.8 else rng.randrange(vocab)
+                    tokens.append(token)
+                    context = context + [token]
+                stage.receive(stage.epoch_below, stage.pending_at + len(stage.pending), tokens, None)
+            elif index == 0 or stage.pending:
+                before = len(stage.committed)
+                stage.step()
+                events["step"] += 1
+                best = chain_logits(model, torch.tensor(stage.committed)).argmax(-1)  # [T]: the greedy next token
+                assert stage.committed[before:] == best[before - 1 : -1].tolist()
+            check_rolled_back_stage(stage, model)
+        assert all(events.values()), events

@@ -100,24 +100,45 @@ def test_capture_graphs_lists_the_step_sizes_of_each_stage():
     gpu = place(validate(graph(tree={"shape": "static", "branching": [3, 2, 1]})))
     for name in gpu.stages():
         gpu.node(name)["device"] = torch.device("cuda:0")  # plan for a GPU without needing one
-    gpu = capture_graphs(plan_tree(gpu))
+    gpu = capture_graphs(plan_memory(plan_tree(gpu)))
     assert gpu.node("target")["step_graphs"] and gpu.node("target")["static_shapes"]
     assert gpu.node("target")["graph_buckets"] == ()  # whole steps are captured: no per-forward graphs
     sampled = place(validate(graph(tree={"shape": "static", "branching": [3, 2, 1]}, sampling={"temperature": 0.7})))
     for name in sampled.stages():
         sampled.node(name)["device"] = torch.device("cuda:0")
-    sampled = capture_graphs(plan_tree(sampled))  # draws: forwards are captured one by one instead
+    sampled = capture_graphs(plan_memory(plan_tree(sampled)))  # draws: forwards are captured one by one instead
     assert not sampled.node("target")["step_graphs"]
     assert sampled.node("target")["graph_buckets"] == (1, 1 + 3 + 6 + 6)
     assert sampled.node("draft")["graph_buckets"] == (2, 3, 6)  # catch-up, then 3 and 6 nodes expanded
     dyn = place(validate(graph(tree={"shape": "dynamic", "width": 5, "depth": 3, "nodes": 20})))
     dyn.node("draft")["device"] = dyn.node("target")["device"] = torch.device("cuda:0")
-    assert capture_graphs(plan_tree(dyn)).node("target")["step_graphs"]  # dynamic growth is on the device too
+    assert capture_graphs(plan_memory(plan_tree(dyn))).node("target")["step_graphs"]  # dynamic growth is on the device too
     dyn = place(validate(graph(tree={"shape": "dynamic", "width": 5, "depth": 3, "nodes": 20}, lowering={"cuda_graphs": False})))
-    assert capture_graphs(plan_tree(dyn)).node("draft")["graph_buckets"] == ()
+    assert capture_graphs(plan_memory(plan_tree(dyn))).node("draft")["graph_buckets"] == ()
     dyn.node("draft")["device"] = dyn.node("target")["device"] = torch.device("cuda:0")
-    off = capture_graphs(plan_tree(dyn))  # turned off in the recipe
+    off = capture_graphs(plan_memory(plan_tree(dyn)))  # turned off in the recipe
     assert off.node("draft")["graph_buckets"] == () and not off.node("draft")["static_shapes"]
+
+
+def test_a_pipeline_plans_windows_how_far_ahead_and_every_forward_size():
+    stages = [{"name": "a", "model": "d", "tree": {"shape": "chain", "length": 3}},
+              {"name": "b", "model": "d", "verifies": "a", "verify": {"window": 5}},
+              {"name": "c", "model": "t", "verifies": "b"}]
+    g = place(validate(SpecGraph.from_recipe(Recipe.from_dict({
+        "name": "p", "models": {"t": {"path": str(TARGET)}, "d": {"path": str(DRAFT)}}, "stages": stages,
+        "execution": "pipeline", "max_seq_len": 100}))))
+    for name in g.stages():
+        g.node(name)["device"] = torch.device("cuda:0")
+    g = capture_graphs(plan_memory(plan_tree(g)))
+    a, b, c = (g.node(n) for n in "abc")
+    assert (b["window"], c["window"]) == (5, 3)  # c's default: the first stage's chain
+    assert (a["ahead"], b["ahead"], c["ahead"]) == (10, 6, None)  # twice the window above
+    assert not any(n["step_graphs"] for n in (a, b, c))  # forward by forward
+    assert a["graph_buckets"] == (1, 2, 3)  # a chain's feeds, and catch-ups of up to one token per stage
+    assert b["graph_buckets"] == tuple(range(1, 1 + 5 + 1 + 1))  # root, window, one token adopted from c
+    assert c["graph_buckets"] == tuple(range(1, 1 + 3 + 1))
+    slack = 3 + (10 + 0 + 2) + (6 + 5 + 2) + (0 + 3 + 2)
+    assert c["cache_slots"] == 100 + c["step_tokens"] + slack
 
 
 def test_pass_requirements_are_enforced():
@@ -181,7 +202,8 @@ def test_hybrid_model_runs_only_as_a_one_device_target(change, expected):
 
 
 @pytest.mark.parametrize("change, expected", [
-    ({"execution": "pipeline"}, "execution: 'pipeline' is not implemented yet; valid now: serial, disaggregated"),
+    ({"execution": "pipeline", "stages.0.tree": {"shape": "dynamic", "width": 2, "depth": 2, "nodes": 4}},
+     "stages.0.tree: a pipeline's first stage drafts a chain ({shape: chain, length: N}); a dynamic tree needs"),
     ({"sampling": {"temperature": 0.5}, "stages.1.verify": {"rule": "greedy"}}, "stages.1.verify.rule: 'greedy' needs sampling.temperature 0"),
     ({"stages.1.verify": {"rule": "sampling"}}, "stages.1.verify.rule: 'sampling' needs sampling.temperature > 0"),
     ({"stages.0.devices": ["tpu:0"]}, "stages.0.devices.0: 'tpu:0' is not a device; valid: cpu, cuda:N, auto"),

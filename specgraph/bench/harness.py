@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from specgraph.bench.pipespec import stage_table
 from specgraph.bench.systems import HFSystem, Run, SpecgraphSystem, hf_mirror
 from specgraph.errors import SpecgraphError
 from specgraph.models.loader import is_hybrid
@@ -161,8 +162,14 @@ def _measure(system, spec: BenchSpec, encoded: list[list[int]], progress: Progre
         "verify_step_ms": 1e3 * sum(r.verify_seconds for r in last) / n_steps if n_steps else None,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "outputs": [r.output_ids for r in last],
-        **_overlap({key: sum(r.stats.get(key, 0) for r in last) for r in last for key in r.stats}),
+        **_executor_stats({key: sum(r.stats.get(key, 0) for r in last) for r in last for key in r.stats}),
     }
+
+
+def _executor_stats(stats: dict[str, float]) -> dict:
+    """What an asynchronous executor measured, summed over the prompts (see _overlap, pipespec.stage_table)."""
+    table = stage_table(stats)
+    return {"pipeline": table} if table is not None else _overlap(stats)
 
 
 def _overlap(stats: dict[str, float]) -> dict:

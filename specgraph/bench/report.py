@@ -43,6 +43,8 @@ def print_table(report: dict, console: Console | None = None) -> None:
             console.print(f"    draft work hidden behind verification {_fmt(o['hidden_draft_share'], '.0%')}, subtree "
                           f"survived {o['survived']} of {o['rounds']} verdicts ({_fmt(o['survival_rate'], '.0%')}), "
                           f"busy: target {_fmt(o['target_busy_share'], '.0%')}, drafter {_fmt(o['draft_busy_share'], '.0%')}")
+        if r.get("pipeline"):
+            _print_pipeline(r["pipeline"], r["tokens_per_second"]["median"], console)
     for name, why in report["skipped"].items():
         console.print(f"  {name}: not run: {why}")
     if "bandwidth_bound" in report:
@@ -50,6 +52,19 @@ def print_table(report: dict, console: Console | None = None) -> None:
         console.print(f"memory-bandwidth bound of autoregressive decoding: {b['tokens_per_second']:.1f} tokens/s "
                       f"({b['bytes_per_token'] / 1e9:.3f} GB per token at a measured copy bandwidth of "
                       f"{b['copy_bandwidth_bytes_per_s'] / 1e12:.3f} TB/s); ar reaches {b['ar_fraction']:.1%} of it")
+
+
+def _print_pipeline(pipeline: dict, measured: float, console: Console) -> None:
+    for name, s in pipeline["stages"].items():
+        console.print(f"    stage {name}: {s['steps']} steps of {_fmt(s['step_ms'], '.2f')} ms, idle "
+                      f"{_fmt(s['idle_share'], '.0%')}; proposed {s['proposed']}, in windows {s['verified']} "
+                      f"(window {s['window']}), accepted {s['accepted']} (alpha {_fmt(s['acceptance_rate'], '.2f')}), "
+                      f"rolled back {s['rolled_back']}, dropped {s['dropped']}")
+    a = pipeline["analytic"]
+    if a is not None:
+        console.print(f"    PipeSpec's steady-state model: alpha {a['alpha']:.2f}, window {a['window']}: rho {a['rho']:.2f}, "
+                      f"{a['tokens_per_step']:.2f} tokens per last-stage step -> {a['tokens_per_second']:.1f} tok/s "
+                      f"(measured {measured:.1f})")
 
 
 def plot(report: dict, path: Path) -> None:

@@ -13,7 +13,9 @@ After:  + `static_shapes` (bool): forwards attend over the whole cache (shapes d
           runs, each captured once per stage and replayed:
             target  - 1 (autoregressive) and the drafter's tree + root;
             drafter - 2 (catch-up) and the batch sizes of its tree expansion (nodes per depth with
-                      children; the width for dynamic trees).
+                      children; the width for dynamic trees);
+            pipeline - every stage's steps run forward by forward: the first stage 1 and 2, the others
+                      every size up to their `step_tokens`.
         Other sizes (prefill) run eagerly.
 """
 
@@ -33,7 +35,7 @@ def expansion_sizes(tree) -> set[int]:
     return {len(tree.expanding(depth)) for depth in range(1, tree.max_depth)}
 
 
-@graph_pass(requires=("device", "tree", "tree_nodes"), provides=("static_shapes", "step_graphs", "alone_step_graphs", "graph_buckets"))
+@graph_pass(requires=("device", "tree", "tree_nodes", "window", "step_tokens"), provides=("static_shapes", "step_graphs", "alone_step_graphs", "graph_buckets"))
 def capture_graphs(graph: SpecGraph) -> SpecGraph:
     recipe, target = graph.recipe, graph.target
     drafter = graph.drafter_of(target)
@@ -45,12 +47,16 @@ def capture_graphs(graph: SpecGraph) -> SpecGraph:
     for name in graph.stages():
         node = graph.node(name)
         # serial: every stage's phases of a step, together; otherwise each stage's own
-        node["step_graphs"] = (together if recipe.execution == "serial" else node["static_shapes"]) and not draws
+        phases = together if recipe.execution == "serial" else node["static_shapes"] and recipe.execution != "pipeline"
+        node["step_graphs"] = phases and not draws
         node["alone_step_graphs"] = node["static_shapes"] and recipe.sampling.temperature == 0
         if not node["static_shapes"] or node["step_graphs"]:
             node["graph_buckets"] = ()
+        elif node["window"]:
+            node["graph_buckets"] = tuple(range(1, node["step_tokens"] + 1))
         elif name == target:
             node["graph_buckets"] = tuple(sorted({1} | ({graph.node(drafter)["tree_nodes"] + 1} if drafter else set())))
-        else:
-            node["graph_buckets"] = tuple(sorted({2} | expansion_sizes(node["tree"])))
+        else:  # (a pipeline's first stage catches up on up to one token per stage)
+            catch_up = set(range(1, len(graph.stages()) + 1)) if recipe.execution == "pipeline" else {2}
+            node["graph_buckets"] = tuple(sorted(catch_up | expansion_sizes(node["tree"])))
     return graph

@@ -4,8 +4,10 @@ Before: stages carry `config`, `dtype` and the tree plan.
 After:  + `step_tokens`: the most tokens one step writes past the committed prefix (the verified
         tree of the stage's drafter, or the drafter's own catch-up and tree, or the region of the
         tree it keeps growing);
-        + `cache_slots`: KV slots = max_seq_len + step_tokens; `kv_bytes` and `weight_bytes`, for
-        the report and for placement checks.
+        + `cache_slots`: KV slots = max_seq_len + step_tokens (in a pipeline, + a slack: a stage's
+        committed tokens may pass the last stage's by what the stages may run ahead of each other
+        and overshoot in one step); `kv_bytes` and `weight_bytes`, for the report and for
+        placement checks.
 """
 
 from __future__ import annotations
@@ -18,27 +20,38 @@ from specgraph.models.loader import model_shape
 from specgraph.passes.base import graph_pass
 
 
-@graph_pass(requires=("config", "dtype", "tree_nodes"), provides=("step_tokens", "cache_slots", "kv_bytes", "weight_bytes"))
+@graph_pass(requires=("config", "dtype", "tree_nodes", "window", "ahead"), provides=("step_tokens", "cache_slots", "kv_bytes", "weight_bytes"))
 def plan_memory(graph: SpecGraph) -> SpecGraph:
     max_seq_len = graph.recipe.max_seq_len
-    for name in graph.stages():
+    stages = graph.stages()
+    # a pipeline: each stage's tokens may pass the last stage's by what each stage may run ahead and overshoot
+    slack = 0
+    if graph.recipe.execution == "pipeline":
+        slack = graph.node(stages[0])["tree_nodes"] + sum(
+            (graph.node(n)["ahead"] or 0) + (graph.node(n)["window"] or 0) + 2 for n in stages)
+    for name in stages:
         node = graph.node(name)
         drafter = graph.drafter_of(name)
         # A target writes its drafter's tree (+ root); a drafter writes its own tree (+ one catch-up token),
-        # or the region of a tree it keeps growing.
-        if drafter:
+        # or the region of a tree it keeps growing; a pipeline stage verifies its window after its root and
+        # the tokens it took from the stages above (at most one from each) that it has not fed yet.
+        if node["window"]:
+            step_tokens = 1 + node["window"] + len(stages) - 1 - node["index"]
+        elif drafter:
             step_tokens = 1 + graph.node(drafter)["tree_nodes"]
         elif isinstance(node["tree"], GrowthPlan):
             step_tokens = node["tree"].region
-        else:
-            step_tokens = 2 + node["tree_nodes"]
+        else:  # (a pipeline's first stage catches up on up to one token per stage: see runtime/pipeline.py)
+            step_tokens = (len(stages) if graph.recipe.execution == "pipeline" else 2) + node["tree_nodes"]
         shape = model_shape(node["config"])
         if isinstance(shape, HybridShape) and step_tokens > STEP_TOKENS:
-            raise RecipeError(f"stages.{graph.node(drafter)['index']}.tree: a hybrid target verifies at most "
-                              f"{STEP_TOKENS} tokens per step; this tree and its root are {step_tokens}")
+            where = (f"stages.{node['index']}.verify.window" if node["window"] else
+                     f"stages.{graph.node(drafter)['index']}.tree")
+            raise RecipeError(f"{where}: a hybrid target verifies at most {STEP_TOKENS} tokens per step; "
+                              f"this {'window' if node['window'] else 'tree'} and its root are {step_tokens}")
         itemsize = node["dtype"].itemsize
         node["step_tokens"] = step_tokens
-        node["cache_slots"] = max_seq_len + step_tokens
+        node["cache_slots"] = max_seq_len + step_tokens + slack
         node["kv_bytes"] = shape.cache_bytes(node["cache_slots"], itemsize)
         tied = bool(node["config"].tie_word_embeddings)
         node["weight_bytes"] = shape.parameter_count(tied) * itemsize

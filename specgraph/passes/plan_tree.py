@@ -8,6 +8,10 @@ After:  + `tree`: what the drafter grows — a TreeTopology (chain and static tr
         verdict there; `tree_nodes` (draft nodes verified per step, the root not counted) and
         `tree_depth` (their depth bound).
         A drafter without a tree gets the default chain of 4; the final target gets tree None, 0 nodes.
+        Where the execution is a pipeline, only the first stage drafts (a chain); every stage above it
+        gets tree None and + `window` (the most tokens of the stage below it verifies per forward),
+        every stage below the last + `ahead` (the tokens it may produce past what the stage above has
+        verified); elsewhere both are None.
 """
 
 from __future__ import annotations
@@ -21,13 +25,15 @@ from specgraph.recipe import StaticTree as StaticTreeSpec
 from specgraph.tree import TreeTopology
 
 
-@graph_pass(requires=("config", "device"), provides=("tree", "tree_nodes", "tree_depth"))
+@graph_pass(requires=("config", "device"), provides=("tree", "tree_nodes", "tree_depth", "window", "ahead"))
 def plan_tree(graph: SpecGraph) -> SpecGraph:
     growing = graph.recipe.execution == "disaggregated"
+    pipeline = graph.recipe.execution == "pipeline"
     for name in graph.stages():
         node = graph.node(name)
         spec = node["spec"]
-        if name == graph.target:
+        node.update(window=None, ahead=None)
+        if name == graph.target or (pipeline and node["index"] > 0):
             node.update(tree=None, tree_nodes=0, tree_depth=0)
             continue
         tree = spec.tree or ChainTree()
@@ -50,4 +56,16 @@ def plan_tree(graph: SpecGraph) -> SpecGraph:
         else:
             topo = TreeTopology.from_spec(tree)
             node.update(tree=topo, tree_nodes=topo.nodes, tree_depth=topo.max_depth)
+    if pipeline:
+        _plan_pipeline(graph)
     return graph
+
+
+def _plan_pipeline(graph: SpecGraph) -> None:
+    """Windows and how far ahead each stage may run (see the module docstring)."""
+    stages, settings = graph.stages(), graph.recipe.pipeline
+    chain = graph.node(stages[0])["tree_nodes"]
+    for below, name in zip(stages, stages[1:]):
+        window = graph.node(name)["spec"].verify.window or chain
+        graph.node(name)["window"] = window
+        graph.node(below)["ahead"] = settings.ahead or (window if settings.synchronous else 2 * window)

@@ -14,23 +14,25 @@ from specgraph.errors import CheckpointError, RecipeError
 from specgraph.graph import SpecGraph
 from specgraph.models.loader import is_hybrid, read_config, tokenizer_fingerprint
 from specgraph.passes.base import graph_pass
-from specgraph.recipe import DynamicTree
-
-RUNNABLE_EXECUTIONS = ("serial", "disaggregated")
+from specgraph.recipe import ChainTree, DynamicTree
 
 
 @graph_pass(provides=("config", "tokenizer", "eos_ids", "rule"))
 def validate(graph: SpecGraph) -> SpecGraph:
     recipe = graph.recipe
-    if recipe.execution not in RUNNABLE_EXECUTIONS:
-        raise RecipeError(f"execution: {recipe.execution!r} is not implemented yet; valid now: "
-                          f"{', '.join(RUNNABLE_EXECUTIONS)}")
     stages = graph.stages()
     if recipe.execution == "disaggregated" and len(stages) != 2:
         raise RecipeError(f"stages: execution: disaggregated runs a drafter and a target, two stages (got {len(stages)})")
-    if len(stages) > 2:
-        raise RecipeError(f"stages: {len(stages)} stages form a hierarchy, which needs execution: pipeline "
-                          "(not implemented yet); the serial executor runs one target with at most one drafter")
+    if len(stages) > 2 and recipe.execution != "pipeline":
+        raise RecipeError(f"stages: {len(stages)} stages form a hierarchy, which needs execution: pipeline; "
+                          f"execution: {recipe.execution} runs one target with at most one drafter")
+    if recipe.execution == "pipeline":
+        _check_pipeline(graph)
+    else:
+        for name in stages:
+            if graph.node(name)["spec"].verify.window is not None:
+                raise RecipeError(f"stages.{graph.node(name)['index']}.verify.window: windows are verified only with "
+                                  "execution: pipeline")
     target = stages[-1]
     for name in stages:
         node = graph.node(name)
@@ -54,6 +56,25 @@ def validate(graph: SpecGraph) -> SpecGraph:
             _check_dynamic(spec.tree, index)
     _check_same_vocabulary(graph, target)
     return graph
+
+
+def _check_pipeline(graph: SpecGraph) -> None:
+    stages = graph.stages()
+    if len(stages) < 2:
+        raise RecipeError("stages: execution: pipeline needs at least two stages (a drafter and the stages that verify it)")
+    for name in stages:
+        spec, index = graph.node(name)["spec"], graph.node(name)["index"]
+        if len(spec.devices) > 1:
+            raise RecipeError(f"stages.{index}.devices: a pipeline stage runs on one device (tensor-parallel pipeline "
+                              "stages are not supported yet); list one")
+        if index == 0 and spec.tree is not None and not isinstance(spec.tree, ChainTree):
+            raise RecipeError(f"stages.0.tree: a pipeline's first stage drafts a chain ({{shape: chain, length: N}}); "
+                              f"a {spec.tree.shape} tree needs execution: serial or disaggregated")
+        if index > 0 and spec.tree is not None:
+            raise RecipeError(f"stages.{index}.tree: in a pipeline only the first stage drafts; stage {name} passes "
+                              "on what it verifies (its window: verify.window)")
+        if index == 0 and spec.verify.window is not None:
+            raise RecipeError("stages.0.verify.window: the first stage verifies nothing; give the window to the stages above")
 
 
 def _rule(rule: str | None, temperature: float, index: int) -> str:

@@ -1,4 +1,5 @@
-"""Typed messages between stages, over torch.distributed point to point.
+"""Typed messages between stages, over torch.distributed point to point: a disaggregated
+program's trees and verdicts (`Link`), a pipeline's mailbox (`Mailbox`).
 
 A `Link` joins the leaders (first ranks) of two stages: NCCL between two different GPUs (the
 message never leaves the device), gloo through CPU tensors otherwise (the CPU, or two stages
@@ -14,6 +15,8 @@ with its step's one host read, so it costs no extra synchronisation.
 
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -119,3 +122,81 @@ class Link:
         landing = buffer.cpu()
         dist.broadcast(landing, self.dst_rank, group=self.group)
         buffer.copy_(landing)
+
+
+
+@dataclass
+class Mail:
+    """A pipeline message as its receiver sees it: `src` rank, `header` [kind, epoch, position,
+    count, token] and, when count > 0, `tokens` and (the sampling rule) `proposals` [count, V]."""
+
+    src: int
+    header: list[int]
+    tokens: list[int]
+    proposals: torch.Tensor | None
+
+
+class Mailbox:
+    """A pipeline stage leader's messages to and from the stages beside it: small host tensors over
+    a gloo group (the decisions they drive are the host's). A message is one long tensor, a header
+    of HEADER longs and room for `capacity` tokens, followed, for the sampling rule, by the tokens'
+    proposals. A thread receives them (from any sender; per sender in the order sent) for one
+    request, until it has seen `finals` messages that end it, so that the stage can look at its
+    inbox without waiting."""
+
+    HEADER = 5
+
+    def __init__(self, group: dist.ProcessGroup, capacity: int, vocab: int | None):
+        """`vocab`: the width of proposals (None: messages carry none)."""
+        self.group, self.capacity, self.vocab = group, capacity, vocab
+        self._inbox: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def send(self, dst: int, header: list[int], tokens: list[int] = (), proposals: torch.Tensor | None = None) -> None:
+        """`header[3]` is the count of `tokens` (at most `capacity`); their `proposals` [count, V] go
+        with them when the mailbox has a vocab."""
+        assert len(header) == self.HEADER and header[3] == len(tokens) <= self.capacity
+        message = torch.zeros(self.HEADER + self.capacity, dtype=torch.long)
+        message[: self.HEADER + len(tokens)] = torch.tensor(header + list(tokens))
+        dist.send(message, dst, group=self.group, tag=0)
+        if tokens and self.vocab is not None:
+            dist.send(proposals.float().cpu().contiguous(), dst, group=self.group, tag=1)
+
+    def open(self, finals: int, is_final) -> None:
+        """Start receiving one request's messages: until `finals` of them satisfy `is_final(header)`."""
+        assert self._thread is None, "the last request's messages were not all received"
+        self._thread = threading.Thread(target=self._receive, args=(finals, is_final), daemon=True)
+        self._thread.start()
+
+    def get(self, block: bool) -> Mail | None:
+        """The next message (None if there is none and `block` is false)."""
+        try:
+            mail = self._inbox.get(block=block)
+        except queue.Empty:
+            return None
+        if isinstance(mail, Exception):
+            raise mail
+        return mail
+
+    def close(self) -> None:
+        """End of the request: every message of it has been received."""
+        self._thread.join()
+        self._thread = None
+        assert self._inbox.empty(), "messages past the end of a request"
+
+    def _receive(self, finals: int, is_final) -> None:
+        try:
+            while finals:
+                message = torch.zeros(self.HEADER + self.capacity, dtype=torch.long)
+                src = dist.recv(message, None, group=self.group, tag=0)
+                header = message[: self.HEADER].tolist()
+                count = header[3]
+                tokens = message[self.HEADER : self.HEADER + count].tolist()
+                proposals = None
+                if count and self.vocab is not None:
+                    proposals = torch.zeros(count, self.vocab)
+                    dist.recv(proposals, src, group=self.group, tag=1)
+                self._inbox.put(Mail(src, header, tokens, proposals))
+                finals -= bool(is_final(header))
+        except Exception as exc:  # a dead peer: the stage's next look at its inbox raises it
+            self._inbox.put(exc)

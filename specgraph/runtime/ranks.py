@@ -4,7 +4,7 @@ Every rank creates the same groups in the same order (torch.distributed requires
 (gloo, every rank: requests and statistics, CPU tensors) and one group per distinct set of stage
 ranks (NCCL on GPUs, gloo on the CPU: a tensor-parallel stage's all-reduces and its leader's
 broadcasts to the rest of the stage). Messages between stage leaders go point to point over the
-default group (see runtime/channel.py).
+default group (see runtime/channel.py), and a pipeline's over `mail` (gloo, every rank).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class Ranks:
     control: dist.ProcessGroup | None = None
     groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)  # stage -> its ranks' group
     stage_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    mail: dist.ProcessGroup | None = None  # gloo, every rank: a pipeline's messages between its stages
 
     @classmethod
     def join(cls, graph: SpecGraph) -> Ranks:
@@ -41,8 +42,9 @@ class Ranks:
             if key not in made:
                 made[key] = dist.new_group(list(key[0]), backend=key[1])
             groups[name] = made[key]
+        mail = dist.new_group(backend="gloo") if graph.recipe.execution == "pipeline" else None
         return cls(dist.get_rank(), dist.get_world_size(), control, groups,
-                   {name: graph.node(name)["ranks"] for name in graph.stages()})
+                   {name: graph.node(name)["ranks"] for name in graph.stages()}, mail)
 
     def runs(self, stage: str) -> bool:
         return self.rank in self.stage_ranks[stage]

@@ -63,11 +63,15 @@ class Worker:
 
     def _serial(self) -> Executor:
         """The recipe on the serial executor with every stage on the target's devices: the target
-        stage loaded here, and the drafter loaded again beside it (split the same way)."""
+        stage loaded here, and the drafter loaded again beside it (split the same way). A
+        pipeline's serial recipe is its first stage drafting for its last."""
         target = self.graph.target
         devices = self.recipe.stages[self.graph.node(target)["index"]].devices
-        recipe = self.recipe.model_copy(update={"execution": "serial", "stages": [
-            s.model_copy(update={"devices": devices, "grow": None}) for s in self.recipe.stages]})
+        first, last = self.recipe.stages[0], self.recipe.stages[-1]
+        kept = [first.model_copy(update={"devices": devices, "grow": None}),
+                last.model_copy(update={"devices": devices, "verifies": first.name,
+                                        "verify": last.verify.model_copy(update={"window": None})})]
+        recipe = self.recipe.model_copy(update={"execution": "serial", "stages": kept})
         graph = plan(recipe)
         group = self.ranks.groups[target]
         ranks = Ranks(self.ranks.rank, self.ranks.world, self.ranks.control, dict.fromkeys(graph.stages(), group),

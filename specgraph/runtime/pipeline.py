@@ -1,0 +1,438 @@
+"""Hierarchical pipelines (PipeSpec): k stages in processes of their own, all running at once.
+
+Stage 0 drafts chains into its committed tokens; stage i > 0 takes the tokens stage i - 1 sent
+it, verifies up to a window of them in one forward (a chain rooted at its last committed token),
+commits the accepted ones and its own next token (the bonus: a correction where it rejected),
+and passes what it committed on to stage i + 1; the last stage's committed tokens are the output.
+Every stage is exact in its own right: it commits only what its rule accepts, so the output is the
+last stage's own greedy output (its distribution, for the sampling rule: each stage sends up the
+distribution it committed each token from, which is the proposal the stage above checks it with).
+
+Messages (runtime/channel.py's Mailbox; each carries a header [kind, epoch, position, count, token]):
+    TOKENS    up    committed tokens from `position` on (+ their distributions, sampling), tagged
+                    with the epoch of the last CHECK the sender applied;
+    PROGRESS  down  the sender has committed `position` tokens, consistent with the receiver's;
+    CHECK     down  the sender's token at position - 1 is `token`: the receiver adopts it (rolling
+                    back whatever it has from there on, or extending its tokens by it) and sends
+                    again from `position`. It opens a new epoch: TOKENS of an older one are kept
+                    only where no later CHECK contradicts them;
+    STOP      down  the last stage is done; DONE up: the sender has sent its last message.
+A stage sends CHECK where its new token contradicts, or may contradict, the tokens below it (a
+rejection, or a bonus past what it has received), PROGRESS otherwise. A stage that changed its
+tokens on a CHECK checks the stage below in turn: a mismatch at stage i rolls back every stage
+below it, each as soon as it reads its inbox (between two forwards), not after a round trip.
+
+Rollback keeps every committed token's K/V: the stage's tokens are cut back and the cache keeps
+the slots of the tokens before the cut (`fed`: the committed tokens whose K/V the cache holds).
+Tokens adopted from above whose K/V are not in the cache yet (extensions: at most one from each
+stage above, before the stage steps again) are fed with the next window, as nodes whose own
+checks are forced (their parents' logits say them for certain).
+
+Asynchronous: a stage steps whenever it has tokens to verify (stage 0: always) and no more than
+`ahead` tokens of its own are unverified above, and sends what it committed after every step.
+Synchronous (the ablation): a stage sends only once it has a whole window for the stage above
+(`ahead` = that window) and then waits for its answer before it goes on, so the stages take turns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specgraph.draft import CATCH_UP, Drafter
+from specgraph.errors import SpecgraphError
+from specgraph.launch import PROGRESS as WATCHDOG
+from specgraph.runtime.channel import Mail, Mailbox
+from specgraph.runtime.executor import Generation
+from specgraph.runtime.sequence import Sequence
+from specgraph.runtime.verifier import Verifier
+from specgraph.sampling import probs_from_logits
+from specgraph.tree import Tree, TreeStructure
+
+TOKENS, PROGRESS, CHECK, STOP, DONE = range(5)
+
+
+def stream(seed: int, index: int, device: torch.device) -> torch.Generator:
+    """Stage `index`'s random numbers for a request of `seed`: a stream of its own (two stages
+    drawing the same uniforms would accept together, which biases what the stage above sees; the
+    CPU generator keeps only 32 bits of a seed, so the streams differ in those)."""
+    return torch.Generator(device).manual_seed((seed * 1009 + index) % (1 << 32))
+
+
+class ProtocolError(SpecgraphError):
+    """A message that does not fit its receiver's state (a bug, never a user's mistake)."""
+
+
+@dataclass
+class StageCounts:
+    """What one stage did for one request (its `stats` in the Generation, keyed `<stage>.<name>`)."""
+
+    index: int = 0  # the stage's place, the first stage 0
+    requests: int = 1  # (summed over requests, the constants above and below divide by this)
+    steps: int = 0
+    step_seconds: float = 0.0  # in its steps, each ending at its host read
+    idle_seconds: float = 0.0  # waiting for a message, with nothing to do
+    proposed: int = 0  # tokens sent to the stage above
+    verified: int = 0  # tokens of the stage below in its windows (those past a rejection were not tried)
+    accepted: int = 0  # of those, accepted
+    rejections: int = 0  # steps that rejected a token
+    rolled_back: int = 0  # committed tokens cut by a CHECK from above
+    dropped: int = 0  # received tokens dropped unverified: stale (sent before a CHECK arrived) or contradicted
+    window: int = 0
+
+    def stats(self, name: str) -> dict[str, float]:
+        return {f"{name}.{key}": float(value) for key, value in vars(self).items()}
+
+
+class PipelineStage:
+    """One stage's part: its committed tokens (host list: the decisions are the host's), what it
+    has received and not yet verified, and its exchanges with the stages below and above."""
+
+    def __init__(self, names: list[str], index: int, leaders: list[int], mailbox: Mailbox, window: int, ahead: int,
+                 synchronous: bool, device: torch.device, max_seq_len: int):
+        """`names`, `leaders`: every stage's name and rank, first stage first; `window`: tokens
+        verified per step (stage > 0); `ahead`: own tokens that may be unverified above (stage < last)."""
+        self.name, self.index, self.mailbox = names[index], index, mailbox
+        self.below = leaders[index - 1] if index > 0 else None
+        self.above = leaders[index + 1] if index + 1 < len(leaders) else None
+        self.called = {leaders[i]: f"stage {names[i]} (rank {leaders[i]})" for i in (index - 1, index + 1)
+                       if 0 <= i < len(names)}  # the stages beside this one
+        self.waiting = "waiting for a message from " + " or ".join(self.called.values())
+        self.window, self.ahead, self.synchronous = window, ahead, synchronous
+        self.device, self.max_seq_len = device, max_seq_len
+
+    # -- per request state
+    def start(self, prompt_ids: list[int]) -> None:
+        self.committed = list(prompt_ids)
+        self.fed = 0  # committed tokens whose K/V the cache holds
+        self.pending: list[int] = []  # received, unverified: positions pending_at ...
+        self.pending_at = len(prompt_ids)  # len(committed), or one less right after a step or a CHECK
+        self.pending_proposals: list[torch.Tensor] = []  # [V] rows, sampling
+        self.proposals: dict[int, torch.Tensor] = {}  # position -> the distribution it was committed from (sampling)
+        self.sent = len(prompt_ids)  # committed tokens the stage above has (or will get)
+        self.verified_above = len(prompt_ids)  # committed tokens the stage above has verified
+        self.epoch_below = 0  # CHECKs sent down
+        self.checks: dict[int, tuple[int, int]] = {}  # epoch -> the CHECK (position, token) that opened it
+        self.epoch_seen = 0  # the last CHECK applied
+        self.stopping = False
+        self.done_below = self.below is None
+        self.counts = StageCounts(index=self.index, window=self.window)
+        self.mailbox.open(int(self.above is not None) + int(self.below is not None),
+                          lambda header: header[0] in (STOP, DONE))
+
+    # -- the loop
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
+        """This stage's part of one request; the last stage's Generation holds the output."""
+        began = time.perf_counter()
+        budget = min(max_new_tokens, self.max_seq_len - len(prompt_ids))
+        self.start(prompt_ids)
+        self.begin(prompt_ids, seed)
+        self.budget = budget
+        first_token_seconds = None
+        if self.above is None and budget <= 0:
+            self.stop()
+        while not (self.stopping and self.done_below):
+            mail = self.mailbox.get(block=False)
+            if mail is None and not self.stopping and self.can_step():
+                self.timed_step()
+                if first_token_seconds is None:
+                    first_token_seconds = time.perf_counter() - began
+                if not self.synchronous or self.unverified_above() >= self.ahead:
+                    self.flush()
+                continue
+            if mail is None:
+                if not self.stopping and (not self.synchronous or self.unverified_above() >= self.ahead):
+                    self.flush()
+                WATCHDOG.enter(self.waiting)
+                waited = time.perf_counter()
+                mail = self.mailbox.get(block=True)
+                self.counts.idle_seconds += time.perf_counter() - waited
+            WATCHDOG.enter("handling a message")
+            self.handle(mail)
+        if self.above is not None:
+            self.send(self.above, [DONE, 0, 0, 0, 0])
+        self.mailbox.close()
+        out = Generation(output_ids=[], stats=self.counts.stats(self.name), seconds=time.perf_counter() - began)
+        if self.above is None:
+            out.output_ids, out.accepted_lengths = self.output, self.accepted_lengths
+            out.target_steps, out.verify_seconds = self.counts.steps, self.counts.step_seconds
+            out.clipped = budget < max_new_tokens
+            out.first_token_seconds = first_token_seconds or out.seconds
+        return out
+
+    def send(self, dst: int, header: list[int], tokens: list[int] = (), proposals: torch.Tensor | None = None) -> None:
+        with WATCHDOG.within(f"sending to {self.called[dst]}"):  # (a send blocks while its receiver cannot take it)
+            self.mailbox.send(dst, header, tokens, proposals)
+
+    def stop(self) -> None:
+        """Decoding ends (the last stage decides; each stage below hears it from the one above)."""
+        self.stopping = True
+        if self.below is not None:
+            self.send(self.below, [STOP, 0, 0, 0, 0])
+
+    def timed_step(self) -> None:
+        WATCHDOG.enter("a step")
+        began = time.perf_counter()
+        self.step()
+        self.counts.steps += 1
+        self.counts.step_seconds += time.perf_counter() - began
+
+    def unverified_above(self) -> int:
+        return len(self.committed) - self.verified_above
+
+    def handle(self, mail: Mail) -> None:
+        kind, epoch, position, count, token = mail.header
+        if kind == TOKENS:
+            assert mail.src == self.below
+            self.receive(epoch, position, mail.tokens, mail.proposals)
+        elif kind == DONE:
+            self.done_below = True
+        elif kind == STOP:
+            self.stop()
+        elif kind == PROGRESS:
+            self.verified_above = position
+        elif kind == CHECK:
+            self.epoch_seen = epoch
+            self.verified_above = position
+            self.adopt(position, token)
+        else:
+            raise ProtocolError(f"stage {self.name}: unknown message kind {kind}")
+
+    def receive(self, epoch: int, position: int, tokens: list[int], proposals: torch.Tensor | None) -> None:
+        """TOKENS from below: keep what continues what this stage has (verified and pending)."""
+        if self.stopping or not self.survives(epoch, position, tokens):
+            self.counts.dropped += len(tokens)
+            return
+        have = self.pending_at + len(self.pending)
+        if position > have:
+            raise ProtocolError(f"stage {self.name}: tokens from position {position}, but it has only {have}")
+        skip = have - position  # already here (sent again after a CHECK that changed nothing below)
+        self.pending += tokens[skip:]
+        if proposals is not None:
+            self.pending_proposals += list(proposals[skip:])
+
+    def survives(self, epoch: int, position: int, tokens: list[int]) -> bool:
+        """Whether TOKENS sent before the stage below applied our CHECKs of later epochs still hold:
+        a CHECK (m, t) changes nothing below where its token at m - 1 already was t, and nothing
+        before m - 1, so tokens that stop short of m - 1, or have t there, are what it still has."""
+        for later in range(epoch + 1, self.epoch_below + 1):
+            m, t = self.checks[later]
+            if position + len(tokens) > m - 1 and (position > m - 1 or tokens[m - 1 - position] != t):
+                return False
+        return True
+
+    def adopt(self, position: int, token: int) -> None:
+        """A CHECK: the stage above committed `token` at position - 1, after our tokens before it."""
+        length = len(self.committed)
+        if position - 1 > length:
+            raise ProtocolError(f"stage {self.name}: a CHECK at {position - 1}, past its {length} tokens")
+        self.sent = position  # the stage above has everything before; it takes the rest again
+        if position - 1 < length and self.committed[position - 1] == token:
+            return
+        self.counts.rolled_back += length - (position - 1)
+        del self.committed[position - 1 :]
+        self.committed.append(token)
+        self.fed = min(self.fed, position - 1)
+        self.proposals = {p: row for p, row in self.proposals.items() if p < position - 1}
+        self.on_adopt(position, token)
+        if self.below is not None:
+            self.reconcile()
+
+    def reconcile(self) -> None:
+        """After this stage's last token changed or was added: keep the pending tokens that agree
+        with it and tell the stage below (PROGRESS), or drop them and check it (CHECK)."""
+        length, last = len(self.committed), self.committed[-1]
+        if self.pending and self.pending_at == length - 1 and self.pending[0] == last:
+            self.pending, self.pending_proposals = self.pending[1:], self.pending_proposals[1:]
+            self.pending_at = length
+            self.send(self.below, [PROGRESS, 0, length, 0, 0])
+            return
+        self.counts.dropped += len(self.pending)
+        self.pending, self.pending_proposals, self.pending_at = [], [], length
+        self.epoch_below += 1
+        self.checks[self.epoch_below] = (length, last)
+        self.send(self.below, [CHECK, self.epoch_below, length, 0, last])
+
+    def flush(self) -> None:
+        """Send the stage above what it does not have yet."""
+        while self.above is not None and self.sent < len(self.committed):
+            tokens = self.committed[self.sent : self.sent + self.mailbox.capacity]
+            rows = None
+            if self.mailbox.vocab is not None:
+                rows = torch.stack([self.proposals[p] for p in range(self.sent, self.sent + len(tokens))])
+            self.send(self.above, [TOKENS, self.epoch_seen, self.sent, len(tokens), 0], tokens, rows)
+            self.counts.proposed += len(tokens)
+            self.sent += len(tokens)
+
+    # -- what the two kinds of stage do
+    def can_step(self) -> bool:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def begin(self, prompt_ids: list[int], seed: int) -> None:
+        """The stage's device state for a new request."""
+        raise NotImplementedError
+
+    def on_adopt(self, position: int, token: int) -> None:
+        """The stage's device state after its tokens were cut back (or extended) to `position`."""
+
+
+class DraftingStage(PipelineStage):
+    """Stage 0: drafts a chain per step into its committed tokens."""
+
+    def __init__(self, drafter: Drafter, draws: bool, capacity: int, **common):
+        super().__init__(**common)
+        self.drafter, self.draws = drafter, draws
+        self.stage = drafter.stage
+        self.chain = drafter.nodes
+        self.sequence = Sequence(capacity, self.device)
+        self.path = torch.arange(self.chain + 1, device=self.device)  # every node of the chain, kept
+        self.chain_count = torch.tensor(self.chain, device=self.device)
+
+    def begin(self, prompt_ids: list[int], seed: int) -> None:
+        prompt = torch.tensor(prompt_ids, device=self.device)
+        self.sequence.start(prompt)
+        self.drafter.prefill(prompt)
+        self.fed = max(0, len(prompt_ids) - CATCH_UP)
+        self.generator = stream(seed, self.index, self.device) if self.draws else None
+
+    def can_step(self) -> bool:
+        return self.unverified_above() < self.ahead
+
+    def step(self) -> None:
+        length = len(self.committed)
+        feeds = length - self.fed
+        assert 1 <= feeds <= self.drafter.max_feeds, f"stage {self.name}: {feeds} tokens to catch up"
+        seq = self.sequence
+        draft = self.drafter.draft(seq.tokens, seq.length, self.stage.width(length, self.chain + 2), self.generator, feeds)
+        self.drafter.commit(draft, self.path, seq.length)
+        new = draft.tree.tokens[1:]  # [k]
+        seq.append(new, self.chain_count)
+        tokens = new.tolist()  # the step's host read
+        if self.draws:  # the distribution each token was drawn from (chosen, not drawn: its one-hot)
+            drawn = draft.tree.proposals
+            rows = (drawn[1:].float().cpu() if drawn is not None
+                    else torch.nn.functional.one_hot(torch.tensor(tokens), self.stage.model.served_vocab).float())
+            for i, row in enumerate(rows):
+                self.proposals[length + i] = row
+        self.committed += tokens
+        self.fed = length + self.chain - 1  # the chain's last token is fed by the next catch-up
+
+    def on_adopt(self, position: int, token: int) -> None:
+        self.sequence.tokens[position - 1] = token
+        self.sequence.length.fill_(position)
+
+
+class VerifyingStage(PipelineStage):
+    """Stage i > 0: verifies up to a window of the tokens below per step, as a chain from its last
+    committed token; the last stage's committed tokens are the output."""
+
+    def __init__(self, verifier: Verifier, eos_ids: tuple[int, ...], sends_proposals: bool, **common):
+        super().__init__(**common)
+        self.verifier, self.eos_ids = verifier, tuple(eos_ids)
+        self.stage = verifier.stage
+        self.sends_proposals = sends_proposals  # the stage above checks with this stage's distributions
+        self.adoptable = len(common["names"]) - 1 - self.index  # tokens adopted, one per stage above, wait to be fed
+        self.chains = {size: (torch.arange(-1, size - 1, device=self.device), TreeStructure.of(
+            list(range(-1, size - 1)), self.device)) for size in range(1, self.window + self.adoptable + 2)}
+        self.vocab = self.stage.model.served_vocab
+
+    def begin(self, prompt_ids: list[int], seed: int) -> None:
+        self.verifier.prefill(torch.tensor(prompt_ids, device=self.device))
+        self.fed = len(prompt_ids) - 1
+        self.generator = stream(seed, self.index, self.device) if self.verifier.draws else None
+        self.output: list[int] = []
+        self.accepted_lengths: list[int] = []
+        self.ended = False
+
+    def can_step(self) -> bool:
+        return bool(self.pending) and (self.above is None or self.unverified_above() < self.ahead)
+
+    def step(self) -> None:
+        length = len(self.committed)
+        assert self.pending_at == length
+        base = self.fed + 1  # the chain's root is committed[base - 1]; what follows it was adopted from above
+        forced = self.committed[base:length]
+        assert len(forced) <= self.adoptable, f"stage {self.name}: {len(forced)} adopted tokens to feed"
+        n = min(len(self.pending), self.window)
+        tokens = [self.committed[base - 1]] + forced + self.pending[:n]
+        parents, structure = self.chains[len(tokens)]
+        token_tensor = torch.tensor(tokens, device=self.device)
+        proposals = None
+        if self.verifier.draws:
+            proposals = torch.zeros(len(tokens), self.vocab, device=self.device)
+            for i, token in enumerate(forced):
+                proposals[1 + i, token] = 1.0
+            if n:
+                proposals[1 + len(forced) :] = torch.stack(self.pending_proposals[:n]).to(self.device)
+        tree = Tree(token_tensor, parents, proposals, structure)
+        base_tensor = torch.tensor(base, device=self.device)
+        logits = self.verifier.score(tree, base_tensor, self.stage.width(base, len(tokens)))
+        if forced:  # a token adopted from above is certain at its parent
+            logits = logits.clone()
+            certain = torch.full_like(logits[: len(forced)], float("-inf"))
+            certain[torch.arange(len(forced)), token_tensor[1 : 1 + len(forced)]] = 0.0
+            logits[: len(forced)] = certain
+        verdict = self.verifier.verdict(tree, logits, self.generator)
+        count, new = verdict.accepted(tree)
+        self.verifier.commit(verdict.path, base_tensor)
+        rows = None
+        if self.sends_proposals:
+            rows = probs_from_logits(logits[len(forced) : len(forced) + n + 1].float(), self.verifier.sampling).cpu()
+        count, *new = torch.cat([count.reshape(1), new]).tolist()  # the step's host read
+        new = new[:count]
+        assert new[: len(forced)] == forced, "an adopted token was not kept"
+        emitted = new[len(forced) :]  # the accepted tokens of the window, then this stage's own token
+        accepted = len(emitted) - 1
+        self.counts.verified += n
+        self.counts.accepted += accepted
+        self.counts.rejections += accepted < n
+        if rows is not None:
+            for i in range(len(emitted)):
+                self.proposals[length + i] = rows[i]
+        self.committed += emitted
+        self.fed = len(self.committed) - 1
+        self.pending, self.pending_proposals = self.pending[accepted:], self.pending_proposals[accepted:]
+        self.pending_at = length + accepted
+        self.reconcile()
+        if self.above is None:
+            self.emit(emitted)
+
+    def emit(self, emitted: list[int]) -> None:
+        """The last stage: `emitted` goes to the output, up to the budget or an end-of-sequence token."""
+        new = emitted[: self.budget - len(self.output)]
+        ended = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
+        if ended is not None:
+            new = new[: ended + 1]
+        self.output += new
+        self.accepted_lengths.append(len(new))  # what the step added to the output
+        if ended is not None or len(self.output) >= self.budget:
+            self.stop()
+
+
+MESSAGE_TOKENS = 64  # tokens per TOKENS message (more go as several)
+
+
+def pipeline_executor(graph, stages: dict, ranks) -> PipelineStage:
+    """This rank's stage of a pipeline program (each stage has a process of its own)."""
+    from specgraph.program import verifier_of
+
+    names = graph.stages()
+    (name,) = [n for n in names if ranks.runs(n)]
+    node, recipe = graph.node(name), graph.recipe
+    index = node["index"]
+    draws = recipe.sampling.temperature > 0  # then every message up carries its tokens' distributions
+    mailbox = Mailbox(ranks.mail, MESSAGE_TOKENS, stages[name].model.served_vocab if draws else None)
+    common = dict(names=names, index=index, leaders=[ranks.leader(n) for n in names], mailbox=mailbox,
+                  window=node["window"] or 0, ahead=node["ahead"] or 0, synchronous=recipe.pipeline.synchronous,
+                  device=node["device"], max_seq_len=recipe.max_seq_len)
+    if index == 0:
+        drafter = Drafter(stages[name], node["tree"], graph.node(names[1])["rule"], recipe.sampling,
+                          max_feeds=len(names))  # the leaf of its last chain, and one token from each stage above
+        return DraftingStage(drafter, draws, node["cache_slots"], **common)
+    return VerifyingStage(verifier_of(graph, stages, name), node["eos_ids"], draws and index + 1 < len(names), **common)
