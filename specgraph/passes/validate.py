@@ -64,9 +64,6 @@ def _check_pipeline(graph: SpecGraph) -> None:
         raise RecipeError("stages: execution: pipeline needs at least two stages (a drafter and the stages that verify it)")
     for name in stages:
         spec, index = graph.node(name)["spec"], graph.node(name)["index"]
-        if len(spec.devices) > 1:
-            raise RecipeError(f"stages.{index}.devices: a pipeline stage runs on one device (tensor-parallel pipeline "
-                              "stages are not supported yet); list one")
         if index == 0 and spec.tree is not None and not isinstance(spec.tree, ChainTree):
             raise RecipeError(f"stages.0.tree: a pipeline's first stage drafts a chain ({{shape: chain, length: N}}); "
                               f"a {spec.tree.shape} tree needs execution: serial or disaggregated")

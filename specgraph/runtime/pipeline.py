@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from specgraph.draft import CATCH_UP, Drafter
 from specgraph.errors import SpecgraphError
@@ -86,20 +87,58 @@ class StageCounts:
         return {f"{name}.{key}": float(value) for key, value in vars(self).items()}
 
 
+class Followers:
+    """A tensor-parallel stage's ranks as one: the leader broadcasts each of its decisions (a
+    message to handle, or None: a step) over the stage's group, and the other ranks take them in
+    the same order, so every rank runs the same steps on its shard (their collectives meet)."""
+
+    def __init__(self, group, leader: int, device: torch.device, capacity: int, vocab: int | None):
+        self.group, self.leader, self.capacity, self.vocab = group, leader, capacity, vocab
+        self.device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+    def share(self, mail: Mail | None) -> None:
+        """The leader: tell the others."""
+        packed = torch.zeros(2 + Mailbox.HEADER + self.capacity, dtype=torch.long)
+        if mail is not None:
+            packed[: 2 + Mailbox.HEADER + len(mail.tokens)] = torch.tensor([1, mail.src, *mail.header, *mail.tokens])
+        dist.broadcast(packed.to(self.device), self.leader, group=self.group)
+        if mail is not None and mail.proposals is not None:
+            dist.broadcast(mail.proposals.to(self.device), self.leader, group=self.group)
+
+    def receive(self) -> Mail | None:
+        """The other ranks: the leader's next decision."""
+        packed = torch.zeros(2 + Mailbox.HEADER + self.capacity, dtype=torch.long, device=self.device)
+        dist.broadcast(packed, self.leader, group=self.group)
+        is_mail, src, *rest = packed.tolist()
+        if not is_mail:
+            return None
+        header, count = rest[: Mailbox.HEADER], rest[3]
+        proposals = None
+        if count and self.vocab is not None:
+            proposals = torch.zeros(count, self.vocab, device=self.device)
+            dist.broadcast(proposals, self.leader, group=self.group)
+            proposals = proposals.cpu()
+        return Mail(src, header, rest[Mailbox.HEADER : Mailbox.HEADER + count], proposals)
+
+
 class PipelineStage:
     """One stage's part: its committed tokens (host list: the decisions are the host's), what it
     has received and not yet verified, and its exchanges with the stages below and above."""
 
-    def __init__(self, names: list[str], index: int, leaders: list[int], mailbox: Mailbox, window: int, ahead: int,
-                 synchronous: bool, device: torch.device, max_seq_len: int):
-        """`names`, `leaders`: every stage's name and rank, first stage first; `window`: tokens
-        verified per step (stage > 0); `ahead`: own tokens that may be unverified above (stage < last)."""
-        self.name, self.index, self.mailbox = names[index], index, mailbox
+    def __init__(self, names: list[str], index: int, leaders: list[int], mailbox: Mailbox | None, window: int,
+                 ahead: int, synchronous: bool, device: torch.device, max_seq_len: int, followers: Followers | None = None):
+        """`names`, `leaders`: every stage's name and rank, first stage first; `mailbox`: the
+        leader's (None on the other ranks of a tensor-parallel stage, which follow its decisions
+        through `followers`); `window`: tokens verified per step (stage > 0); `ahead`: own tokens
+        that may be unverified above (stage < last)."""
+        self.name, self.index, self.mailbox, self.followers = names[index], index, mailbox, followers
         self.below = leaders[index - 1] if index > 0 else None
         self.above = leaders[index + 1] if index + 1 < len(leaders) else None
         self.called = {leaders[i]: f"stage {names[i]} (rank {leaders[i]})" for i in (index - 1, index + 1)
                        if 0 <= i < len(names)}  # the stages beside this one
         self.waiting = "waiting for a message from " + " or ".join(self.called.values())
+        if mailbox is None:
+            self.waiting = f"waiting for the decisions of its leader (rank {leaders[index]})"
         self.window, self.ahead, self.synchronous = window, ahead, synchronous
         self.device, self.max_seq_len = device, max_seq_len
 
@@ -119,8 +158,9 @@ class PipelineStage:
         self.stopping = False
         self.done_below = self.below is None
         self.counts = StageCounts(index=self.index, window=self.window)
-        self.mailbox.open(int(self.above is not None) + int(self.below is not None),
-                          lambda header: header[0] in (STOP, DONE))
+        if self.mailbox is not None:
+            self.mailbox.open(int(self.above is not None) + int(self.below is not None),
+                              lambda header: header[0] in (STOP, DONE))
 
     # -- the loop
     @torch.inference_mode()
@@ -135,27 +175,29 @@ class PipelineStage:
         if self.above is None and budget <= 0:
             self.stop()
         while not (self.stopping and self.done_below):
-            mail = self.mailbox.get(block=False)
-            if mail is None and not self.stopping and self.can_step():
+            if self.followers is None:
+                mail = self.decide()
+            elif self.mailbox is not None:
+                mail = self.decide()
+                self.followers.share(mail)
+            else:
+                WATCHDOG.enter(self.waiting)
+                mail = self.followers.receive()
+            if mail is None:
                 self.timed_step()
                 if first_token_seconds is None:
                     first_token_seconds = time.perf_counter() - began
                 if not self.synchronous or self.unverified_above() >= self.ahead:
                     self.flush()
                 continue
-            if mail is None:
-                if not self.stopping and (not self.synchronous or self.unverified_above() >= self.ahead):
-                    self.flush()
-                WATCHDOG.enter(self.waiting)
-                waited = time.perf_counter()
-                mail = self.mailbox.get(block=True)
-                self.counts.idle_seconds += time.perf_counter() - waited
             WATCHDOG.enter("handling a message")
             self.handle(mail)
         if self.above is not None:
             self.send(self.above, [DONE, 0, 0, 0, 0])
-        self.mailbox.close()
-        out = Generation(output_ids=[], stats=self.counts.stats(self.name), seconds=time.perf_counter() - began)
+        if self.mailbox is not None:
+            self.mailbox.close()
+        stats = self.counts.stats(self.name) if self.mailbox is not None else {}  # the leader's speak for the stage
+        out = Generation(output_ids=[], stats=stats, seconds=time.perf_counter() - began)
         if self.above is None:
             out.output_ids, out.accepted_lengths = self.output, self.accepted_lengths
             out.target_steps, out.verify_seconds = self.counts.steps, self.counts.step_seconds
@@ -163,7 +205,23 @@ class PipelineStage:
             out.first_token_seconds = first_token_seconds or out.seconds
         return out
 
+    def decide(self) -> Mail | None:
+        """The leader: the next message to handle, or None to step (waiting when there is neither)."""
+        mail = self.mailbox.get(block=False)
+        if mail is not None or (not self.stopping and self.can_step()):
+            return mail
+        if not self.stopping and (not self.synchronous or self.unverified_above() >= self.ahead):
+            self.flush()
+        WATCHDOG.enter(self.waiting)
+        waited = time.perf_counter()
+        mail = self.mailbox.get(block=True)
+        self.counts.idle_seconds += time.perf_counter() - waited
+        return mail
+
     def send(self, dst: int, header: list[int], tokens: list[int] = (), proposals: torch.Tensor | None = None) -> None:
+        """The leader sends (the other ranks of a tensor-parallel stage take the same decisions, silently)."""
+        if self.mailbox is None:
+            return
         with WATCHDOG.within(f"sending to {self.called[dst]}"):  # (a send blocks while its receiver cannot take it)
             self.mailbox.send(dst, header, tokens, proposals)
 
@@ -257,8 +315,8 @@ class PipelineStage:
         self.send(self.below, [CHECK, self.epoch_below, length, 0, last])
 
     def flush(self) -> None:
-        """Send the stage above what it does not have yet."""
-        while self.above is not None and self.sent < len(self.committed):
+        """The leader: send the stage above what it does not have yet."""
+        while self.mailbox is not None and self.above is not None and self.sent < len(self.committed):
             tokens = self.committed[self.sent : self.sent + self.mailbox.capacity]
             rows = None
             if self.mailbox.vocab is not None:
@@ -419,7 +477,8 @@ MESSAGE_TOKENS = 64  # tokens per TOKENS message (more go as several)
 
 
 def pipeline_executor(graph, stages: dict, ranks) -> PipelineStage:
-    """This rank's stage of a pipeline program (each stage has a process of its own)."""
+    """This rank's stage of a pipeline program (each stage has processes of its own: one, or one
+    per device of a tensor-parallel stage)."""
     from specgraph.program import verifier_of
 
     names = graph.stages()
@@ -427,10 +486,15 @@ def pipeline_executor(graph, stages: dict, ranks) -> PipelineStage:
     node, recipe = graph.node(name), graph.recipe
     index = node["index"]
     draws = recipe.sampling.temperature > 0  # then every message up carries its tokens' distributions
-    mailbox = Mailbox(ranks.mail, MESSAGE_TOKENS, stages[name].model.served_vocab if draws else None)
+    vocab = stages[name].model.served_vocab if draws else None
+    leads = ranks.rank == ranks.leader(name)
+    mailbox = Mailbox(ranks.mail, MESSAGE_TOKENS, vocab) if leads else None
+    followers = None
+    if node["tp"] > 1:
+        followers = Followers(ranks.groups[name], ranks.leader(name), node["device"], MESSAGE_TOKENS, vocab)
     common = dict(names=names, index=index, leaders=[ranks.leader(n) for n in names], mailbox=mailbox,
                   window=node["window"] or 0, ahead=node["ahead"] or 0, synchronous=recipe.pipeline.synchronous,
-                  device=node["device"], max_seq_len=recipe.max_seq_len)
+                  device=node["device"], max_seq_len=recipe.max_seq_len, followers=followers)
     if index == 0:
         drafter = Drafter(stages[name], node["tree"], graph.node(names[1])["rule"], recipe.sampling,
                           max_feeds=len(names))  # the leaf of its last chain, and one token from each stage above
