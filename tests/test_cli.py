@@ -90,8 +90,9 @@ def test_bad_prompt_files(tmp_path, capsys):
 
 def test_user_errors_print_no_traceback():
     proc = subprocess.run([sys.executable, "-m", "specgraph.cli", "run", str(DEMO), "--set", "execution=pipeline",
-                           "--set", "stages.0.tree={shape: static, branching: [2]}"], capture_output=True, text=True)
+                           "--set", "stages.0.tree={shape: static, branching: [2]}", "--set", "stages.1.verify.window=3"],
+                          capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        "specgraph: error: stages.0.tree: a pipeline's first stage drafts a chain ({shape: chain, length: N}); "
-        "a static tree needs execution: serial or disaggregated")
+        "specgraph: error: stages.1.verify.window: the stage above a first stage that drafts a tree verifies the "
+        "whole tree; give the tree's size instead (stages.0.tree)")

@@ -184,8 +184,9 @@ def pipeline_stage(index: int):
                   ahead=node["ahead"], synchronous=False, device=CPU, max_seq_len=96)
     stage = load_stage(graph, name)
     if index == 0:
-        return DraftingStage(Drafter(stage, node["tree"], "greedy", graph.recipe.sampling), False, node["cache_slots"], **common)
-    return VerifyingStage(verifier_of(graph, {name: stage}, name), (), False, **common)
+        drafter = Drafter(stage, node["tree"], "greedy", graph.recipe.sampling, node["feeds"])
+        return DraftingStage(drafter, False, False, node["cache_slots"], **common)
+    return VerifyingStage(verifier_of(graph, {name: stage}, name), (), False, False, **common)
 
 
 def check_rolled_back_stage(stage, model) -> None:
@@ -226,7 +227,7 @@ def test_pipeline_stages_keep_every_verified_tokens_kv_through_random_rollbacks(
                 position = length + 1 if extension else rng.randint(len(prompt) + 1, length)
                 epoch += 1
                 token = rng.randrange(vocab)
-                stage.handle(Mail(0, [CHECK, epoch, position, 0, token], [], None))
+                stage.handle(Mail(0, [CHECK, epoch, position, 1, 0], [token], None))
                 events["extension" if extension else "rollback"] += 1
             elif index == 1 and roll < 0.6:  # tokens from below: the model's own greedy ones, some corrupted
                 tokens, context = [], stage.committed + stage.pending

@@ -202,8 +202,8 @@ def test_hybrid_model_runs_only_as_a_one_device_target(change, expected):
 
 
 @pytest.mark.parametrize("change, expected", [
-    ({"execution": "pipeline", "stages.0.tree": {"shape": "dynamic", "width": 2, "depth": 2, "nodes": 4}},
-     "stages.0.tree: a pipeline's first stage drafts a chain ({shape: chain, length: N}); a dynamic tree needs"),
+    ({"execution": "pipeline", "stages.0.tree": {"shape": "dynamic", "width": 2, "depth": 2, "nodes": 4},
+      "stages.1.verify": {"window": 2}}, "stages.1.verify.window: the stage above a first stage that drafts a tree"),
     ({"sampling": {"temperature": 0.5}, "stages.1.verify": {"rule": "greedy"}}, "stages.1.verify.rule: 'greedy' needs sampling.temperature 0"),
     ({"stages.1.verify": {"rule": "sampling"}}, "stages.1.verify.rule: 'sampling' needs sampling.temperature > 0"),
     ({"stages.0.devices": ["tpu:0"]}, "stages.0.devices.0: 'tpu:0' is not a device; valid: cpu, cuda:N, auto"),

@@ -28,10 +28,10 @@ def checkpoint(name: str | Path) -> Path:
     return EMBEDDED / name if name in ("draft", "target") else shared_models() / name
 
 
-def pipeline(models: list, chain: int = 3, synchronous: bool = False, **fields) -> Recipe:
-    """Stage i runs models[i] on the CPU, each verifying the one before; stage 0 drafts chains."""
+def pipeline(models: list, chain: int = 3, synchronous: bool = False, tree: dict | None = None, **fields) -> Recipe:
+    """Stage i runs models[i] on the CPU, each verifying the one before; stage 0 drafts chains (or `tree`)."""
     stages = [{"name": f"s{i}", "model": f"m{i}", "devices": ["cpu"]} for i in range(len(models))]
-    stages[0]["tree"] = {"shape": "chain", "length": chain}
+    stages[0]["tree"] = tree or {"shape": "chain", "length": chain}
     for i in range(1, len(models)):
         stages[i]["verifies"] = f"s{i - 1}"
     return Recipe.from_dict({"name": "test", "models": {f"m{i}": {"path": str(checkpoint(m)), "dtype": "float32"}
@@ -40,22 +40,24 @@ def pipeline(models: list, chain: int = 3, synchronous: bool = False, **fields) 
                              "pipeline": {"synchronous": synchronous}, **fields})
 
 
+DYNAMIC = {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 10}
 PIPELINES = {
-    "2-stage": (["draft", "target"], False),
-    "3-stage": (["draft", "mid", "target"], False),
-    "3-stage-synchronous": (["draft", "mid", "target"], True),  # (4 prompts: the ablation's mode, same code)
-    "hybrid-last": (["draft", "mid", "hybrid"], False),
-    "4-stage": (["draft", "mid", "mid", "target"], False),
+    "2-stage": (["draft", "target"], False, None),
+    "3-stage": (["draft", "mid", "target"], False, None),
+    "3-stage-synchronous": (["draft", "mid", "target"], True, None),  # (4 prompts: the ablation's mode, same code)
+    "3-stage-tree-first": (["draft", "mid", "target"], False, DYNAMIC),
+    "hybrid-last": (["draft", "mid", "hybrid"], False, None),
+    "4-stage": (["draft", "mid", "mid", "target"], False, None),
 }
 
 
 @pytest.mark.parametrize("name", list(PIPELINES))
 def test_greedy_output_equals_the_last_stage_alone(name, request):
-    models, synchronous = PIPELINES[name]
+    models, synchronous, tree = PIPELINES[name]
     reference = request.getfixturevalue("hybrid_reference" if models[-1] == "hybrid" else "target_reference")
     reference = reference[:4] if synchronous else reference
     accepted, stats = [], {}
-    with Program.from_recipe(pipeline(models, synchronous=synchronous, max_new_tokens=128)) as program:
+    with Program.from_recipe(pipeline(models, synchronous=synchronous, tree=tree, max_new_tokens=128)) as program:
         assert len(program.cluster.pids) == len(models)
         for ids, expected in reference:
             generation = program.generate(ids)
@@ -117,14 +119,16 @@ def test_mismatches_forced_at_every_stage_leave_the_output_exact(tmp_path, targe
         assert table[f"s{i}"]["rolled_back"] > 0, table
 
 
-def test_sampling_through_a_three_stage_pipeline_follows_the_last_stage_distribution():
+@pytest.mark.parametrize("tree", [{"shape": "chain", "length": 2}, {"shape": "static", "branching": [2, 2]}],
+                         ids=["chain", "static-tree"])
+def test_sampling_through_a_three_stage_pipeline_follows_the_last_stage_distribution(tree):
     """Two sampled tokens after a prompt, many seeds: their empirical joint approaches the target's
     exact one (temperature 1, top-k 3: 9 outcomes), far below the distance of the stages below it.
     At 600 draws from the exact law the distance exceeds 0.1 with probability below 1e-4 (20,000
     simulated runs: mean 0.039, 99.99th percentile 0.097); with one random stream for all stages
     (the mid and the target then accepted together) it was 0.13."""
     sampling = {"temperature": 1.0, "top_k": 3}
-    with Program.from_recipe(pipeline(["draft", "mid", "target"], chain=2, sampling=sampling, max_new_tokens=2,
+    with Program.from_recipe(pipeline(["draft", "mid", "target"], tree=tree, sampling=sampling, max_new_tokens=2,
                                       max_seq_len=128)) as program:
         ids = program.encode("import os\nimport sys\n\n\ndef main(")
         observed = sampled_law(lambda seed: program.generate(ids, seed=seed).output_ids, 600)
@@ -182,8 +186,8 @@ def test_pipespecs_steady_state_by_hand():
 @pytest.mark.parametrize("change, message", [
     ({"stages": [{"name": "s0", "model": "m0", "devices": ["cpu"]}]},
      "stages: execution: pipeline needs at least two stages"),
-    ({"stages.0.tree": {"shape": "static", "branching": [2, 2]}},
-     "stages.0.tree: a pipeline's first stage drafts a chain"),
+    ({"stages.0.tree": {"shape": "static", "branching": [2, 2]}, "stages.1.verify": {"window": 2}},
+     "stages.1.verify.window: the stage above a first stage that drafts a tree verifies the whole tree"),
     ({"stages.1.tree": {"shape": "chain", "length": 2}}, "stages.1.tree: in a pipeline only the first stage drafts"),
     ({"stages.0.verify": {"window": 2}}, "stages.0.verify.window: the first stage verifies nothing"),
     ({"execution": "serial"}, "stages: 3 stages form a hierarchy, which needs execution: pipeline"),

@@ -14,8 +14,9 @@ After:  + `static_shapes` (bool): forwards attend over the whole cache (shapes d
             target  - 1 (autoregressive) and the drafter's tree + root;
             drafter - 2 (catch-up) and the batch sizes of its tree expansion (nodes per depth with
                       children; the width for dynamic trees);
-            pipeline - every stage's steps run forward by forward: the first stage 1 and 2, the others
-                      every size up to their `step_tokens`.
+            pipeline - every stage's steps run forward by forward: the first stage's catch-ups of
+                      1 to `feeds` tokens and its tree's expansions, the others every size up to
+                      their `step_tokens`.
         Other sizes (prefill) run eagerly.
 """
 
@@ -35,7 +36,7 @@ def expansion_sizes(tree) -> set[int]:
     return {len(tree.expanding(depth)) for depth in range(1, tree.max_depth)}
 
 
-@graph_pass(requires=("device", "tree", "tree_nodes", "window", "step_tokens"), provides=("static_shapes", "step_graphs", "alone_step_graphs", "graph_buckets"))
+@graph_pass(requires=("device", "tree", "tree_nodes", "window", "step_tokens", "feeds"), provides=("static_shapes", "step_graphs", "alone_step_graphs", "graph_buckets"))
 def capture_graphs(graph: SpecGraph) -> SpecGraph:
     recipe, target = graph.recipe, graph.target
     drafter = graph.drafter_of(target)
@@ -56,7 +57,7 @@ def capture_graphs(graph: SpecGraph) -> SpecGraph:
             node["graph_buckets"] = tuple(range(1, node["step_tokens"] + 1))
         elif name == target:
             node["graph_buckets"] = tuple(sorted({1} | ({graph.node(drafter)["tree_nodes"] + 1} if drafter else set())))
-        else:  # (a pipeline's first stage catches up on up to one token per stage)
-            catch_up = set(range(1, len(graph.stages()) + 1)) if recipe.execution == "pipeline" else {2}
+        else:  # (a pipeline's first stage catches up on anything from one token to its `feeds`)
+            catch_up = set(range(1, node["feeds"] + 1)) if recipe.execution == "pipeline" else {node["feeds"]}
             node["graph_buckets"] = tuple(sorted(catch_up | expansion_sizes(node["tree"])))
     return graph

@@ -12,6 +12,7 @@ After:  + `step_tokens`: the most tokens one step writes past the committed pref
 
 from __future__ import annotations
 
+from specgraph.draft import CATCH_UP
 from specgraph.errors import RecipeError
 from specgraph.graph import SpecGraph
 from specgraph.growing import GrowthPlan
@@ -20,7 +21,7 @@ from specgraph.models.loader import model_shape
 from specgraph.passes.base import graph_pass
 
 
-@graph_pass(requires=("config", "dtype", "tree_nodes", "window", "ahead"), provides=("step_tokens", "cache_slots", "kv_bytes", "weight_bytes"))
+@graph_pass(requires=("config", "dtype", "tree_nodes", "window", "ahead", "feeds"), provides=("step_tokens", "cache_slots", "kv_bytes", "weight_bytes"))
 def plan_memory(graph: SpecGraph) -> SpecGraph:
     max_seq_len = graph.recipe.max_seq_len
     stages = graph.stages()
@@ -41,8 +42,8 @@ def plan_memory(graph: SpecGraph) -> SpecGraph:
             step_tokens = 1 + graph.node(drafter)["tree_nodes"]
         elif isinstance(node["tree"], GrowthPlan):
             step_tokens = node["tree"].region
-        else:  # (a pipeline's first stage catches up on up to one token per stage: see runtime/pipeline.py)
-            step_tokens = (len(stages) if graph.recipe.execution == "pipeline" else 2) + node["tree_nodes"]
+        else:  # a drafter (or a target alone, as if it were one)
+            step_tokens = (node["feeds"] or CATCH_UP) + node["tree_nodes"]
         shape = model_shape(node["config"])
         if isinstance(shape, HybridShape) and step_tokens > STEP_TOKENS:
             where = (f"stages.{node['index']}.verify.window" if node["window"] else

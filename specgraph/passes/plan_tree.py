@@ -9,13 +9,17 @@ After:  + `tree`: what the drafter grows — a TreeTopology (chain and static tr
         `tree_depth` (their depth bound).
         A drafter without a tree gets the default chain of 4; the final target gets tree None, 0 nodes.
         Where the execution is a pipeline, only the first stage drafts (a chain); every stage above it
-        gets tree None and + `window` (the most tokens of the stage below it verifies per forward),
-        every stage below the last + `ahead` (the tokens it may produce past what the stage above has
-        verified); elsewhere both are None.
+        gets tree None and + `window` (the most tokens of the stage below it verifies per forward:
+        the first stage's tree, where it drafts trees), every stage below the last + `ahead` (the
+        tokens it may produce past what the stage above has verified); elsewhere both are None.
+        + `feeds` (drafting stages): the most committed tokens one catch-up feeds — 2, or in a
+        pipeline's first stage one more per stage (tokens adopted from above), and a verified tree's
+        path where it drafts trees; None for the others.
 """
 
 from __future__ import annotations
 
+from specgraph.draft import CATCH_UP
 from specgraph.errors import RecipeError
 from specgraph.graph import SpecGraph
 from specgraph.growing import GrowthPlan
@@ -25,14 +29,14 @@ from specgraph.recipe import StaticTree as StaticTreeSpec
 from specgraph.tree import TreeTopology
 
 
-@graph_pass(requires=("config", "device"), provides=("tree", "tree_nodes", "tree_depth", "window", "ahead"))
+@graph_pass(requires=("config", "device"), provides=("tree", "tree_nodes", "tree_depth", "window", "ahead", "feeds"))
 def plan_tree(graph: SpecGraph) -> SpecGraph:
     growing = graph.recipe.execution == "disaggregated"
     pipeline = graph.recipe.execution == "pipeline"
     for name in graph.stages():
         node = graph.node(name)
         spec = node["spec"]
-        node.update(window=None, ahead=None)
+        node.update(window=None, ahead=None, feeds=None)
         if name == graph.target or (pipeline and node["index"] > 0):
             node.update(tree=None, tree_nodes=0, tree_depth=0)
             continue
@@ -56,6 +60,7 @@ def plan_tree(graph: SpecGraph) -> SpecGraph:
         else:
             topo = TreeTopology.from_spec(tree)
             node.update(tree=topo, tree_nodes=topo.nodes, tree_depth=topo.max_depth)
+        node["feeds"] = CATCH_UP
     if pipeline:
         _plan_pipeline(graph)
     return graph
@@ -64,7 +69,10 @@ def plan_tree(graph: SpecGraph) -> SpecGraph:
 def _plan_pipeline(graph: SpecGraph) -> None:
     """Windows and how far ahead each stage may run (see the module docstring)."""
     stages, settings = graph.stages(), graph.recipe.pipeline
-    chain = graph.node(stages[0])["tree_nodes"]
+    first = graph.node(stages[0])
+    chain = first["tree_nodes"]
+    trees = not isinstance(first["spec"].tree or ChainTree(), ChainTree)
+    first["feeds"] = len(stages) + (first["tree_depth"] + 1 if trees else 0)
     for below, name in zip(stages, stages[1:]):
         window = graph.node(name)["spec"].verify.window or chain
         graph.node(name)["window"] = window

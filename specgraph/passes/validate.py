@@ -62,11 +62,12 @@ def _check_pipeline(graph: SpecGraph) -> None:
     stages = graph.stages()
     if len(stages) < 2:
         raise RecipeError("stages: execution: pipeline needs at least two stages (a drafter and the stages that verify it)")
+    first_tree = graph.node(stages[0])["spec"].tree or ChainTree()
     for name in stages:
         spec, index = graph.node(name)["spec"], graph.node(name)["index"]
-        if index == 0 and spec.tree is not None and not isinstance(spec.tree, ChainTree):
-            raise RecipeError(f"stages.0.tree: a pipeline's first stage drafts a chain ({{shape: chain, length: N}}); "
-                              f"a {spec.tree.shape} tree needs execution: serial or disaggregated")
+        if index == 1 and spec.verify.window is not None and not isinstance(first_tree, ChainTree):
+            raise RecipeError("stages.1.verify.window: the stage above a first stage that drafts a tree verifies "
+                              "the whole tree; give the tree's size instead (stages.0.tree)")
         if index > 0 and spec.tree is not None:
             raise RecipeError(f"stages.{index}.tree: in a pipeline only the first stage drafts; stage {name} passes "
                               "on what it verifies (its window: verify.window)")

@@ -128,21 +128,21 @@ class Link:
 @dataclass
 class Mail:
     """A pipeline message as its receiver sees it: `src` rank, `header` [kind, epoch, position,
-    count, token] and, when count > 0, `tokens` and (the sampling rule) `proposals` [count, V]."""
+    count, rows], its `payload` (count longs) and, where rows > 0, `proposals` [rows, V]."""
 
     src: int
     header: list[int]
-    tokens: list[int]
+    payload: list[int]
     proposals: torch.Tensor | None
 
 
 class Mailbox:
     """A pipeline stage leader's messages to and from the stages beside it: small host tensors over
     a gloo group (the decisions they drive are the host's). A message is one long tensor, a header
-    of HEADER longs and room for `capacity` tokens, followed, for the sampling rule, by the tokens'
-    proposals. A thread receives them (from any sender; per sender in the order sent) for one
-    request, until it has seen `finals` messages that end it, so that the stage can look at its
-    inbox without waiting."""
+    of HEADER longs and room for `capacity` longs of payload, followed, where its header says so,
+    by rows of proposals (the sampling rule's distributions). A thread receives them (from any
+    sender; per sender in the order sent) for one request, until it has seen `finals` messages that
+    end it, so that the stage can look at its inbox without waiting."""
 
     HEADER = 5
 
@@ -152,14 +152,15 @@ class Mailbox:
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
 
-    def send(self, dst: int, header: list[int], tokens: list[int] = (), proposals: torch.Tensor | None = None) -> None:
-        """`header[3]` is the count of `tokens` (at most `capacity`); their `proposals` [count, V] go
-        with them when the mailbox has a vocab."""
-        assert len(header) == self.HEADER and header[3] == len(tokens) <= self.capacity
+    def send(self, dst: int, header: list[int], payload: list[int] = (), proposals: torch.Tensor | None = None) -> None:
+        """`header[3]` is the length of `payload` (at most `capacity`), `header[4]` the rows of
+        `proposals` [rows, V] (0 where there are none)."""
+        rows = 0 if proposals is None else proposals.shape[0]
+        assert len(header) == self.HEADER and header[3] == len(payload) <= self.capacity and header[4] == rows
         message = torch.zeros(self.HEADER + self.capacity, dtype=torch.long)
-        message[: self.HEADER + len(tokens)] = torch.tensor(header + list(tokens))
+        message[: self.HEADER + len(payload)] = torch.tensor(header + list(payload))
         dist.send(message, dst, group=self.group, tag=0)
-        if tokens and self.vocab is not None:
+        if rows:
             dist.send(proposals.float().cpu().contiguous(), dst, group=self.group, tag=1)
 
     def open(self, finals: int, is_final) -> None:
@@ -190,13 +191,13 @@ class Mailbox:
                 message = torch.zeros(self.HEADER + self.capacity, dtype=torch.long)
                 src = dist.recv(message, None, group=self.group, tag=0)
                 header = message[: self.HEADER].tolist()
-                count = header[3]
-                tokens = message[self.HEADER : self.HEADER + count].tolist()
+                count, rows = header[3], header[4]
+                payload = message[self.HEADER : self.HEADER + count].tolist()
                 proposals = None
-                if count and self.vocab is not None:
-                    proposals = torch.zeros(count, self.vocab)
+                if rows:
+                    proposals = torch.zeros(rows, self.vocab)
                     dist.recv(proposals, src, group=self.group, tag=1)
-                self._inbox.put(Mail(src, header, tokens, proposals))
+                self._inbox.put(Mail(src, header, payload, proposals))
                 finals -= bool(is_final(header))
         except Exception as exc:  # a dead peer: the stage's next look at its inbox raises it
             self._inbox.put(exc)

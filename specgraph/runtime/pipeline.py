@@ -8,14 +8,18 @@ Every stage is exact in its own right: it commits only what its rule accepts, so
 last stage's own greedy output (its distribution, for the sampling rule: each stage sends up the
 distribution it committed each token from, which is the proposal the stage above checks it with).
 
-Messages (runtime/channel.py's Mailbox; each carries a header [kind, epoch, position, count, token]):
+Messages (runtime/channel.py's Mailbox; each carries a header [kind, epoch, position, count, rows]
+and a payload of `count` longs):
     TOKENS    up    committed tokens from `position` on (+ their distributions, sampling), tagged
                     with the epoch of the last CHECK the sender applied;
+    TREE      up    (a first stage that drafts trees) a tree rooted at its last committed token,
+                    `position` its committed length: its tokens, then its parents (+ proposals);
     PROGRESS  down  the sender has committed `position` tokens, consistent with the receiver's;
-    CHECK     down  the sender's token at position - 1 is `token`: the receiver adopts it (rolling
-                    back whatever it has from there on, or extending its tokens by it) and sends
-                    again from `position`. It opens a new epoch: TOKENS of an older one are kept
-                    only where no later CHECK contradicts them;
+    CHECK     down  the sender's tokens just before `position` are the payload (one token, or a
+                    verified tree's path to a first stage that drafts trees): the receiver adopts
+                    them (rolling back whatever it has from there on, or extending its tokens by
+                    them) and sends again from `position`. It opens a new epoch: TOKENS of an older
+                    one are kept only where no later CHECK contradicts them, TREEs never;
     STOP      down  the last stage is done; DONE up: the sender has sent its last message.
 A stage sends CHECK where its new token contradicts, or may contradict, the tokens below it (a
 rejection, or a bonus past what it has received), PROGRESS otherwise. A stage that changed its
@@ -27,6 +31,9 @@ the slots of the tokens before the cut (`fed`: the committed tokens whose K/V th
 Tokens adopted from above whose K/V are not in the cache yet (extensions: at most one from each
 stage above, before the stage steps again) are fed with the next window, as nodes whose own
 checks are forced (their parents' logits say them for certain).
+
+A first stage that drafts trees (static or dynamic) sends one and waits for the CHECK that answers
+it (it cannot know which branch to go on from); the stages above it run as with chains.
 
 Asynchronous: a stage steps whenever it has tokens to verify (stage 0: always) and no more than
 `ahead` tokens of its own are unverified above, and sends what it committed after every step.
@@ -43,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from specgraph.draft import CATCH_UP, Drafter
+from specgraph.recipe import ChainTree
 from specgraph.errors import SpecgraphError
 from specgraph.launch import PROGRESS as WATCHDOG
 from specgraph.runtime.channel import Mail, Mailbox
@@ -52,7 +60,7 @@ from specgraph.runtime.verifier import Verifier
 from specgraph.sampling import probs_from_logits
 from specgraph.tree import Tree, TreeStructure
 
-TOKENS, PROGRESS, CHECK, STOP, DONE = range(5)
+TOKENS, TREE, PROGRESS, CHECK, STOP, DONE = range(6)
 
 
 def stream(seed: int, index: int, device: torch.device) -> torch.Generator:
@@ -100,7 +108,7 @@ class Followers:
         """The leader: tell the others."""
         packed = torch.zeros(2 + Mailbox.HEADER + self.capacity, dtype=torch.long)
         if mail is not None:
-            packed[: 2 + Mailbox.HEADER + len(mail.tokens)] = torch.tensor([1, mail.src, *mail.header, *mail.tokens])
+            packed[: 2 + Mailbox.HEADER + len(mail.payload)] = torch.tensor([1, mail.src, *mail.header, *mail.payload])
         dist.broadcast(packed.to(self.device), self.leader, group=self.group)
         if mail is not None and mail.proposals is not None:
             dist.broadcast(mail.proposals.to(self.device), self.leader, group=self.group)
@@ -112,10 +120,10 @@ class Followers:
         is_mail, src, *rest = packed.tolist()
         if not is_mail:
             return None
-        header, count = rest[: Mailbox.HEADER], rest[3]
+        header, count, rows = rest[: Mailbox.HEADER], rest[3], rest[4]
         proposals = None
-        if count and self.vocab is not None:
-            proposals = torch.zeros(count, self.vocab, device=self.device)
+        if rows:
+            proposals = torch.zeros(rows, self.vocab, device=self.device)
             dist.broadcast(proposals, self.leader, group=self.group)
             proposals = proposals.cpu()
         return Mail(src, header, rest[Mailbox.HEADER : Mailbox.HEADER + count], proposals)
@@ -153,8 +161,9 @@ class PipelineStage:
         self.sent = len(prompt_ids)  # committed tokens the stage above has (or will get)
         self.verified_above = len(prompt_ids)  # committed tokens the stage above has verified
         self.epoch_below = 0  # CHECKs sent down
-        self.checks: dict[int, tuple[int, int]] = {}  # epoch -> the CHECK (position, token) that opened it
+        self.checks: dict[int, tuple[int, list[int]]] = {}  # epoch -> the CHECK (position, tokens) that opened it
         self.epoch_seen = 0  # the last CHECK applied
+        self.below_length = len(prompt_ids)  # a tree-drafting first stage below: its committed tokens (ours up to there)
         self.stopping = False
         self.done_below = self.below is None
         self.counts = StageCounts(index=self.index, window=self.window)
@@ -242,10 +251,13 @@ class PipelineStage:
         return len(self.committed) - self.verified_above
 
     def handle(self, mail: Mail) -> None:
-        kind, epoch, position, count, token = mail.header
+        kind, epoch, position, count, rows = mail.header
         if kind == TOKENS:
             assert mail.src == self.below
-            self.receive(epoch, position, mail.tokens, mail.proposals)
+            self.receive(epoch, position, mail.payload, mail.proposals)
+        elif kind == TREE:
+            assert mail.src == self.below
+            self.receive_tree(epoch, position, mail.payload, mail.proposals)
         elif kind == DONE:
             self.done_below = True
         elif kind == STOP:
@@ -255,7 +267,7 @@ class PipelineStage:
         elif kind == CHECK:
             self.epoch_seen = epoch
             self.verified_above = position
-            self.adopt(position, token)
+            self.adopt(position, mail.payload)
         else:
             raise ProtocolError(f"stage {self.name}: unknown message kind {kind}")
 
@@ -272,30 +284,37 @@ class PipelineStage:
         if proposals is not None:
             self.pending_proposals += list(proposals[skip:])
 
+    def receive_tree(self, epoch: int, position: int, payload: list[int], proposals: torch.Tensor | None) -> None:
+        """A TREE from below (rooted at our token position - 1); stale if a CHECK went out since."""
+        raise ProtocolError(f"stage {self.name}: a tree from below, which drafts chains")
+
     def survives(self, epoch: int, position: int, tokens: list[int]) -> bool:
         """Whether TOKENS sent before the stage below applied our CHECKs of later epochs still hold:
-        a CHECK (m, t) changes nothing below where its token at m - 1 already was t, and nothing
-        before m - 1, so tokens that stop short of m - 1, or have t there, are what it still has."""
+        a CHECK (m, c) changes nothing below where its tokens before m already were c, and nothing
+        before them, so tokens that stop short of c's positions, or hold c there, are what it still has."""
         for later in range(epoch + 1, self.epoch_below + 1):
-            m, t = self.checks[later]
-            if position + len(tokens) > m - 1 and (position > m - 1 or tokens[m - 1 - position] != t):
-                return False
+            m, checked = self.checks[later]
+            start = m - len(checked)
+            if position + len(tokens) > start:  # the tokens reach the checked positions
+                if position > start or tokens[start - position : m - position] != checked[: m - position]:
+                    return False
         return True
 
-    def adopt(self, position: int, token: int) -> None:
-        """A CHECK: the stage above committed `token` at position - 1, after our tokens before it."""
-        length = len(self.committed)
-        if position - 1 > length:
-            raise ProtocolError(f"stage {self.name}: a CHECK at {position - 1}, past its {length} tokens")
+    def adopt(self, position: int, tokens: list[int]) -> None:
+        """A CHECK: the stage above committed `tokens` just before `position`, after our tokens before them."""
+        length, start = len(self.committed), position - len(tokens)
+        if start > length:
+            raise ProtocolError(f"stage {self.name}: a CHECK from {start}, past its {length} tokens")
         self.sent = position  # the stage above has everything before; it takes the rest again
-        if position - 1 < length and self.committed[position - 1] == token:
+        if self.committed[start:position] == tokens:
             return
-        self.counts.rolled_back += length - (position - 1)
-        del self.committed[position - 1 :]
-        self.committed.append(token)
-        self.fed = min(self.fed, position - 1)
-        self.proposals = {p: row for p, row in self.proposals.items() if p < position - 1}
-        self.on_adopt(position, token)
+        self.counts.rolled_back += length - start
+        del self.committed[start:]
+        self.committed += tokens
+        self.fed = min(self.fed, start)
+        self.proposals = {p: row for p, row in self.proposals.items() if p < start}
+        self.below_length = min(self.below_length, start)
+        self.on_adopt(start)
         if self.below is not None:
             self.reconcile()
 
@@ -310,9 +329,14 @@ class PipelineStage:
             return
         self.counts.dropped += len(self.pending)
         self.pending, self.pending_proposals, self.pending_at = [], [], length
+        self.check_below([last])
+
+    def check_below(self, tokens: list[int]) -> None:
+        """CHECK the stage below with our last `tokens` (a new epoch)."""
+        length = len(self.committed)
         self.epoch_below += 1
-        self.checks[self.epoch_below] = (length, last)
-        self.send(self.below, [CHECK, self.epoch_below, length, 0, last])
+        self.checks[self.epoch_below] = (length, tokens)
+        self.send(self.below, [CHECK, self.epoch_below, length, len(tokens), 0], tokens)
 
     def flush(self) -> None:
         """The leader: send the stage above what it does not have yet."""
@@ -321,7 +345,8 @@ class PipelineStage:
             rows = None
             if self.mailbox.vocab is not None:
                 rows = torch.stack([self.proposals[p] for p in range(self.sent, self.sent + len(tokens))])
-            self.send(self.above, [TOKENS, self.epoch_seen, self.sent, len(tokens), 0], tokens, rows)
+            self.send(self.above, [TOKENS, self.epoch_seen, self.sent, len(tokens), 0 if rows is None else len(tokens)],
+                      tokens, rows)
             self.counts.proposed += len(tokens)
             self.sent += len(tokens)
 
@@ -336,21 +361,23 @@ class PipelineStage:
         """The stage's device state for a new request."""
         raise NotImplementedError
 
-    def on_adopt(self, position: int, token: int) -> None:
-        """The stage's device state after its tokens were cut back (or extended) to `position`."""
+    def on_adopt(self, start: int) -> None:
+        """The stage's device state after its tokens changed from `start` on (cut back, extended)."""
 
 
 class DraftingStage(PipelineStage):
-    """Stage 0: drafts a chain per step into its committed tokens."""
+    """Stage 0: drafts a chain per step into its committed tokens, or a tree that it sends and
+    waits on (its committed tokens then grow only by the CHECKs that answer its trees)."""
 
-    def __init__(self, drafter: Drafter, draws: bool, capacity: int, **common):
+    def __init__(self, drafter: Drafter, trees: bool, draws: bool, capacity: int, **common):
         super().__init__(**common)
-        self.drafter, self.draws = drafter, draws
+        self.drafter, self.trees, self.draws = drafter, trees, draws
         self.stage = drafter.stage
-        self.chain = drafter.nodes
+        self.nodes = drafter.nodes
+        self.vocab = self.stage.model.served_vocab
         self.sequence = Sequence(capacity, self.device)
-        self.path = torch.arange(self.chain + 1, device=self.device)  # every node of the chain, kept
-        self.chain_count = torch.tensor(self.chain, device=self.device)
+        self.path = torch.arange(self.nodes + 1, device=self.device)  # a chain's every node, kept
+        self.chain_count = torch.tensor(self.nodes, device=self.device)
 
     def begin(self, prompt_ids: list[int], seed: int) -> None:
         prompt = torch.tensor(prompt_ids, device=self.device)
@@ -358,46 +385,64 @@ class DraftingStage(PipelineStage):
         self.drafter.prefill(prompt)
         self.fed = max(0, len(prompt_ids) - CATCH_UP)
         self.generator = stream(seed, self.index, self.device) if self.draws else None
+        self.tree_out = False  # a tree is out, its CHECK not in yet
 
     def can_step(self) -> bool:
-        return self.unverified_above() < self.ahead
+        return not self.tree_out if self.trees else self.unverified_above() < self.ahead
 
     def step(self) -> None:
         length = len(self.committed)
         feeds = length - self.fed
         assert 1 <= feeds <= self.drafter.max_feeds, f"stage {self.name}: {feeds} tokens to catch up"
         seq = self.sequence
-        draft = self.drafter.draft(seq.tokens, seq.length, self.stage.width(length, self.chain + 2), self.generator, feeds)
+        draft = self.drafter.draft(seq.tokens, seq.length, self.stage.width(length, self.nodes + feeds),
+                                   self.generator, feeds)
+        tree = draft.tree
+        rows = None
+        if self.draws:  # the distribution each node was drawn from (chosen, not drawn: its one-hot)
+            rows = tree.proposals.float() if tree.proposals is not None else (
+                torch.nn.functional.one_hot(tree.tokens, self.vocab).float())
+            rows[0] = 0.0
+        if self.trees:
+            payload = torch.cat([tree.tokens, tree.parents]).tolist()  # the step's host read
+            self.fed = length  # the catch-up fed up to the root; the nodes wait for their CHECK
+            self.tree_out = True
+            self.counts.proposed += self.nodes
+            self.send(self.above, [TREE, self.epoch_seen, length, len(payload), 0 if rows is None else len(rows)],
+                      payload, None if rows is None else rows.cpu())
+            return
         self.drafter.commit(draft, self.path, seq.length)
-        new = draft.tree.tokens[1:]  # [k]
+        new = tree.tokens[1:]  # [k]
         seq.append(new, self.chain_count)
         tokens = new.tolist()  # the step's host read
-        if self.draws:  # the distribution each token was drawn from (chosen, not drawn: its one-hot)
-            drawn = draft.tree.proposals
-            rows = (drawn[1:].float().cpu() if drawn is not None
-                    else torch.nn.functional.one_hot(torch.tensor(tokens), self.stage.model.served_vocab).float())
-            for i, row in enumerate(rows):
+        if rows is not None:
+            for i, row in enumerate(rows[1:].cpu()):
                 self.proposals[length + i] = row
         self.committed += tokens
-        self.fed = length + self.chain - 1  # the chain's last token is fed by the next catch-up
+        self.fed = length + self.nodes - 1  # the chain's last token is fed by the next catch-up
 
-    def on_adopt(self, position: int, token: int) -> None:
-        self.sequence.tokens[position - 1] = token
-        self.sequence.length.fill_(position)
+    def on_adopt(self, start: int) -> None:
+        tokens = torch.tensor(self.committed[start:], device=self.device)
+        self.sequence.tokens[start : start + tokens.numel()] = tokens
+        self.sequence.length.fill_(len(self.committed))
+        self.tree_out = False  # the CHECK answers the tree out, or makes it stale
 
 
 class VerifyingStage(PipelineStage):
-    """Stage i > 0: verifies up to a window of the tokens below per step, as a chain from its last
-    committed token; the last stage's committed tokens are the output."""
+    """Stage i > 0: verifies what the stage below sent per step — up to a window of its tokens, as
+    a chain from its last committed token, or the tree a first stage sent; the last stage's
+    committed tokens are the output."""
 
-    def __init__(self, verifier: Verifier, eos_ids: tuple[int, ...], sends_proposals: bool, **common):
+    def __init__(self, verifier: Verifier, eos_ids: tuple[int, ...], sends_proposals: bool, trees_below: bool,
+                 **common):
+        """`trees_below`: the stage below is a first stage that drafts trees."""
         super().__init__(**common)
-        self.verifier, self.eos_ids = verifier, tuple(eos_ids)
+        self.verifier, self.eos_ids, self.trees_below = verifier, tuple(eos_ids), trees_below
         self.stage = verifier.stage
         self.sends_proposals = sends_proposals  # the stage above checks with this stage's distributions
         self.adoptable = len(common["names"]) - 1 - self.index  # tokens adopted, one per stage above, wait to be fed
-        self.chains = {size: (torch.arange(-1, size - 1, device=self.device), TreeStructure.of(
-            list(range(-1, size - 1)), self.device)) for size in range(1, self.window + self.adoptable + 2)}
+        self.chains = {size: TreeStructure.of(list(range(-1, size - 1)), self.device)
+                       for size in range(1, self.window + self.adoptable + 2)}
         self.vocab = self.stage.model.served_vocab
 
     def begin(self, prompt_ids: list[int], seed: int) -> None:
@@ -406,20 +451,41 @@ class VerifyingStage(PipelineStage):
         self.generator = stream(seed, self.index, self.device) if self.verifier.draws else None
         self.output: list[int] = []
         self.accepted_lengths: list[int] = []
-        self.ended = False
+        self.tree: tuple[list[int], list[int], torch.Tensor | None] | None = None  # a tree from below, unverified
 
     def can_step(self) -> bool:
-        return bool(self.pending) and (self.above is None or self.unverified_above() < self.ahead)
+        ready = self.tree is not None if self.trees_below else bool(self.pending)
+        return ready and (self.above is None or self.unverified_above() < self.ahead)
+
+    def receive_tree(self, epoch: int, position: int, payload: list[int], proposals: torch.Tensor | None) -> None:
+        if self.stopping or epoch < self.epoch_below:  # sent before our last CHECK reached it: stale
+            self.counts.dropped += len(payload) // 2 - 1
+            return
+        if position != len(self.committed) or self.tree is not None:
+            raise ProtocolError(f"stage {self.name}: a tree rooted at {position}, with {len(self.committed)} tokens")
+        n = len(payload) // 2
+        self.tree = (payload[:n], payload[n:], proposals)
+
+    def drafted(self) -> tuple[list[int], list[int], list[torch.Tensor]]:
+        """What this step verifies of what came from below: tokens and parents of a tree rooted at
+        our last committed token (root included, its token a placeholder), and their proposals."""
+        if self.trees_below:
+            tokens, parents, proposals = self.tree
+            return tokens, parents, [] if proposals is None else list(proposals)
+        n = min(len(self.pending), self.window)
+        return [0] + self.pending[:n], list(range(-1, n)), [torch.zeros(0)] + self.pending_proposals[:n]
 
     def step(self) -> None:
         length = len(self.committed)
-        assert self.pending_at == length
-        base = self.fed + 1  # the chain's root is committed[base - 1]; what follows it was adopted from above
+        assert self.trees_below or self.pending_at == length
+        base = self.fed + 1  # the tree's root is committed[base - 1]; what follows it was adopted from above
         forced = self.committed[base:length]
         assert len(forced) <= self.adoptable, f"stage {self.name}: {len(forced)} adopted tokens to feed"
-        n = min(len(self.pending), self.window)
-        tokens = [self.committed[base - 1]] + forced + self.pending[:n]
-        parents, structure = self.chains[len(tokens)]
+        drafted, drafted_parents, drafted_proposals = self.drafted()
+        f, n = len(forced), len(drafted) - 1
+        tokens = [self.committed[base - 1]] + forced + drafted[1:]
+        parents = [-1] + list(range(f)) + [f + p for p in drafted_parents[1:]]  # the drafted root is our last token
+        structure = TreeStructure.of(parents, self.device) if self.trees_below else self.chains[len(tokens)]
         token_tensor = torch.tensor(tokens, device=self.device)
         proposals = None
         if self.verifier.draws:
@@ -427,39 +493,50 @@ class VerifyingStage(PipelineStage):
             for i, token in enumerate(forced):
                 proposals[1 + i, token] = 1.0
             if n:
-                proposals[1 + len(forced) :] = torch.stack(self.pending_proposals[:n]).to(self.device)
-        tree = Tree(token_tensor, parents, proposals, structure)
+                proposals[1 + f :] = torch.stack(drafted_proposals[1:]).to(self.device)
+        tree = Tree(token_tensor, torch.tensor(parents, device=self.device), proposals, structure)
         base_tensor = torch.tensor(base, device=self.device)
         logits = self.verifier.score(tree, base_tensor, self.stage.width(base, len(tokens)))
         if forced:  # a token adopted from above is certain at its parent
             logits = logits.clone()
-            certain = torch.full_like(logits[: len(forced)], float("-inf"))
-            certain[torch.arange(len(forced)), token_tensor[1 : 1 + len(forced)]] = 0.0
-            logits[: len(forced)] = certain
+            certain = torch.full_like(logits[:f], float("-inf"))
+            certain[torch.arange(f), token_tensor[1 : 1 + f]] = 0.0
+            logits[:f] = certain
         verdict = self.verifier.verdict(tree, logits, self.generator)
         count, new = verdict.accepted(tree)
         self.verifier.commit(verdict.path, base_tensor)
-        rows = None
-        if self.sends_proposals:
-            rows = probs_from_logits(logits[len(forced) : len(forced) + n + 1].float(), self.verifier.sampling).cpu()
-        count, *new = torch.cat([count.reshape(1), new]).tolist()  # the step's host read
+        probs = probs_from_logits(logits.float(), self.verifier.sampling) if self.sends_proposals else None
+        read = torch.cat([count.reshape(1), new, verdict.path]).tolist()  # the step's host read
+        count, new, path = read[0], read[1 : 1 + new.numel()], read[1 + new.numel() :]
         new = new[:count]
-        assert new[: len(forced)] == forced, "an adopted token was not kept"
-        emitted = new[len(forced) :]  # the accepted tokens of the window, then this stage's own token
+        assert new[:f] == forced, "an adopted token was not kept"
+        emitted = new[f:]  # the accepted drafted tokens, then this stage's own token
         accepted = len(emitted) - 1
         self.counts.verified += n
         self.counts.accepted += accepted
-        self.counts.rejections += accepted < n
-        if rows is not None:
+        last = path[f + accepted] - f  # the last accepted drafted node (0: the root): a rejection where it has children
+        self.counts.rejections += last in drafted_parents[1:]
+        if probs is not None:  # each emitted token's distribution: the one at its parent on the path
+            rows = probs[torch.tensor(path[f : f + len(emitted)], device=probs.device)].cpu()
             for i in range(len(emitted)):
                 self.proposals[length + i] = rows[i]
         self.committed += emitted
         self.fed = len(self.committed) - 1
-        self.pending, self.pending_proposals = self.pending[accepted:], self.pending_proposals[accepted:]
-        self.pending_at = length + accepted
+        if self.trees_below:
+            self.tree = None
+        else:
+            self.pending, self.pending_proposals = self.pending[accepted:], self.pending_proposals[accepted:]
+            self.pending_at = length + accepted
         self.reconcile()
         if self.above is None:
             self.emit(emitted)
+
+    def reconcile(self) -> None:
+        if not self.trees_below:
+            return super().reconcile()
+        self.tree = None  # (one in flight is stale: the CHECK opens a new epoch)
+        self.check_below(self.committed[self.below_length :])
+        self.below_length = len(self.committed)
 
     def emit(self, emitted: list[int]) -> None:
         """The last stage: `emitted` goes to the output, up to the budget or an end-of-sequence token."""
@@ -473,7 +550,7 @@ class VerifyingStage(PipelineStage):
             self.stop()
 
 
-MESSAGE_TOKENS = 64  # tokens per TOKENS message (more go as several)
+MESSAGE_TOKENS = 64  # longs a message carries at least (more tokens go as several TOKENS messages)
 
 
 def pipeline_executor(graph, stages: dict, ranks) -> PipelineStage:
@@ -487,16 +564,19 @@ def pipeline_executor(graph, stages: dict, ranks) -> PipelineStage:
     index = node["index"]
     draws = recipe.sampling.temperature > 0  # then every message up carries its tokens' distributions
     vocab = stages[name].model.served_vocab if draws else None
+    first = graph.node(names[0])
+    trees = not isinstance(first["spec"].tree or ChainTree(), ChainTree)  # the first stage drafts trees
+    capacity = max(MESSAGE_TOKENS, 2 * (first["tree_nodes"] + 1))  # (a tree: its tokens and parents; every rank agrees)
     leads = ranks.rank == ranks.leader(name)
-    mailbox = Mailbox(ranks.mail, MESSAGE_TOKENS, vocab) if leads else None
+    mailbox = Mailbox(ranks.mail, capacity, vocab) if leads else None
     followers = None
     if node["tp"] > 1:
-        followers = Followers(ranks.groups[name], ranks.leader(name), node["device"], MESSAGE_TOKENS, vocab)
+        followers = Followers(ranks.groups[name], ranks.leader(name), node["device"], capacity, vocab)
     common = dict(names=names, index=index, leaders=[ranks.leader(n) for n in names], mailbox=mailbox,
                   window=node["window"] or 0, ahead=node["ahead"] or 0, synchronous=recipe.pipeline.synchronous,
                   device=node["device"], max_seq_len=recipe.max_seq_len, followers=followers)
     if index == 0:
-        drafter = Drafter(stages[name], node["tree"], graph.node(names[1])["rule"], recipe.sampling,
-                          max_feeds=len(names))  # the leaf of its last chain, and one token from each stage above
-        return DraftingStage(drafter, draws, node["cache_slots"], **common)
-    return VerifyingStage(verifier_of(graph, stages, name), node["eos_ids"], draws and index + 1 < len(names), **common)
+        drafter = Drafter(stages[name], node["tree"], graph.node(names[1])["rule"], recipe.sampling, node["feeds"])
+        return DraftingStage(drafter, trees, draws, node["cache_slots"], **common)
+    return VerifyingStage(verifier_of(graph, stages, name), node["eos_ids"], draws and index + 1 < len(names),
+                          trees and index == 1, **common)
