@@ -154,27 +154,30 @@ def test_a_target_commit_keeps_the_prefix_of_every_random_tree_and_verdict():
 
 
 class QuietMailbox:
-    """A pipeline stage's mailbox that sends nowhere: the test plays the stages beside it."""
+    """A pipeline stage's mailbox that sends nowhere (the test plays the stages beside it) and
+    keeps the last message's payload."""
 
     capacity, vocab = 64, None
 
     def send(self, dst, header, tokens=(), proposals=None) -> None:
-        pass
+        self.last = list(tokens)
 
     def open(self, finals, is_final) -> None:
         pass
 
 
-def pipeline_stage(index: int):
-    """Stage `index` of a draft -> target -> target pipeline on the CPU, built as its process would."""
+def pipeline_stage(index: int, tree: dict | None = None):
+    """Stage `index` of a draft -> target -> target pipeline on the CPU, built as its process would
+    (the first stage drafting chains of 3, or `tree`s)."""
     from specgraph.draft import Drafter
     from specgraph.program import load_stage, plan, verifier_of
     from specgraph.recipe import Recipe
     from specgraph.runtime.pipeline import DraftingStage, VerifyingStage
 
     models = {"draft": {"path": str(EMBEDDED / "draft")}, "target": {"path": str(EMBEDDED / "target")}}
-    stages = [{"name": "s0", "model": "draft", "devices": ["cpu"], "tree": {"shape": "chain", "length": 3}},
-              {"name": "s1", "model": "target", "devices": ["cpu"], "verifies": "s0", "verify": {"window": 4}},
+    stages = [{"name": "s0", "model": "draft", "devices": ["cpu"], "tree": tree or {"shape": "chain", "length": 3}},
+              {"name": "s1", "model": "target", "devices": ["cpu"], "verifies": "s0",
+               "verify": {"window": 4} if tree is None else {}},
               {"name": "s2", "model": "target", "devices": ["cpu"], "verifies": "s1"}]
     graph = plan(Recipe.from_dict({"name": "p", "models": models, "stages": stages, "execution": "pipeline",
                                    "max_seq_len": 96}))
@@ -185,7 +188,7 @@ def pipeline_stage(index: int):
     stage = load_stage(graph, name)
     if index == 0:
         drafter = Drafter(stage, node["tree"], "greedy", graph.recipe.sampling, node["feeds"])
-        return DraftingStage(drafter, False, False, node["cache_slots"], **common)
+        return DraftingStage(drafter, tree is not None, False, node["cache_slots"], **common)
     return VerifyingStage(verifier_of(graph, {name: stage}, name), (), False, False, **common)
 
 
@@ -244,3 +247,36 @@ def test_pipeline_stages_keep_every_verified_tokens_kv_through_random_rollbacks(
                 assert stage.committed[before:] == best[before - 1 : -1].tolist()
             check_rolled_back_stage(stage, model)
         assert all(events.values()), events
+
+
+def test_a_first_stage_drafting_trees_keeps_its_kv_through_the_paths_it_is_sent():
+    """A first stage that drafts trees commits only what CHECKs bring (a verified path and a token,
+    or a rollback): after each, its cache equals a prefill of what it has fed, and a tree it drafts
+    is rooted at its last committed token with the draft model's greedy children."""
+    from specgraph.runtime.channel import Mail
+    from specgraph.runtime.pipeline import CHECK
+
+    rng = random.Random(1)
+    prompt = [1, 450, 996, 1735, 1701, 2991]
+    stage = pipeline_stage(0, {"shape": "static", "branching": [2, 2, 1]})
+    model = stage.stage.model
+    stage.start(prompt)
+    stage.begin(prompt, 0)
+    for epoch in range(1, 16):
+        stage.step()
+        assert stage.tree_out and stage.fed == len(stage.committed)
+        length = len(stage.committed)
+        sent = stage.mailbox.last  # the tree: its tokens, then its parents
+        best = chain_logits(model, torch.tensor(stage.committed))[-1].topk(2).indices.tolist()
+        assert sent[0] == stage.committed[-1] and sent[1:3] == best  # the root's children: the draft's top two
+        if rng.random() < 0.7:  # the tree's path was accepted in part, then the verifier's own token
+            tokens = [rng.randrange(model.served_vocab) for _ in range(rng.randint(1, 4))]
+            position = length + len(tokens)
+        else:  # a rollback from further up, to a random position
+            tokens = [rng.randrange(model.served_vocab)]
+            position = rng.randint(len(prompt) + 1, length)
+        stage.handle(Mail(0, [CHECK, epoch, position, len(tokens), 0], tokens, None))
+        assert not stage.tree_out and len(stage.committed) == position
+        k, v = kv_from_scratch(model, torch.tensor(stage.committed[: stage.fed]))
+        assert_rows(stage.stage.cache, torch.arange(stage.fed), k, v)
+        assert len(stage.committed) - stage.fed <= stage.drafter.max_feeds
