@@ -1,9 +1,10 @@
 """Hierarchical pipelines (PipeSpec): k stages in processes of their own, all running at once.
 
-Stage 0 drafts chains into its committed tokens; stage i > 0 takes the tokens stage i - 1 sent
-it, verifies up to a window of them in one forward (a chain rooted at its last committed token),
-commits the accepted ones and its own next token (the bonus: a correction where it rejected),
-and passes what it committed on to stage i + 1; the last stage's committed tokens are the output.
+Stage 0 drafts chains into its committed tokens (or trees: below); stage i > 0 takes the tokens
+stage i - 1 sent it, verifies up to a window of them in one forward (a chain rooted at its last
+committed token), commits the accepted ones and its own next token (the bonus: a correction
+where it rejected), and passes what it committed on to stage i + 1; the last stage's committed
+tokens are the output.
 Every stage is exact in its own right: it commits only what its rule accepts, so the output is the
 last stage's own greedy output (its distribution, for the sampling rule: each stage sends up the
 distribution it committed each token from, which is the proposal the stage above checks it with).
@@ -50,9 +51,9 @@ import torch
 import torch.distributed as dist
 
 from specgraph.draft import CATCH_UP, Drafter
-from specgraph.recipe import ChainTree
 from specgraph.errors import SpecgraphError
 from specgraph.launch import PROGRESS as WATCHDOG
+from specgraph.recipe import ChainTree
 from specgraph.runtime.channel import Mail, Mailbox
 from specgraph.runtime.executor import Generation
 from specgraph.runtime.sequence import Sequence
