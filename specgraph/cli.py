@@ -165,6 +165,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _report_run(args: argparse.Namespace, name: str, prompts: list[dict], results: list[dict], errors: list[dict]) -> None:
     from specgraph.bench.pipespec import stage_table
     from specgraph.files import write_atomically
+    from specgraph.runtime.executor import total_stats
 
     steps = [n for r in results for n in r["accepted_lengths"]]
     new_tokens = sum(len(r["output_ids"]) for r in results)
@@ -173,8 +174,7 @@ def _report_run(args: argparse.Namespace, name: str, prompts: list[dict], result
     summary = {"new_tokens": new_tokens, "wall_seconds": round(wall, 4),
                "tokens_per_second": round(new_tokens / wall, 2) if wall > 0 else 0.0,
                "mean_accepted_length": round(sum(steps) / len(steps), 3) if steps else 0.0}
-    pipeline = stage_table({key: sum(r.get("stats", {}).get(key, 0) for r in results)
-                            for r in results for key in r.get("stats", {})})
+    pipeline = stage_table(total_stats(r.get("stats", {}) for r in results))
     if pipeline is not None:
         summary["pipeline"] = pipeline
     if len(prompts) == 1 and results:

@@ -18,6 +18,7 @@ from specgraph.models.loader import is_hybrid
 from specgraph.program import Program, plan
 from specgraph.recipe import Recipe
 from specgraph.runtime.clock import Clock
+from specgraph.runtime.executor import total_stats
 
 BASELINES = ("hf", "hf-assisted", "ar", "serial")
 
@@ -162,7 +163,7 @@ def _measure(system, spec: BenchSpec, encoded: list[list[int]], progress: Progre
         "verify_step_ms": 1e3 * sum(r.verify_seconds for r in last) / n_steps if n_steps else None,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "outputs": [r.output_ids for r in last],
-        **_executor_stats({key: sum(r.stats.get(key, 0) for r in last) for r in last for key in r.stats}),
+        **_executor_stats(total_stats(r.stats for r in last)),
     }
 
 

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import torch
 
@@ -24,6 +24,15 @@ class Generation:
     draft_seconds: float = 0.0  # device time of the draft phases (GPU: CUDA events)
     verify_seconds: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)  # what an executor measures besides (see its docstring)
+
+
+def total_stats(stats: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Generations' `stats` summed key by key (each request's own figures, over many requests)."""
+    total: dict[str, float] = {}
+    for one in stats:
+        for key, value in one.items():
+            total[key] = total.get(key, 0) + value
+    return total
 
 
 class Executor(Protocol):
