@@ -22,7 +22,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from specgraph.errors import SpecgraphError
 from specgraph.runtime.ranks import Ranks
+
+
+class ProtocolError(SpecgraphError):
+    """A message that does not fit its receiver's state (a bug, never a user's mistake)."""
 
 
 @dataclass

@@ -23,20 +23,15 @@ import time
 import torch
 
 from specgraph.draft import CATCH_UP, Draft, Drafter
-from specgraph.errors import SpecgraphError
 from specgraph.growing import GrowingDrafter
 from specgraph.launch import PROGRESS
-from specgraph.runtime.channel import Link, TreeMessage, VerdictMessage
+from specgraph.runtime.channel import Link, ProtocolError, TreeMessage, VerdictMessage
 from specgraph.runtime.clock import Clock
 from specgraph.runtime.executor import Generation
 from specgraph.runtime.sequence import Sequence
 from specgraph.runtime.stage import Graph, Stage
 from specgraph.runtime.verifier import Verifier
 from specgraph.tree import Tree, TreeStructure
-
-
-class ProtocolError(SpecgraphError):
-    """A message that does not continue from its receiver's state (a bug, never a user's mistake)."""
 
 
 class _Phases:

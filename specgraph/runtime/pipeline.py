@@ -51,10 +51,9 @@ import torch
 import torch.distributed as dist
 
 from specgraph.draft import CATCH_UP, Drafter
-from specgraph.errors import SpecgraphError
 from specgraph.launch import PROGRESS as WATCHDOG
 from specgraph.recipe import ChainTree
-from specgraph.runtime.channel import Mail, Mailbox
+from specgraph.runtime.channel import Mail, Mailbox, ProtocolError
 from specgraph.runtime.executor import Generation
 from specgraph.runtime.sequence import Sequence
 from specgraph.runtime.verifier import Verifier
@@ -69,10 +68,6 @@ def stream(seed: int, index: int, device: torch.device) -> torch.Generator:
     drawing the same uniforms would accept together, which biases what the stage above sees; the
     CPU generator keeps only 32 bits of a seed, so the streams differ in those)."""
     return torch.Generator(device).manual_seed((seed * 1009 + index) % (1 << 32))
-
-
-class ProtocolError(SpecgraphError):
-    """A message that does not fit its receiver's state (a bug, never a user's mistake)."""
 
 
 @dataclass
