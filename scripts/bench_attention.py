@@ -19,31 +19,13 @@ import sys
 
 import torch
 
+from specgraph.bench.timing import graph_time_us
 from specgraph.kernels.attention import attention_reference
 from specgraph.kernels.attention.triton import attention
 from specgraph.runtime.stage import step_mask
 from specgraph.tree import Tree
 
 H, H_KV, K = 32, 8, 128
-
-
-def graph_time_us(fn, replays: int = 200) -> float:
-    """Mean microseconds per call of fn (captured as a CUDA graph of 10 calls, replayed)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays // 10):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
 
 
 def case(t: int, prefix: int, generator: torch.Generator) -> dict:

@@ -25,12 +25,9 @@ path's into the state.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from specgraph.kernels.gated_delta import gated_delta_commit_reference
-from specgraph.kernels.kv_move import kv_move_reference
+from specgraph.kernels import Kernels
 
 
 class KVCache:
@@ -39,14 +36,14 @@ class KVCache:
     TENSORS = ("k", "v")  # the storage, in the order of `tensors()` and `wrap`
 
     def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str, move_rows: Callable = kv_move_reference):
-        """`move_rows`: the KV move kernel (kernels/kv_move) that `move` runs."""
+                 dtype: torch.dtype, device: torch.device | str, kernels: Kernels = Kernels()):
+        """`kernels`: the stage's choice of kernels, whose kv_move (and a hybrid's gated_delta_commit) run here."""
         shape = (layers, batch, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.max_step_tokens = capacity  # tokens one forward may write before a commit
-        self.move_rows = move_rows
+        self.kernels = kernels
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The storage tensors (named by TENSORS): what an exported step program takes as inputs."""
@@ -58,7 +55,7 @@ class KVCache:
         cache = cls.__new__(cls)
         for name, tensor in zip(cls.TENSORS, tensors, strict=True):
             setattr(cache, name, tensor)
-        cache.capacity, cache.move_rows = cache.k.shape[3], kv_move_reference
+        cache.capacity, cache.kernels = cache.k.shape[3], Kernels()
         cache.max_step_tokens = cache.capacity
         return cache
 
@@ -80,8 +77,8 @@ class KVCache:
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy rows src[i] -> dst[i] ([D] long) in order of i, for keys and values; needs
         dst[i] <= src[i] and dst ascending (compaction), so no row is read after it is overwritten."""
-        self.move_rows(self.k, src, dst)
-        self.move_rows(self.v, src, dst)
+        self.kernels.kv_move(self.k, src, dst)
+        self.kernels.kv_move(self.v, src, dst)
 
 
 class HybridCache(KVCache):
@@ -92,10 +89,10 @@ class HybridCache(KVCache):
     TENSORS = KVCache.TENSORS + ("state", "conv", "step_k", "step_u", "step_decay", "step_inputs")
 
     def __init__(self, attention_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str, move_rows: Callable = kv_move_reference, *,
+                 dtype: torch.dtype, device: torch.device | str, kernels: Kernels = Kernels(), *,
                  linear_layers: int, heads: int, key_dim: int, value_dim: int, conv_channels: int, conv_kernel: int,
                  step_tokens: int):
-        super().__init__(attention_layers, batch, kv_heads, head_dim, capacity, dtype, device, move_rows)
+        super().__init__(attention_layers, batch, kv_heads, head_dim, capacity, dtype, device, kernels)
         lb, f32 = (linear_layers, batch), dict(dtype=torch.float32, device=device)
         self.state = torch.zeros(*lb, heads, key_dim, value_dim, **f32)
         self.conv = torch.zeros(*lb, conv_kernel - 1, conv_channels, dtype=dtype, device=device)
@@ -124,8 +121,5 @@ class HybridCache(KVCache):
 
     def _fold(self, path: torch.Tensor) -> None:
         """Advance every DeltaNet state and conv window along `path` (the last forward's nodes, root first, -1 padded)."""
-        gated_delta_commit_reference(self.state, self.step_k, self.step_u, self.step_decay, path)
-        # the conv window ends with the path's inputs: the last K - 1 of (committed window, path)
-        kept = self.conv.shape[2]
-        window = torch.cat([self.conv, self.step_inputs.index_select(2, path.clamp(min=0))], dim=2)
-        self.conv.copy_(window.index_select(2, (path >= 0).sum() + torch.arange(kept, device=path.device)))
+        self.kernels.gated_delta_commit(self.state, self.conv, self.step_k, self.step_u, self.step_decay,
+                                        self.step_inputs, path)

@@ -20,7 +20,6 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Callable
 
 import torch
 import transformers
@@ -32,7 +31,6 @@ from specgraph.cache import KVCache
 from specgraph.errors import SpecgraphError
 from specgraph.files import read_json, write_atomically
 from specgraph.kernels import Kernels
-from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.models.hybrid import HybridModel, HybridShape
 from specgraph.models.llama import LlamaShape
 from specgraph.models.loader import DTYPES
@@ -83,8 +81,8 @@ class ExportedModel:
         self.shape, self.served_vocab, self.dtype, self.device = shape, served_vocab, dtype, device
         self.max_step_tokens = max_step_tokens
 
-    def new_cache(self, capacity: int, batch: int = 1, move_rows: Callable = kv_move_reference) -> KVCache:
-        cache = self.shape.new_cache(capacity, self.dtype, self.device, batch, move_rows)
+    def new_cache(self, capacity: int, batch: int = 1, kernels: Kernels = Kernels()) -> KVCache:
+        cache = self.shape.new_cache(capacity, self.dtype, self.device, batch, kernels)
         cache.max_step_tokens = min(cache.max_step_tokens, self.max_step_tokens)  # the package's T range
         return cache
 

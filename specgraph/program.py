@@ -62,7 +62,7 @@ def load_stage(graph: SpecGraph, name: str, model: nn.Module | None = None, rank
     if node["compile"]:
         compile_model(model)
     return Stage(name, model, node["cache_slots"], node["device"], node["graph_buckets"], node["static_shapes"],
-                 kernels.kv_move)
+                 kernels)
 
 
 def make_executor(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks = Ranks()) -> Executor:

@@ -143,13 +143,26 @@ class SamplingSpec(_Strict):
     seed: int = 0
 
 
+KernelKind = Literal["auto", "reference", "triton"]
+
+
 class LoweringSpec(_Strict):
     """How stages are lowered to step programs."""
 
     compile: bool | None = Field(None, description="torch.compile the decoder layers; default: on GPUs, not on the CPU")
     cuda_graphs: bool = Field(True, description="capture and replay CUDA graphs: whole steps where they allow, else one per forward size (GPU)")
-    kernels: Literal["auto", "reference", "triton"] = Field(
-        "auto", description="fused-op implementations: auto (Triton where it pays on a GPU), reference (plain PyTorch), triton")
+    kernels: KernelKind | dict[str, KernelKind] = Field(
+        "auto", description="fused-op implementations: auto (Triton where it pays on a GPU), reference (plain PyTorch), "
+        "triton; or one per op, e.g. {gated_delta_step: reference} (ops not named: auto)")
+
+    @field_validator("kernels")
+    @classmethod
+    def _known_ops(cls, kernels):
+        from specgraph.kernels import TRITON
+        unknown = sorted(set(kernels) - set(TRITON)) if isinstance(kernels, dict) else []
+        if unknown:
+            raise ValueError(f"no fused op named {', '.join(unknown)}; the ops are {', '.join(TRITON)}")
+        return kernels
 
 
 class PipelineSpec(_Strict):

@@ -181,6 +181,19 @@ class Tree:
         return self.tokens, self.parents, self.depths, self.child_table, self.ancestors
 
     @classmethod
+    def random(cls, t: int, depth: int, generator: torch.Generator) -> Tree:
+        """t nodes (tokens 0), parents first, the deepest path `depth` nodes long: a chain, then random
+        parents above the deepest level (tests and kernel benchmarks)."""
+        assert depth > 1 or t == 1, "a tree of depth 1 is its root alone"
+        parents, depths = [], []
+        for i in range(t):
+            shallow = [j for j in range(i) if depths[j] < depth - 1]
+            parent = i - 1 if i < depth else shallow[int(torch.randint(0, len(shallow), (), generator=generator))]
+            parents.append(parent)
+            depths.append(0 if parent < 0 else depths[parent] + 1)
+        return cls(torch.zeros(t, dtype=torch.long), torch.tensor(parents))
+
+    @classmethod
     def from_tensors(cls, tensors: tuple[torch.Tensor, ...], max_depth: int) -> Tree:
         tokens, parents, depths, child_table, ancestors = tensors
         return cls(tokens, parents, None, TreeStructure(max_depth, depths, child_table, ancestors))

@@ -18,17 +18,22 @@ EMBEDDED = REPO / "recipes" / "models"  # the demo pair: target + draft, shipped
 SHARED = REPO.parent / "shared" / "fixtures"  # mid, hybrid and the prompt file live only here
 
 
+LOCAL = REPO / ".fixtures"  # what a GPU machine, which gets only the checkout, has of ../shared/fixtures
+
+
 def shared_models() -> Path:
-    if not (SHARED / "models").is_dir():
-        pytest.skip("../shared/fixtures is not present")
-    return SHARED / "models"
+    for folder in (SHARED / "models", LOCAL):
+        if folder.is_dir():
+            return folder
+    pytest.skip("../shared/fixtures is not present")
 
 
 @pytest.fixture(scope="session")
 def code_prompts() -> list[dict]:
-    path = SHARED / "prompts_code.jsonl"
-    if not path.is_file():
+    found = [p for p in (SHARED / "prompts_code.jsonl", LOCAL / "prompts_code.jsonl") if p.is_file()]
+    if not found:
         pytest.skip("../shared/fixtures/prompts_code.jsonl is not present")
+    path = found[0]
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 

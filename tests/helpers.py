@@ -46,7 +46,7 @@ class MarkovModel(nn.Module):
         super().__init__()
         self.register_buffer("log_table", table.log())
 
-    def new_cache(self, capacity: int, batch: int = 1, move_rows=None) -> KVCache:
+    def new_cache(self, capacity: int, batch: int = 1, kernels=None) -> KVCache:
         return KVCache(0, batch, 1, 1, capacity, torch.float32, "cpu")
 
     def forward(self, tokens, positions, cache, slot, mask):

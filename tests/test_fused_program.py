@@ -20,7 +20,7 @@ def test_triton_kernels_decode_the_reference_tokens():
 
     fused, reference = program("triton"), program("reference")
     assert fused.stages["target"].model.layers[0].self_attn.kernels.attention is attention
-    assert fused.stages["draft"].cache.move_rows is kv_move
+    assert fused.stages["draft"].cache.kernels.kv_move is kv_move
     ids = fused.encode("def parse(path):\n    with open(path) as f:\n")
     result = fused.generate(ids)
     assert result.output_ids == reference.generate(ids).output_ids

@@ -161,6 +161,42 @@ def test_hybrid_target_captured_and_compiled_gives_the_eager_tokens_and_never_wa
     assert step_without_host_sync(fast.executor) >= 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_delta_kernel_gives_every_node_the_recurrence_along_its_path(dtype):
+    """The fused gated-DeltaNet step at the Qwen3.5 layer shapes (head dims 128) against the token-by-token
+    recurrence from each node's parent's state (scripts/bench_gated_delta.py's branch way, fed the same gates),
+    over chains, bushy and deep trees of 1 to 128 nodes and several random layers."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_gated_delta import branch_by_branch, layer_inputs, tree_levels
+
+    from specgraph.bench.widen import QWEN35_REAL
+    from specgraph.kernels.gated_delta.triton import gated_delta_step
+    from specgraph.tree import Tree
+
+    generator, device = torch.Generator().manual_seed(0), torch.device("cuda")
+    for shape in QWEN35_REAL.values():
+        for t, depth in [(1, 1), (16, 16), (64, 3), (64, 8), (128, 16), (128, 128)]:
+            tree = Tree.random(t, depth, generator)
+            for _ in range(2):
+                args, steps = layer_inputs(shape, t, tree, generator, device, dtype)
+                exact = branch_by_branch(args, tree_levels(tree, device))
+                got = gated_delta_step(*args, *steps).float()
+                cosine = torch.nn.functional.cosine_similarity(got.flatten(2), exact.flatten(2), dim=-1)  # per node
+                error = (got - exact).abs().max() / exact.abs().max()
+                assert error < (1e-4 if dtype == torch.float32 else 2e-2) and cosine.min() > 0.999, (t, depth, error)
+
+
+def test_hybrid_with_the_fused_gated_delta_kernels_equals_transformers(hybrid_reference):
+    """fp32 on the GPU, Triton kernels (auto), the hybrid fixture: the tree recipe's greedy tokens are
+    transformers' on 16 prompts x 128 tokens."""
+    program = on_gpu({"shape": "dynamic", "width": 4, "depth": 5, "nodes": 24}, shared_fixture("hybrid"),
+                     max_new_tokens=128, dtype="float32")
+    from specgraph.kernels.gated_delta.triton import gated_delta_step
+    assert program.stages["target"].model.layers[0].linear_attn.kernels.gated_delta_step is gated_delta_step
+    for ids, expected in hybrid_reference:
+        assert program.generate(ids).output_ids == expected
+
+
 def disaggregated_on(draft_device: str, target_device: str, tree: dict, **fields) -> Program:
     recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", tree, execution="disaggregated", **fields)
     devices = [[draft_device], [target_device]]

@@ -83,6 +83,21 @@ def test_greedy_output_equals_the_hybrid_target_alone(hybrid, reference, drafter
     assert sum(accepted) / len(accepted) > 1.5
 
 
+def test_fused_gated_delta_kernels_decode_the_tokens_of_transformers(hybrid, reference):
+    """The Triton gated-DeltaNet step and commit, chosen per op (the other ops stay the references;
+    interpreted on the CPU, hence one prompt): a tree recipe's greedy tokens are transformers'."""
+    from specgraph.kernels.gated_delta.triton import gated_delta_commit, gated_delta_step
+    fused = {"gated_delta_step": "triton", "gated_delta_commit": "triton"}
+    program = Program.from_recipe(two_stage(hybrid, EMBEDDED / "draft", {"shape": "static", "branching": [3, 2, 1, 1]},
+                                            max_new_tokens=32, lowering={"kernels": fused}))
+    target = program.stages["target"]
+    assert target.cache.kernels.gated_delta_commit is gated_delta_commit
+    assert target.model.layers[0].linear_attn.kernels.gated_delta_step is gated_delta_step
+    ids, expected = reference[0]
+    generation = program.generate(ids)
+    assert generation.output_ids == expected[:32] and max(generation.accepted_lengths) > 1
+
+
 def test_autoregressive_hybrid_equals_transformers(hybrid, reference):
     program = Program.from_recipe(two_stage(hybrid, None, max_new_tokens=NEW_TOKENS))
     for ids, expected in reference[:2]:

@@ -12,6 +12,7 @@ from specgraph.kernels.accept.triton import accept_greedy, accept_sampling
 from specgraph.kernels.attention import attention_reference
 from specgraph.kernels.attention.triton import attention
 from specgraph.kernels.gated_delta import gated_delta_commit_reference, gated_delta_tree_reference
+from specgraph.kernels.gated_delta.reference import _fold_state
 from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.kernels.kv_move.triton import kv_move
 from specgraph.kernels.linear import linear_reference
@@ -224,5 +225,65 @@ def test_gated_delta_tree_and_commit_match_the_recurrence(b, t, h, dk, dv):
     leaf = t - 1
     path = tree.ancestors[leaf].nonzero().flatten()  # root first
     committed = state.clone()
-    gated_delta_commit_reference(committed, k, u, decay, torch.cat([path, torch.full((2,), -1)]))
+    _fold_state(committed, k, u, decay, torch.cat([path, torch.full((2,), -1)]))
     assert (committed - states[leaf]).abs().max() < 1e-4
+
+
+def gated_delta_step_inputs(b, t, h, hk, dk, dv, depth, dtype, seed, kernel=4, step_tokens=None):
+    """Random inputs of one gated-DeltaNet layer step over a random tree (as models/hybrid.py passes them)."""
+    from specgraph.models.hybrid import conv_windows
+    gen = torch.Generator().manual_seed(seed)
+    tree = Tree.random(t, depth, gen)
+    c = 2 * hk * dk + h * dv
+    projected = torch.randn(b, t, c + 2 * h + 5, generator=gen).to(dtype)  # as split from one projection's rows
+    inputs, write, decay_input = projected[..., :c], projected[..., c:c + h], projected[..., c + h:c + 2 * h]
+    conv = torch.randn(b, kernel - 1, c, generator=gen).to(dtype)
+    conv_weight = (torch.randn(c, 1, kernel, generator=gen) / 2).to(dtype)
+    a_log, dt_bias = torch.rand(h, generator=gen).to(dtype), torch.randn(h, generator=gen).to(dtype)
+    state = torch.randn(b, h, dk, dv, generator=gen) / 4
+    s = step_tokens or t
+    steps = torch.zeros(b, s, h, dk), torch.zeros(b, s, h, dv), torch.zeros(b, s, h)
+    return (inputs, write, decay_input, conv, conv_weight, a_log, dt_bias, conv_windows(tree.ancestors, kernel),
+            tree.ancestors, state), steps, tree
+
+
+@pytest.mark.parametrize("b, t, h, hk, dk, dv, depth, dtype", [
+    (1, 1, 4, 2, 64, 64, 1, torch.float32),  # the one-token step (autoregressive decoding)
+    (2, 13, 3, 1, 48, 40, 5, torch.float32),  # batch 2, odd head dims, 3 value heads per key head
+    (1, 64, 2, 2, 64, 64, 64, torch.float32),  # a chain of 64 (a prompt chunk)
+    (1, 37, 2, 1, 128, 64, 6, torch.bfloat16),  # a bushy tree, head dim 128
+    (1, 128, 2, 2, 64, 128, 16, torch.bfloat16),  # the largest step, depth 16
+])
+def test_gated_delta_step_matches_reference(b, t, h, hk, dk, dv, depth, dtype):
+    from specgraph.kernels.gated_delta import gated_delta_step_reference
+    from specgraph.kernels.gated_delta.triton import gated_delta_step
+    args, steps, _ = gated_delta_step_inputs(b, t, h, hk, dk, dv, depth, dtype, seed=t + dk, step_tokens=t + 3)
+    expected_steps, got_steps = [x.clone() for x in steps], [x.clone() for x in steps]
+    expected = gated_delta_step_reference(*args, *expected_steps)
+    got = gated_delta_step(*args, *got_steps)
+    assert close(got, expected)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the factors inherit the rounding of the bf16 activations
+    for name, x, y in zip(("k", "u", "G"), got_steps, expected_steps):
+        assert ((x - y).abs() <= tol * y.abs().clamp(min=1)).all(), name
+
+
+@pytest.mark.parametrize("layers, b, h, dk, dv, kernel, path", [
+    (2, 1, 3, 64, 64, 4, [0]),  # the root alone (an autoregressive step)
+    (1, 2, 2, 48, 40, 4, [0, 2, 5, -1, -1]),  # a padded path of three
+    (3, 1, 2, 64, 128, 4, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]),  # past one 16-row tile
+    (1, 1, 2, 32, 32, 2, [0, 3]),  # a conv of width 2
+])
+def test_gated_delta_commit_matches_reference(layers, b, h, dk, dv, kernel, path):
+    from specgraph.kernels.gated_delta.triton import gated_delta_commit
+    gen = torch.Generator().manual_seed(len(path) + dk)
+    s, c = 20, 3 * dk
+    state, conv = torch.randn(layers, b, h, dk, dv, generator=gen), torch.randn(layers, b, kernel - 1, c, generator=gen)
+    factors = (torch.nn.functional.normalize(torch.randn(layers, b, s, h, dk, generator=gen), dim=-1),
+               torch.randn(layers, b, s, h, dv, generator=gen), -torch.rand(layers, b, s, h, generator=gen).cumsum(2),
+               torch.randn(layers, b, s, c, generator=gen))
+    path = torch.tensor(path)
+    expected_state, expected_conv = state.clone(), conv.clone()
+    gated_delta_commit_reference(expected_state, expected_conv, *factors, path)
+    gated_delta_commit(state, conv, *factors, path)
+    assert (state - expected_state).abs().max() < 1e-4
+    assert torch.equal(conv, expected_conv)

@@ -9,6 +9,7 @@ from typing import Callable
 
 from specgraph.kernels.accept import accept_greedy_reference, accept_sampling_reference
 from specgraph.kernels.attention import attention_reference
+from specgraph.kernels.gated_delta import gated_delta_commit_reference, gated_delta_step_reference
 from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.kernels.linear import linear_reference
 from specgraph.kernels.norm import add_rmsnorm_reference
@@ -19,7 +20,8 @@ from specgraph.kernels.swiglu import swiglu_reference
 TRITON = {"attention": ("attention", "attention"), "rope_write": ("rope", "rope_write"), "linear": ("linear", "linear"),
           "add_rmsnorm": ("norm", "add_rmsnorm"),
           "swiglu": ("swiglu", "swiglu"), "kv_move": ("kv_move", "kv_move"),
-          "accept_greedy": ("accept", "accept_greedy"), "accept_sampling": ("accept", "accept_sampling")}
+          "accept_greedy": ("accept", "accept_greedy"), "accept_sampling": ("accept", "accept_sampling"),
+          "gated_delta_step": ("gated_delta", "gated_delta_step"), "gated_delta_commit": ("gated_delta", "gated_delta_commit")}
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class Kernels:
     kv_move: Callable = kv_move_reference
     accept_greedy: Callable = accept_greedy_reference
     accept_sampling: Callable = accept_sampling_reference
+    gated_delta_step: Callable = gated_delta_step_reference
+    gated_delta_commit: Callable = gated_delta_commit_reference
 
     @classmethod
     def select(cls, choice: dict[str, str]) -> Kernels:

@@ -2,8 +2,8 @@
 
 A forward's tokens form a tree (a prompt chunk is a chain): attention layers write K/V at their
 slots and attend under the mask, like the Llama module; gated-DeltaNet layers read the committed
-recurrent state and give every node its output in closed form (kernels/gated_delta), leaving the
-nodes' factors in the cache until `HybridCache.commit` folds the accepted path's in.
+recurrent state and give every node its output in closed form (the gated_delta_step kernel),
+leaving the nodes' factors in the cache until `HybridCache.commit` folds the accepted path's in.
 
 Parameter names follow the Hugging Face checkpoint (minus `model.`), with projections fused by
 rows (q/gate+k+v, the DeltaNet's qkv+z+b+a, gate+up). Zero-centred RMSNorm weights (the
@@ -13,9 +13,7 @@ are the Llama ones and widening rescales them exactly.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +21,6 @@ from torch import nn
 
 from specgraph.cache import HybridCache
 from specgraph.kernels import Kernels
-from specgraph.kernels.gated_delta import gated_delta_tree_reference
-from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.kernels.rope.reference import apply_rotary
 from specgraph.models.llama import MLP, FUSED as LLAMA_FUSED, DecoderModel, RMSNorm, qkv_sizes
 
@@ -101,15 +97,11 @@ class HybridShape:
         return self.kv_bytes_per_slot(itemsize) * slots + self.linear_layers * (state + window)
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str, batch: int = 1,
-                  move_rows: Callable = kv_move_reference) -> HybridCache:
+                  kernels: Kernels = Kernels()) -> HybridCache:
         return HybridCache(self.attention_layers, batch, self.num_kv_heads, self.head_dim, capacity, dtype, device,
-                           move_rows, linear_layers=self.linear_layers, heads=self.linear_value_heads,
+                           kernels, linear_layers=self.linear_layers, heads=self.linear_value_heads,
                            key_dim=self.linear_key_dim, value_dim=self.linear_value_dim,
                            conv_channels=self.conv_channels, conv_kernel=self.conv_kernel, step_tokens=STEP_TOKENS)
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 def conv_windows(visible: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -158,20 +150,11 @@ class GatedDeltaNet(nn.Module):
         state [B, H, dk, dv] and conv inputs [B, K - 1, C], read only; step_* [B, STEP_TOKENS, ...]:
         where the tokens' factors are left for the commit."""
         s, (b, t, _) = self.shape, h.shape
-        hk, hv, dk, dv = s.linear_key_heads, s.linear_value_heads, s.linear_key_dim, s.linear_value_dim
         inputs, z, write, a = self.in_proj(h).split(s.linear_sizes(), dim=-1)
         step_inputs[:, :t] = inputs
-        taps = torch.cat([conv, inputs], dim=1)[:, windows]  # [B, T, K, C]
-        weight = self.conv1d.weight[:, 0].T.float()  # [K, C]
-        mixed = F.silu((taps.float() * weight).sum(2)).to(h.dtype)  # [B, T, C]
-        q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
-        q = l2norm(q.reshape(b, t, hk, dk).float()).repeat_interleave(hv // hk, dim=2) / math.sqrt(dk)
-        k = l2norm(k.reshape(b, t, hk, dk).float()).repeat_interleave(hv // hk, dim=2)  # [B, T, H, dk]
-        beta = write.sigmoid().float()  # [B, T, H]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [B, T, H]: log-decay
-        out, u, decay = gated_delta_tree_reference(q, k, v.reshape(b, t, hv, dv).float(), g, beta, state, visible)
-        step_k[:, :t], step_u[:, :t], step_decay[:, :t] = k, u, decay
-        out = self.norm(out.to(h.dtype), z.reshape(b, t, hv, dv)).reshape(b, t, hv * dv)
+        out = self.kernels.gated_delta_step(inputs, write, a, conv, self.conv1d.weight, self.A_log, self.dt_bias,
+                                            windows, visible, state, step_k, step_u, step_decay)  # [B, T, H, dv]
+        out = self.norm(out, z.reshape(out.shape)).reshape(b, t, -1)
         return self.kernels.linear(out, self.out_proj.weight, None)
 
 

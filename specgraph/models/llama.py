@@ -8,14 +8,12 @@ GEMMs (qkv, gate_up, down) and an output projection: `fuse_hf_state` and `hf_sta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
 from specgraph.cache import KVCache
 from specgraph.kernels import Kernels
-from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.kernels.norm import rmsnorm_reference
 
 
@@ -51,9 +49,9 @@ class LlamaShape:
         return self.kv_bytes_per_slot(itemsize) * slots
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str, batch: int = 1,
-                  move_rows: Callable = kv_move_reference) -> KVCache:
-        """`move_rows`: the cache's KV move kernel (kernels/kv_move)."""
-        return KVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity, dtype, device, move_rows)
+                  kernels: Kernels = Kernels()) -> KVCache:
+        """`kernels`: the stage's choice of kernels, which the cache runs too."""
+        return KVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity, dtype, device, kernels)
 
     def fused_sizes(self) -> dict[str, list[int]]:
         return {"self_attn.qkv_proj": qkv_sizes(self.num_heads, self.num_kv_heads, self.head_dim),
@@ -189,9 +187,9 @@ class DecoderModel(nn.Module):
         self.served_vocab = shape.vocab_size  # logits cover token ids [0, served_vocab) (less when widened)
         self.kernels = Kernels()
 
-    def new_cache(self, capacity: int, batch: int = 1, move_rows: Callable = kv_move_reference) -> KVCache:
+    def new_cache(self, capacity: int, batch: int = 1, kernels: Kernels = Kernels()) -> KVCache:
         weight = self.embed_tokens.weight
-        return self.shape.new_cache(capacity, weight.dtype, weight.device, batch, move_rows)
+        return self.shape.new_cache(capacity, weight.dtype, weight.device, batch, kernels)
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Run every fused op (the layers', and the final add + norm) through `kernels` (before compiling the layers)."""

@@ -2,12 +2,14 @@
 
 Before: stages carry `device`.
 After:  + `kernels` {op: "triton" | "reference"} for attention, rope_write, linear, add_rmsnorm,
-        swiglu, kv_move, accept_greedy and accept_sampling. `lowering.kernels`: "reference" or "triton" force one
-        kind everywhere (Triton on the CPU runs only under TRITON_INTERPRET=1, for tests); "auto"
+        swiglu, kv_move, accept_greedy, accept_sampling, gated_delta_step and gated_delta_commit.
+        `lowering.kernels`: "reference" or "triton" force one kind everywhere (Triton on the CPU
+        runs only under TRITON_INTERPRET=1, for tests), or per op where it maps ops to kinds; "auto"
         picks Triton for every op on a GPU — attention reads only the slots a step can see,
         rope_write is one kernel where Inductor makes three, linear projects one token without
         cuBLAS's split-K reduction, swiglu projects one token on the gate and up rows and stores
-        only silu(gate) * up, and our add_rmsnorm beats Inductor's inside compiled layers too
+        only silu(gate) * up, gated_delta_step does a whole gated-DeltaNet layer step in one kernel
+        where PyTorch takes dozens, and our add_rmsnorm beats Inductor's inside compiled layers too
         (docs/benchmarks.md; on Hopper our kernels also launch dependently) — and the references
         on the CPU.
 """
@@ -22,10 +24,9 @@ from specgraph.passes.base import graph_pass
 @graph_pass(requires=("device",), provides=("kernels",))
 def select_kernels(graph: SpecGraph) -> SpecGraph:
     wanted = graph.recipe.lowering.kernels
+    per_op = wanted if isinstance(wanted, dict) else dict.fromkeys(TRITON, wanted)
     for name in graph.stages():
         node = graph.node(name)
-        if wanted != "auto":
-            node["kernels"] = dict.fromkeys(TRITON, wanted)
-            continue
-        node["kernels"] = dict.fromkeys(TRITON, "triton" if node["device"].type == "cuda" else "reference")
+        auto = "triton" if node["device"].type == "cuda" else "reference"
+        node["kernels"] = {op: auto if per_op.get(op, "auto") == "auto" else per_op[op] for op in TRITON}
     return graph

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from specgraph.cache import KVCache
-from specgraph.kernels.kv_move import kv_move_reference
+from specgraph.kernels import Kernels
 
 
 def step_mask(start: torch.Tensor, visible: torch.Tensor, width: int) -> torch.Tensor:
@@ -58,12 +58,12 @@ class Graph:
 
 class Stage:
     def __init__(self, name: str, model: nn.Module, capacity: int, device: torch.device,
-                 graph_buckets: tuple[int, ...] = (), static_shapes: bool = False, move_rows: Callable = kv_move_reference):
-        """`move_rows`: the KV move kernel of the stage's cache (kernels/kv_move)."""
+                 graph_buckets: tuple[int, ...] = (), static_shapes: bool = False, kernels: Kernels = Kernels()):
+        """`kernels`: the stage's choice of kernels, which its cache runs too."""
         self.name = name
         self.model = model
         self.device = device
-        self.cache: KVCache = model.new_cache(capacity, move_rows=move_rows)
+        self.cache: KVCache = model.new_cache(capacity, kernels=kernels)
         self.graph_buckets = frozenset(graph_buckets)
         self.static_shapes = static_shapes or bool(graph_buckets)  # attend over the whole cache
         self._graphs: dict[int, Graph] = {}

@@ -1,5 +1,6 @@
 """Gated delta rule over a tree of tokens: every node from the one committed state, in closed form."""
 
-from specgraph.kernels.gated_delta.reference import gated_delta_commit_reference, gated_delta_tree_reference
+from specgraph.kernels.gated_delta.reference import (gated_delta_commit_reference, gated_delta_step_reference,
+                                                     gated_delta_tree_reference)
 
-__all__ = ["gated_delta_commit_reference", "gated_delta_tree_reference"]
+__all__ = ["gated_delta_commit_reference", "gated_delta_step_reference", "gated_delta_tree_reference"]

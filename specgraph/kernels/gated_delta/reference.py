@@ -12,6 +12,11 @@ The first is (I + A) U = R with A strictly lower-triangular (parents come first)
 solve, by forward substitution (stable on long chains, where the Neumann series (I + A)^-1 =
 sum (-A)^n cancels catastrophically in fp32). No per-node state is formed;
 the step keeps the token factors (k, u, G) and committing a path builds only its last node's state.
+
+`gated_delta_step_reference` is a whole layer step around that solve — each node's short
+convolution over its ancestor window, the q/k normalisation, the gates — and
+`gated_delta_commit_reference` folds an accepted path into the state and the conv window: the
+definitions that kernels/gated_delta/triton.py fuses.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 
 def gated_delta_tree_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -46,11 +52,67 @@ def gated_delta_tree_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out.transpose(1, 2), factors.transpose(1, 2), path_decay.transpose(1, 2)
 
 
-def gated_delta_commit_reference(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, path_decay: torch.Tensor,
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_step_reference(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor,
+                               conv: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
+                               dt_bias: torch.Tensor, windows: torch.Tensor, visible: torch.Tensor,
+                               state: torch.Tensor, step_k: torch.Tensor, step_u: torch.Tensor,
+                               step_decay: torch.Tensor) -> torch.Tensor:
+    """One gated-DeltaNet layer over a tree of T tokens, from its input projections to its outputs.
+    inputs [B, T, C] (the q, k, v channels, C = 2 Hk dk + H dv), write, decay_input [B, T, H] (the
+    b and a rows); conv [B, K - 1, C], the committed conv inputs, and conv_weight [C, 1, K];
+    A_log, dt_bias [H]; windows [T, K] (each node's conv inputs, indices into conv then inputs:
+    models/hybrid.conv_windows); visible [T, T]; state [B, H, dk, dv] fp32, read only.
+    Writes the tokens' factors k, u and G to step_k [B, S, H, dk], step_u [B, S, H, dv],
+    step_decay [B, S, H] (rows [0, T)). Returns the outputs [B, T, H, dv] in the inputs' dtype."""
+    t = inputs.shape[1]
+    q, k, v, g, beta = gated_delta_gates(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows,
+                                         *state.shape[1:])
+    out, u, decay = gated_delta_tree_reference(q, k, v, g, beta, state, visible)
+    step_k[:, :t], step_u[:, :t], step_decay[:, :t] = k, u, decay
+    return out.to(inputs.dtype)
+
+
+def gated_delta_gates(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor, conv: torch.Tensor,
+                      conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, windows: torch.Tensor,
+                      h: int, dk: int, dv: int) -> tuple[torch.Tensor, ...]:
+    """The recurrence's per-token inputs from a step's projections (arguments as in
+    gated_delta_step_reference; h value heads of dims dk, dv): q, k [B, T, H, dk] (k unit-norm, q
+    scaled), v [B, T, H, dv], log-decays g and write strengths beta [B, T, H], all fp32."""
+    b, t, c = inputs.shape
+    hk = (c - h * dv) // (2 * dk)
+    taps = torch.cat([conv, inputs], dim=1)[:, windows]  # [B, T, K, C]
+    weight = conv_weight[:, 0].T.float()  # [K, C]
+    mixed = F.silu((taps.float() * weight).sum(2)).to(inputs.dtype)  # [B, T, C]
+    q, k, v = mixed.split([hk * dk, hk * dk, h * dv], dim=-1)
+    q = l2norm(q.reshape(b, t, hk, dk).float()).repeat_interleave(h // hk, dim=2) / math.sqrt(dk)
+    k = l2norm(k.reshape(b, t, hk, dk).float()).repeat_interleave(h // hk, dim=2)  # [B, T, H, dk]
+    beta = write.sigmoid().float()  # [B, T, H]
+    g = -A_log.float().exp() * F.softplus(decay_input.float() + dt_bias.float())  # [B, T, H]: log-decay
+    return q, k, v.reshape(b, t, h, dv).float(), g, beta
+
+
+def gated_delta_commit_reference(state: torch.Tensor, conv: torch.Tensor, step_k: torch.Tensor,
+                                 step_u: torch.Tensor, step_decay: torch.Tensor, step_inputs: torch.Tensor,
                                  path: torch.Tensor) -> None:
-    """Advance state [..., H, dk, dv] in place to the last node of `path` ([P] long: nodes of the
-    step, root first, -1 padded) from the step's factors k [..., T, H, dk], u [..., T, H, dv] and
-    G [..., T, H] (leading dimensions: layers, batch)."""
+    """Advance, in place, every layer's state [L, B, H, dk, dv] and conv window [L, B, K - 1, C] to
+    the last node of `path` ([P] long: nodes of the last step, root first, -1 padded), from the
+    step's factors (step_k [L, B, S, H, dk], step_u [L, B, S, H, dv], step_decay [L, B, S, H]) and
+    conv inputs step_inputs [L, B, S, C]."""
+    _fold_state(state, step_k, step_u, step_decay, path)
+    # the conv window ends with the path's inputs: the last K - 1 of (committed window, path)
+    kept = conv.shape[2]
+    window = torch.cat([conv, step_inputs.index_select(2, path.clamp(min=0))], dim=2)
+    conv.copy_(window.index_select(2, (path >= 0).sum() + torch.arange(kept, device=path.device)))
+
+
+def _fold_state(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, path_decay: torch.Tensor,
+                path: torch.Tensor) -> None:
+    """Advance state [..., H, dk, dv] in place to the last node of `path` from the step's factors
+    k [..., T, H, dk], u [..., T, H, dv] and G [..., T, H] (leading dimensions: layers, batch)."""
     valid = path >= 0
     nodes = path.clamp(min=0)
     last = nodes.gather(0, valid.sum().reshape(1) - 1)  # [1]

@@ -1,0 +1,246 @@
+"""Triton gated-DeltaNet tree step and commit (Bole's closed form, fused).
+
+`gated_delta_step`: two kernels. The first, one program per (batch, value head), gives each node
+its inputs: the short convolution over its ancestor window, silu, the q/k L2 norms, the gates and
+the path log-decay G. The second, one program per (batch, value head, value tile of BV columns),
+keeps the committed state's [dk, BV] slice on chip and walks the tree in blocks of 16 nodes
+(parents first): the ancestor-masked system (I + A) U = R, block by block (matrix products against
+the blocks before, forward substitution within the block), and every node's output from the one
+state. No per-node state is formed. A one-token step (autoregressive decoding) is the same
+kernels with T = 1.
+
+`gated_delta_commit`: one program per (layer, batch, value head, value tile) folds the accepted
+path's factors into its state slice; one per (layer, batch, channel block) shifts the conv window.
+Same signatures and results as the references (fp32 arithmetic, activations rounded where the
+reference rounds them).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specgraph.kernels.pdl import launch
+
+IEEE = tl.constexpr("ieee")  # fp32 dots in full precision (no TF32): they match the reference's
+
+
+@triton.jit
+def _softplus(x):
+    return tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
+
+
+@triton.jit
+def _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live, channels, cmask,
+               K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """silu of each node's convolution over its window, for `channels` [BC] -> [BT, BC] fp32, rounded
+    to the activations' dtype like the reference."""
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        idx = tl.load(windows + rows * K + j, mask=live, other=K - 1)  # [BT]: < K - 1 in the committed window
+        old, new = live & (idx < K - 1), live & (idx >= K - 1)
+        x = tl.load(conv + b * s_conv_b + idx[:, None] * s_conv_t + channels[None, :],
+                    mask=old[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        x += tl.load(inputs + b * s_in_b + (idx - (K - 1))[:, None] * s_in_t + channels[None, :],
+                     mask=new[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(conv_w + channels * K + j, mask=cmask, other=0.0).to(tl.float32)  # [BC]
+        acc += x * w[None, :]
+    return (acc * tl.sigmoid(acc)).to(inputs.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _gates(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, visible, q_out, v_out, beta_out, step_k,
+           step_decay, T, H, HK, scale, s_in_b, s_in_t, s_w_b, s_w_t, s_a_b, s_a_t, s_conv_b, s_conv_t, s_sk_b, s_sk_t,
+           s_sd_b, s_sd_t, K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+           BDV: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr):
+    """One program per (batch, value head): each node's q, k (its key head's), v, beta and path log-decay G."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    b, h = tl.program_id(0) // H, tl.program_id(0) % H
+    hk = h // (H // HK)
+    nodes, keys, vals = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BDV)
+    kmask, vmask = keys < DK, vals < DV
+    g_scale, g_bias = -tl.exp(tl.load(a_log + h).to(tl.float32)), tl.load(dt_bias + h).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    a = tl.load(decay_input + b * s_a_b + nodes * s_a_t + h, mask=nodes < T, other=0.0).to(tl.float32)
+    g = tl.where(nodes < T, g_scale * _softplus(a + g_bias), 0.0)  # [BT]: every node's log-decay
+    for r0 in range(0, T, RB):  # blocks of RB nodes
+        rows = r0 + tl.arange(0, RB)
+        live = rows < T
+        q = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live,
+                       hk * DK + keys, kmask, K, RB, BK)  # [RB, BK]
+        k = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live,
+                       (HK + hk) * DK + keys, kmask, K, RB, BK)
+        v = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live,
+                       2 * HK * DK + h * DV + vals, vmask, K, RB, BDV)  # [RB, BDV]
+        q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        beta = tl.sigmoid(tl.load(write + b * s_w_b + rows * s_w_t + h, mask=live, other=0.0).to(tl.float32))
+        beta = beta.to(inputs.dtype.element_ty).to(tl.float32)  # rounded like the reference
+        seen = tl.load(visible + rows[:, None] * T + nodes[None, :], mask=live[:, None] & (nodes < T)[None, :],
+                       other=0) != 0  # [RB, BT]: ancestors or self
+        path = tl.sum(tl.where(seen, g[None, :], 0.0), axis=1)  # [RB]: G
+        at = (b * T + rows[:, None]) * H + h  # row of [B, T, H, ...] scratch
+        tl.store(q_out + at * DK + keys[None, :], q, mask=live[:, None] & kmask[None, :])
+        tl.store(v_out + at * DV + vals[None, :], v, mask=live[:, None] & vmask[None, :])
+        tl.store(beta_out + (b * T + rows) * H + h, beta, mask=live)
+        tl.store(step_k + b * s_sk_b + rows[:, None] * s_sk_t + h * DK + keys[None, :], k,
+                 mask=live[:, None] & kmask[None, :])
+        tl.store(step_decay + b * s_sd_b + rows * s_sd_t + h, path, mask=live)
+
+
+@triton.jit
+def _tree(q_in, v_in, beta_in, visible, state, out, step_k, step_u, step_decay, T, H, s_sk_b, s_sk_t, s_su_b, s_su_t,
+          s_sd_b, s_sd_t, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, RB: tl.constexpr,
+          PDL: tl.constexpr):
+    """One program per (batch, value head, value tile of BV columns), blocks of RB nodes in order: block r
+    solves (I + A_rr) U_r = R_r - sum_c<r A_rc U_c (forward substitution within the block; its U_c
+    read back from step_u, where this program stored them) and outputs
+    o_r = e^G_r S^T q_r + sum_c<=r (decay_rc * q_r k_c^T) U_c, from the state tile S [BK, BV]."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    b, h, tile = tl.program_id(0) // H, tl.program_id(0) % H, tl.program_id(1)
+    keys, vals, idx = tl.arange(0, BK), tile * BV + tl.arange(0, BV), tl.arange(0, RB)
+    kmask, vmask = keys < DK, vals < DV
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    s = tl.load(state + ((b * H + h) * DK + keys[:, None]) * DV + vals[None, :],
+                mask=kmask[:, None] & vmask[None, :], other=0.0)  # [BK, BV]: this tile of the committed state
+    for r0 in range(0, T, RB):
+        rows = r0 + idx
+        live = rows < T
+        at = (b * T + rows) * H + h
+        q = tl.load(q_in + at[:, None] * DK + keys[None, :], mask=live[:, None] & kmask[None, :], other=0.0)
+        k = tl.load(step_k + b * s_sk_b + rows[:, None] * s_sk_t + h * DK + keys[None, :],
+                    mask=live[:, None] & kmask[None, :], other=0.0)  # [RB, BK]
+        v = tl.load(v_in + at[:, None] * DV + vals[None, :], mask=live[:, None] & vmask[None, :], other=0.0)
+        beta = tl.load(beta_in + at, mask=live, other=0.0)
+        path = tl.load(step_decay + b * s_sd_b + rows * s_sd_t + h, mask=live, other=0.0)  # [RB]: G
+        start = tl.exp(path)[:, None]
+        rhs = beta[:, None] * (v - start * tl.dot(k, s, input_precision=IEEE))  # R_r [RB, BV]
+        o = start * tl.dot(q, s, input_precision=IEEE)
+        for c0 in range(0, r0, RB):  # earlier blocks, solved
+            cols = c0 + idx
+            k_c = tl.load(step_k + b * s_sk_b + cols[:, None] * s_sk_t + h * DK + keys[None, :],
+                          mask=kmask[None, :], other=0.0)
+            u_c = tl.load(step_u + b * s_su_b + cols[:, None] * s_su_t + h * DV + vals[None, :],
+                          mask=vmask[None, :], other=0.0)
+            seen = tl.load(visible + rows[:, None] * T + cols[None, :], mask=live[:, None], other=0) != 0
+            g_c = tl.load(step_decay + b * s_sd_b + cols * s_sd_t + h)
+            decay = tl.where(seen, tl.exp(tl.where(seen, path[:, None] - g_c[None, :], 0.0)), 0.0)  # [RB, RB]
+            rhs -= tl.dot(beta[:, None] * decay * tl.dot(k, tl.trans(k_c), input_precision=IEEE), u_c,
+                          input_precision=IEEE)
+            o += tl.dot(decay * tl.dot(q, tl.trans(k_c), input_precision=IEEE), u_c, input_precision=IEEE)
+        seen = tl.load(visible + rows[:, None] * T + rows[None, :], mask=live[:, None] & live[None, :], other=0) != 0
+        decay = tl.where(seen, tl.exp(tl.where(seen, path[:, None] - path[None, :], 0.0)), 0.0)
+        A = tl.where(seen & (idx[:, None] != idx[None, :]),
+                     beta[:, None] * decay * tl.dot(k, tl.trans(k), input_precision=IEEE), 0.0)  # A_rr, strict
+        u = rhs
+        for i in range(1, tl.minimum(RB, T - r0)):  # forward substitution, parents first: U_i = rhs_i - sum_j<i A_ij U_j
+            a_i = tl.sum(tl.where(idx[:, None] == i, A, 0.0), axis=0)  # [RB]: row i of A_rr
+            u = tl.where(idx[:, None] == i, u - tl.sum(a_i[:, None] * u, axis=0)[None, :], u)
+        o += tl.dot(decay * tl.dot(q, tl.trans(k), input_precision=IEEE), u, input_precision=IEEE)
+        tile_mask = live[:, None] & vmask[None, :]
+        tl.store(step_u + b * s_su_b + rows[:, None] * s_su_t + h * DV + vals[None, :], u, mask=tile_mask)
+        tl.store(out + at[:, None] * DV + vals[None, :], o.to(out.dtype.element_ty), mask=tile_mask)
+        tl.debug_barrier()  # U_r stored before a later block reads it
+
+
+ROW_BLOCK = 16  # nodes per block of the solve (the smallest tl.dot)
+
+
+def _value_tile(dv: int) -> int:
+    return min(triton.next_power_of_2(dv), 32)
+
+
+@torch.library.custom_op("specgraph::gated_delta_step", mutates_args=("step_k", "step_u", "step_decay"))
+def gated_delta_step(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor, conv: torch.Tensor,
+                     conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, windows: torch.Tensor,
+                     visible: torch.Tensor, state: torch.Tensor, step_k: torch.Tensor, step_u: torch.Tensor,
+                     step_decay: torch.Tensor) -> torch.Tensor:
+    """Same signature and result as gated_delta_step_reference (last dimensions contiguous; conv
+    window, state and step tensors contiguous per batch row)."""
+    (b, t, c), (h, dk, dv), kernel = inputs.shape, state.shape[1:], conv_weight.shape[-1]
+    assert t <= step_k.shape[1] and windows.shape == (t, kernel) and visible.shape == (t, t), "step shapes disagree"
+    hk = (c - h * dv) // (2 * dk)
+    out = inputs.new_empty(b, t, h, dv)
+    q, v, beta = (torch.empty(b, t, h, *d, dtype=torch.float32, device=inputs.device) for d in ((dk,), (dv,), ()))
+    bk, visible = max(16, triton.next_power_of_2(dk)), visible.contiguous()
+    _gates[(b * h,)](inputs, write, decay_input, conv, conv_weight.contiguous(), A_log, dt_bias, windows.contiguous(),
+                     visible, q, v, beta, step_k, step_decay, t, h, hk, dk ** -0.5, inputs.stride(0), inputs.stride(1),
+                     write.stride(0), write.stride(1), decay_input.stride(0), decay_input.stride(1), conv.stride(0),
+                     conv.stride(1), step_k.stride(0), step_k.stride(1), step_decay.stride(0), step_decay.stride(1),
+                     K=kernel, DK=dk, DV=dv, BT=max(16, triton.next_power_of_2(t)), BK=bk,
+                     BDV=max(16, triton.next_power_of_2(dv)), RB=ROW_BLOCK, **launch(inputs.device))
+    bv = _value_tile(dv)
+    _tree[(b * h, triton.cdiv(dv, bv))](q, v, beta, visible, state.contiguous(), out, step_k, step_u, step_decay, t, h,
+                                        step_k.stride(0), step_k.stride(1), step_u.stride(0), step_u.stride(1),
+                                        step_decay.stride(0), step_decay.stride(1), DK=dk, DV=dv, BK=bk, BV=bv,
+                                        RB=ROW_BLOCK, **launch(inputs.device))
+    return out
+
+
+@gated_delta_step.register_fake
+def _(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible, state, step_k, step_u,
+      step_decay):
+    (b, t, _), (h, _, dv) = inputs.shape, state.shape[1:]
+    return inputs.new_empty(b, t, h, dv)
+
+
+@triton.jit
+def _fold_state(state, step_k, step_u, step_decay, path, P, H, S, DK: tl.constexpr, DV: tl.constexpr,
+                BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    lb, h, tile = tl.program_id(0) // H, tl.program_id(0) % H, tl.program_id(1)  # lb: layer * B + batch row
+    p, keys, vals = tl.arange(0, BP), tl.arange(0, BK), tile * BV + tl.arange(0, BV)
+    kmask, vmask = keys < DK, vals < DV
+    nodes = tl.load(path + p, mask=p < P, other=-1)
+    on = nodes >= 0
+    node = tl.where(on, nodes, 0)
+    last = tl.sum(tl.where(p == tl.sum(on.to(tl.int32), axis=0) - 1, node, 0), axis=0)
+    g_last = tl.load(step_decay + (lb * S + last) * H + h)
+    g = tl.load(step_decay + (lb * S + node) * H + h, mask=on, other=0.0)
+    weight = tl.where(on, tl.exp(g_last - g), 0.0)  # [BP]
+    k = tl.load(step_k + ((lb * S + node[:, None]) * H + h) * DK + keys[None, :], mask=on[:, None] & kmask[None, :],
+                other=0.0)  # [BP, BK]
+    u = tl.load(step_u + ((lb * S + node[:, None]) * H + h) * DV + vals[None, :], mask=on[:, None] & vmask[None, :],
+                other=0.0)  # [BP, BV]
+    ptrs = state + ((lb * H + h) * DK + keys[:, None]) * DV + vals[None, :]
+    tile_mask = kmask[:, None] & vmask[None, :]
+    s = tl.load(ptrs, mask=tile_mask, other=0.0)
+    s = s * tl.exp(g_last) + tl.dot(tl.trans(k * weight[:, None]), u, input_precision=IEEE)
+    tl.store(ptrs, s, mask=tile_mask)
+
+
+@triton.jit
+def _fold_conv(conv, step_inputs, path, P, S, C, KEPT: tl.constexpr, BP: tl.constexpr, BR: tl.constexpr,
+               BC: tl.constexpr):
+    lb = tl.program_id(0)
+    channels = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = channels < C
+    p, r = tl.arange(0, BP), tl.arange(0, BR)
+    n = tl.sum((tl.load(path + p, mask=p < P, other=-1) >= 0).to(tl.int32), axis=0)
+    source = n + r  # [BR]: the new window's rows, in (committed window, path)
+    old, new = (r < KEPT) & (source < KEPT), (r < KEPT) & (source >= KEPT)
+    node = tl.load(path + source - KEPT, mask=new, other=0)
+    x = tl.load(conv + (lb * KEPT + source[:, None]) * C + channels[None, :], mask=old[:, None] & cmask[None, :],
+                other=0.0)
+    x += tl.load(step_inputs + (lb * S + node[:, None]) * C + channels[None, :], mask=new[:, None] & cmask[None, :],
+                 other=0.0)
+    tl.debug_barrier()  # every row read before any is overwritten (row r takes row n + r)
+    tl.store(conv + (lb * KEPT + r[:, None]) * C + channels[None, :], x, mask=(r < KEPT)[:, None] & cmask[None, :])
+
+
+@torch.library.custom_op("specgraph::gated_delta_commit", mutates_args=("state", "conv"))
+def gated_delta_commit(state: torch.Tensor, conv: torch.Tensor, step_k: torch.Tensor, step_u: torch.Tensor,
+                       step_decay: torch.Tensor, step_inputs: torch.Tensor, path: torch.Tensor) -> None:
+    """Same signature and effect as gated_delta_commit_reference (every tensor contiguous)."""
+    assert all(x.is_contiguous() for x in (state, conv, step_k, step_u, step_decay, step_inputs)), "needs contiguous"
+    (layers, b, h, dk, dv), (kept, c), s, p = state.shape, conv.shape[2:], step_k.shape[2], path.numel()
+    bp, bv = max(16, triton.next_power_of_2(p)), _value_tile(dv)
+    _fold_state[(layers * b * h, triton.cdiv(dv, bv))](state, step_k, step_u, step_decay, path, p, h, s, DK=dk, DV=dv,
+                                                         BP=bp, BK=max(16, triton.next_power_of_2(dk)), BV=bv)
+    bc = 128
+    _fold_conv[(layers * b, triton.cdiv(c, bc))](conv, step_inputs, path, p, s, c, KEPT=kept, BP=bp,
+                                                 BR=triton.next_power_of_2(kept), BC=bc)
