@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import EMBEDDED
-from helpers import PROMPT, splittable_recipe
+from conftest import EMBEDDED, shared_models
+from helpers import PROMPT, splittable_recipe, two_stage
 
 from specgraph.bench.widen import widen
 from specgraph.cli import main
@@ -67,12 +67,18 @@ def test_a_split_program_from_python_starts_its_processes_and_close_stops_them(s
         split.generate(split.encode(PROMPT), 4)
 
 
-def test_widening_builds_each_ranks_shard_directly():
+@pytest.mark.parametrize("model", ["target", "hybrid"])
+def test_widening_builds_each_ranks_shard_directly(model):
     """`widen(..., shard=)` (layer by layer, for models no device holds whole) equals widening then sharding."""
     from specgraph.parallel import shard_model
 
-    small = load_model(EMBEDDED / "target", torch.float32, "cpu")
-    shape = replace(small.shape, num_heads=6, num_kv_heads=2, num_layers=small.shape.num_layers + 1)
+    path = EMBEDDED / "target" if model == "target" else shared_models() / "hybrid"
+    small = load_model(path, torch.float32, "cpu")
+    if model == "target":
+        shape = replace(small.shape, num_heads=6, num_kv_heads=2, num_layers=small.shape.num_layers + 1)
+    else:  # one more DeltaNet + attention group; the one KV head replicated
+        shape = replace(small.shape, layer_types=small.shape.layer_types + small.shape.layer_types[-4:],
+                        linear_value_heads=8)
     for rank in range(2):
         direct = widen(small, shape, "cpu", torch.float32, tied=True, shard=(rank, 2, None))
         after = shard_model(widen(small, shape, "cpu", torch.float32, tied=True), rank, 2, None)
@@ -81,11 +87,25 @@ def test_widening_builds_each_ranks_shard_directly():
             assert torch.equal(a, b), name
 
 
+def test_a_hybrid_target_split_over_two_processes_decodes_the_tokens_of_transformers(hybrid_reference):
+    """The Qwen3.5 fixture over two ranks: each keeps one of the two attention heads (the one KV head
+    replicated), one of the two DeltaNet key heads with its two value heads, and half the MLP."""
+    recipe = two_stage(shared_models() / "hybrid", EMBEDDED / "draft", {"shape": "static", "branching": [3, 2, 1]},
+                       max_new_tokens=24)
+    ids, expected = hybrid_reference[0]
+    with Program.from_recipe(Recipe.from_dict(recipe.model_dump(mode="json") | {"stages": [
+            recipe.stages[0].model_dump(mode="json"),
+            recipe.stages[1].model_dump(mode="json") | {"devices": ["cpu", "cpu"]}]})) as split:
+        assert len(split.cluster.pids) == 2
+        generation = split.generate(ids)
+    assert generation.output_ids == expected[:24] and max(generation.accepted_lengths) > 1
+
+
 def test_heads_that_do_not_split_are_a_one_line_error(capfd):
     demo = EMBEDDED.parent / "demo.yaml"
     assert main(["run", str(demo), "--set", "stages.1.devices=[cpu,cpu]", "--max-new-tokens", "4"]) == 2
     err = capfd.readouterr().err
-    assert "specgraph: error: stage target: num_heads 3, num_kv_heads 1 do not split over 2 devices" in err
+    assert "specgraph: error: stage target: num_heads 3 does not split over 2 devices" in err
     assert "Traceback" not in err
 
 

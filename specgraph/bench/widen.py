@@ -167,8 +167,6 @@ def widen(small: LlamaModel | HybridModel, name: str | LlamaShape | HybridShape,
     big, tied = widened_shape(s, name, tied)
     where = f"--widen {name if isinstance(name, str) else 'shape'}"
     if shard is not None:
-        if isinstance(big, HybridShape):
-            raise SpecgraphError(f"{where}: hybrid models are not tensor-parallel yet")
         sharded_shape(big, shard[1], where)  # fail before building
     with torch.device("meta"):
         wide = HybridModel(big) if isinstance(big, HybridShape) else LlamaModel(big)

@@ -22,7 +22,7 @@ from torch import nn
 from specgraph.cache import HybridCache
 from specgraph.kernels import Kernels
 from specgraph.kernels.rope.reference import apply_rotary
-from specgraph.models.llama import MLP, FUSED as LLAMA_FUSED, DecoderModel, RMSNorm, qkv_sizes
+from specgraph.models.llama import MLP, FUSED as LLAMA_FUSED, DecoderModel, RMSNorm, qkv_sizes, unsharded
 
 LINEAR, FULL = "linear_attention", "full_attention"
 STEP_TOKENS = 128  # most tokens a forward may hold before its commit: prompt chunks, verified trees
@@ -142,6 +142,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(shape.linear_value_dim, shape.rms_norm_eps)
         self.out_proj = nn.Linear(shape.linear_value_heads * shape.linear_value_dim, shape.hidden_size, bias=False)
         self.kernels = Kernels()
+        self.reduce = unsharded  # tensor parallelism: the sum over ranks (see parallel.py)
 
     def forward(self, h: torch.Tensor, windows: torch.Tensor, visible: torch.Tensor, state: torch.Tensor,
                 conv: torch.Tensor, step_k: torch.Tensor, step_u: torch.Tensor, step_decay: torch.Tensor,
@@ -155,7 +156,7 @@ class GatedDeltaNet(nn.Module):
         out = self.kernels.gated_delta_step(inputs, write, a, conv, self.conv1d.weight, self.A_log, self.dt_bias,
                                             windows, visible, state, step_k, step_u, step_decay)  # [B, T, H, dv]
         out = self.norm(out, z.reshape(out.shape)).reshape(b, t, -1)
-        return self.kernels.linear(out, self.out_proj.weight, None)
+        return self.reduce(self.kernels.linear(out, self.out_proj.weight, None))
 
 
 class GatedAttention(nn.Module):
@@ -170,6 +171,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(d, shape.rms_norm_eps)
         self.k_norm = RMSNorm(d, shape.rms_norm_eps)
         self.kernels = Kernels()
+        self.reduce = unsharded
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -186,7 +188,7 @@ class GatedAttention(nn.Module):
         values.index_copy_(2, slots, v.view(b, t, kv, d).transpose(1, 2))
         out = self.kernels.attention(q, keys, values, mask, slots).transpose(1, 2).reshape(b, t, h * d)
         out = out * torch.sigmoid(gate.reshape(b, t, h * d))
-        return self.kernels.linear(out, self.o_proj.weight, None)
+        return self.reduce(self.kernels.linear(out, self.o_proj.weight, None))
 
 
 class HybridLayer(nn.Module):

@@ -22,7 +22,7 @@ import torch
 
 from specgraph.errors import RecipeError
 from specgraph.graph import SpecGraph
-from specgraph.models.loader import is_hybrid, resolve_dtype
+from specgraph.models.loader import resolve_dtype
 from specgraph.parallel import rank_and_world
 from specgraph.passes.base import graph_pass
 
@@ -53,9 +53,6 @@ def place(graph: SpecGraph) -> SpecGraph:
         gpus = [d for d in devices[name] if d.type == "cuda"]
         if len(set(gpus)) < len(gpus):
             raise RecipeError(f"stages.{index}.devices: a GPU is listed twice; give each tensor-parallel rank its own")
-        if len(devices[name]) > 1 and is_hybrid(node["config"]):
-            raise RecipeError(f"stages.{index}.devices: models.{spec.model} is a hybrid model, which is not "
-                              "tensor-parallel yet; list one device")
     ranks = _shared_ranks(graph, devices) if graph.recipe.execution == "serial" else _own_ranks(graph, devices)
     for name in graph.stages():
         node = graph.node(name)
