@@ -1,4 +1,4 @@
-"""specgraph command line: run | bench | compile | export | inspect."""
+"""specgraph command line: run | bench | compile | export | inspect | tune."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pathlib import Path
 
 from specgraph.errors import SpecgraphError
 
+TUNE_NEW_TOKENS, BOLE_EPSILON = 64, 0.1  # tune's defaults: new tokens per prompt, bole's budget
+
 
 def _recipe_args(parser: argparse.ArgumentParser, optional: bool = False) -> None:
     parser.add_argument("recipe", type=Path, help="recipe YAML file", nargs="?" if optional else None)
@@ -17,12 +19,12 @@ def _recipe_args(parser: argparse.ArgumentParser, optional: bool = False) -> Non
                         help="override a recipe field by dotted path, e.g. stages.0.devices=[cpu] (repeatable)")
 
 
-def _prompt_args(parser: argparse.ArgumentParser) -> None:
+def _prompt_args(parser: argparse.ArgumentParser, new_tokens: str = "override the recipe's max_new_tokens") -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompts", type=Path, metavar="FILE.jsonl",
                         help="JSON lines with 'prompt' (text) and optional 'id'")
-    parser.add_argument("--max-new-tokens", type=int, help="override the recipe's max_new_tokens")
+    parser.add_argument("--max-new-tokens", type=int, help=new_tokens)
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="launch every forward's kernels one by one (GPU; same as --set lowering.cuda_graphs=false)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -67,6 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="print the graph and the plan after each pass")
     _recipe_args(inspect)
     inspect.add_argument("--dot", type=Path, metavar="OUT", help="write the planned graph as Graphviz DOT")
+
+    tune = sub.add_parser("tune", help="measure verification cost and acceptance here; write the recipe with the "
+                                       "draft tree they favour")
+    _recipe_args(tune)
+    _prompt_args(tune, f"new tokens per prompt while measuring acceptance (default {TUNE_NEW_TOKENS})")
+    tune.add_argument("-o", "--output", type=Path, required=True, metavar="TUNED.yaml",
+                      help="the recipe with the chosen tree on its drafting stage")
+    tune.add_argument("--rule", choices=("throughput", "bole"), default="throughput",
+                      help="throughput: the highest expected tokens/s (default); bole: the largest tree whose "
+                           "verification costs at most (1 + epsilon) one-token forwards")
+    tune.add_argument("--epsilon", type=float, help=f"bole's budget (default {BOLE_EPSILON})")
+    tune.add_argument("--max-prompts", type=int, default=8, help="prompts of the file used (default 8)")
+    tune.add_argument("--max-nodes", type=int, default=64, help="most draft nodes of a candidate tree (default 64)")
+    tune.add_argument("--widths", default="1,2,4", help="candidate widths, comma-separated (default 1,2,4)")
+    tune.add_argument("--depths", default="2,3,4,6", help="candidate depths (default 2,3,4,6)")
+    tune.add_argument("--nodes", default="4,8,16,32,64",
+                      help="candidate node counts, each cut to what the width and depth grow (default 4,8,16,32,64)")
     return parser
 
 
@@ -211,21 +230,80 @@ def cmd_bench(args: argparse.Namespace) -> None:
         plot(report, args.plot)
 
 
+def _serial_in_one_process(graph, command: str, cannot: str) -> None:
+    """Refuse, for `command`, a plan other than serial execution in one process (`cannot`: e.g.
+    "cannot be exported yet")."""
+    from specgraph.passes.place import world_size
+
+    execution = graph.recipe.execution
+    if execution != "serial":
+        raise SpecgraphError(f"{command}: execution {execution!r} {cannot}; valid: serial")
+    if world_size(graph) > 1:
+        raise SpecgraphError(f"{command}: stages split over {world_size(graph)} devices {cannot}; "
+                             "give each stage one device")
+
+
 def cmd_compile(args: argparse.Namespace) -> None:
     from specgraph.export import check_program_folder, export_program
-    from specgraph.passes.place import world_size
     from specgraph.program import Program, plan
     from specgraph.recipe import Recipe
 
     check_program_folder(args.output)  # before any work
     recipe = Recipe.from_yaml(args.recipe, [*args.overrides, "lowering.compile=false"])
     graph = plan(recipe)
-    if recipe.execution != "serial":
-        raise SpecgraphError(f"compile: execution {recipe.execution!r} cannot be exported yet; valid: serial")
-    if world_size(graph) > 1:
-        raise SpecgraphError(f"compile: stages split over {world_size(graph)} devices cannot be exported yet; "
-                             "give each stage one device")
+    _serial_in_one_process(graph, "compile", "cannot be exported yet")
     export_program(Program(graph), args.output)
+
+
+def cmd_tune(args: argparse.Namespace) -> None:
+    from specgraph.bench.tune import TuneSpec, grid, print_report, run_tune
+    from specgraph.files import check_output, write_atomically
+    from specgraph.program import plan
+
+    check_output(args.output, "-o")
+    if args.rule != "bole" and args.epsilon is not None:
+        raise SpecgraphError("--epsilon: it is the budget of --rule bole; give both, or neither")
+    epsilon = BOLE_EPSILON if args.epsilon is None and args.rule == "bole" else args.epsilon
+    if epsilon is not None and not epsilon > 0:
+        raise SpecgraphError(f"--epsilon: must be > 0 (got {epsilon})")
+    for flag, value in (("--max-prompts", args.max_prompts), ("--max-nodes", args.max_nodes)):
+        if value < 1:
+            raise SpecgraphError(f"{flag}: must be at least 1 (got {value})")
+    candidates = grid(*(_whole_numbers(getattr(args, flag), f"--{flag}") for flag in ("widths", "depths", "nodes")),
+                      args.max_nodes)
+    if not candidates:
+        raise SpecgraphError(f"--depths: every candidate is deeper than its node count (at most --max-nodes "
+                             f"{args.max_nodes}); give smaller depths or more nodes")
+    new_tokens = args.max_new_tokens or TUNE_NEW_TOKENS
+    deepest = max(c.depth for c in candidates)
+    if new_tokens <= 2 * (deepest + 1):
+        raise SpecgraphError(f"--max-new-tokens: {new_tokens} is too few to measure trees {deepest} deep (a step "
+                             f"may bring {deepest + 1} tokens); give more than {2 * (deepest + 1)}")
+    recipe, prompts = _load_recipe(args)
+    graph = plan(recipe)
+    _serial_in_one_process(graph, "tune", "cannot be tuned yet (tune measures the serial executor's steps)")
+    spec = TuneSpec(prompts[: args.max_prompts], new_tokens, candidates, args.rule, epsilon)
+    report = run_tune(graph, spec)
+    print_report(report, spec)
+    if report.chosen is None:
+        raise SpecgraphError(f"--rule bole: {report.reason}")
+    chosen = report.chosen
+    header = (f"# {recipe.name}, tuned by `specgraph tune` ({args.rule} rule) on {report.device}: "
+              f"stages.{report.stage}.tree {chosen.candidate}, expected {chosen.tokens_per_second:.1f} tokens/s, "
+              f"epsilon {chosen.epsilon(report.verify_seconds[1]):.3f}\n")
+    tuned = recipe.with_tree(report.stage, chosen.candidate.tree())
+    write_atomically(args.output, header + tuned.to_yaml(args.output.parent))
+    print(f"wrote {args.output}")
+
+
+def _whole_numbers(text: str, flag: str) -> list[int]:
+    try:
+        numbers = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        numbers = []
+    if not numbers or min(numbers) < 1:
+        raise SpecgraphError(f"{flag}: expected whole numbers of at least 1, comma-separated, e.g. 1,2,4 (got {text!r})")
+    return numbers
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
@@ -285,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "max_new_tokens", None) is not None and args.max_new_tokens < 1:
             raise SpecgraphError(f"--max-new-tokens: must be at least 1 (got {args.max_new_tokens})")
         commands = {"run": cmd_run, "bench": cmd_bench, "compile": cmd_compile, "export": cmd_compile,
-                    "inspect": cmd_inspect}
+                    "inspect": cmd_inspect, "tune": cmd_tune}
         return commands[args.command](args) or 0
     except SpecgraphError as exc:
         if debug:

@@ -55,14 +55,21 @@ def load_stage(graph: SpecGraph, name: str, model: nn.Module | None = None, rank
     if node["tp"] > 1 and ranks.world == 1:
         raise SpecgraphError(f"stage {name} is tensor-parallel over {node['tp']} devices, which needs one process "
                              f"per device: `specgraph run` and `specgraph bench` start them")
-    kernels = Kernels.select(node["kernels"])
     model = model or _load(name, node, ranks)
     if hasattr(model, "use_kernels"):  # (an exported package has its ops built in)
-        model.use_kernels(kernels)
+        model.use_kernels(Kernels.select(node["kernels"]))
     if node["compile"]:
         compile_model(model)
+    return stage_over(graph, name, model)
+
+
+def stage_over(graph: SpecGraph, name: str, model: nn.Module) -> Stage:
+    """Stage `name` over `model`, lowered already: a fresh cache of the plan's `cache_slots`, its
+    `graph_buckets` and `static_shapes` (one lowered model serves the plans of several trees:
+    `specgraph tune`)."""
+    node = graph.node(name)
     return Stage(name, model, node["cache_slots"], node["device"], node["graph_buckets"], node["static_shapes"],
-                 kernels)
+                 Kernels.select(node["kernels"]))
 
 
 def make_executor(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks = Ranks()) -> Executor:

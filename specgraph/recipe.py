@@ -7,6 +7,7 @@ Relative model paths resolve against the recipe's folder.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -215,6 +216,29 @@ class Recipe(_Strict):
         for override in overrides:
             apply_override(data, override)
         return cls.from_dict(data, base_dir=path.parent)
+
+    def with_tree(self, stage: int, tree: TreeSpec) -> Recipe:
+        """This recipe with stage number `stage` drafting `tree`."""
+        stages = list(self.stages)
+        stages[stage] = stages[stage].model_copy(update={"tree": tree})
+        return self.model_copy(update={"stages": stages})
+
+    def to_yaml(self, folder: Path | str) -> str:
+        """The recipe as YAML for a file in `folder`: the fields it was given (defaults left out),
+        model paths relative to `folder` (from_yaml resolves them from the file's folder)."""
+        folder = Path(folder).resolve()
+        models = {name: spec.model_copy(update={"path": Path(os.path.relpath(spec.path.resolve(), folder))})
+                  for name, spec in self.models.items()}
+        data = self.model_copy(update={"models": models}).model_dump(mode="json", exclude_unset=True)
+        return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=None, allow_unicode=True, width=120)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line text (a prompt) as a literal block, as a person writes it."""
+
+
+_Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
 
 
 def apply_override(data: dict, override: str) -> None:

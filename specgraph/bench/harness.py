@@ -9,15 +9,16 @@ import time
 from dataclasses import dataclass
 
 import torch
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specgraph.bench.pipespec import stage_table
+from specgraph.bench.timing import best_seconds
 from specgraph.bench.systems import HFSystem, Run, SpecgraphSystem, hf_mirror
 from specgraph.errors import SpecgraphError
 from specgraph.models.loader import is_hybrid
 from specgraph.program import Program, plan
 from specgraph.recipe import Recipe
-from specgraph.runtime.clock import Clock
 from specgraph.runtime.executor import total_stats
 
 BASELINES = ("hf", "hf-assisted", "ar", "serial")
@@ -36,24 +37,12 @@ class BenchSpec:
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, copies: int = 10) -> float:
     """Bytes read + written per second by device-to-device copies of `nbytes`: the best of 5
     timings of `copies` back-to-back copies after a warm-up one, timed as a step's phases are
-    (`Clock`): on a GPU by CUDA events, so no launch or host synchronisation is counted (timed from
-    the host, a single 1 GiB copy measured 2.5% less bandwidth on an H200, and varied more:
+    (`best_seconds`): on a GPU by CUDA events, so no launch or host synchronisation is counted (timed
+    from the host, a single 1 GiB copy measured 2.5% less bandwidth on an H200, and varied more:
     docs/benchmarks.md); on the CPU, one copy per timing, by the host clock."""
-    copies = copies if device.type == "cuda" else 1
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(5):
-        clock = Clock(device)
-        clock.mark()
-        for _ in range(copies):
-            dst.copy_(src)
-        clock.mark()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, clock.seconds()[0])
-    return 2 * nbytes * copies / best
+    return 2 * nbytes / best_seconds(lambda: dst.copy_(src), device, copies if device.type == "cuda" else 1)
 
 
 def unique_bytes(module: torch.nn.Module) -> int:
@@ -132,7 +121,15 @@ def _gpus(graph, alone: bool = False) -> str:
     return f"{len(gpus)} GPU{'s' if len(gpus) != 1 else ''}" if gpus else "CPU"
 
 
-def _measure(system, spec: BenchSpec, encoded: list[list[int]], progress: Progress) -> dict:
+def progress_bars(console: Console | None = None, transient: bool = False) -> Progress:
+    """A bar per measured system: its name, the prompts it has decoded, the time so far."""
+    return Progress(TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=transient)
+
+
+def measure_system(system, spec: BenchSpec, encoded: list[list[int]], progress: Progress) -> dict:
+    """`system` decoding the prompts: an untimed pass (compilation and graph capture happen there),
+    then `spec.repeats` timed ones; decode tokens/s per repeat, and the last repeat's steps."""
     device = system.device
     task = progress.add_task(system.name, total=(spec.repeats + 1) * len(encoded))
     for ids in encoded:  # an untimed pass first: graph capture and compilation happen here, per shape
@@ -196,11 +193,10 @@ def bench_on(program, spec: BenchSpec) -> dict:
     encoded = [program.encode(p["prompt"]) for p in spec.prompts]
     device = program.stages[program.graph.target].device
     results = {}
-    columns = (TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, transient=False) as progress:
+    with progress_bars() as progress:
         for system in systems:
             try:
-                results[system.name] = _measure(system, spec, encoded, progress)
+                results[system.name] = measure_system(system, spec, encoded, progress)
             except Exception as exc:  # a transformers baseline failing here is reported; ours never are caught
                 if not isinstance(system, HFSystem):
                     raise
@@ -211,7 +207,7 @@ def bench_on(program, spec: BenchSpec) -> dict:
         outputs = result.pop("outputs")
         result["same_tokens_as_ar"] = None if reference is None else sum(map(list.__eq__, outputs, reference)) / len(reference)
     report = {
-        "recipe": spec.recipe.name, "widen": spec.widen, "device": _device_name(device),
+        "recipe": spec.recipe.name, "widen": spec.widen, "device": device_name(device),
         "date": time.strftime("%Y-%m-%d"), "prompts": len(encoded), "max_new_tokens": spec.max_new_tokens,
         "repeats": spec.repeats, "systems": results, "skipped": skipped,
         "speedup": {name: results["specgraph"]["tokens_per_second"]["median"] / r["tokens_per_second"]["median"]
@@ -243,7 +239,7 @@ def _bandwidth_bound(program: Program, device: torch.device, encoded: list[list[
             "ar_fraction": ar["tokens_per_second"]["median"] / bound}
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
