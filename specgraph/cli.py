@@ -33,6 +33,10 @@ def _prompt_args(parser: argparse.ArgumentParser, new_tokens: str = "override th
                              "same as --set lowering.compile=true|false)")
 
 
+WIDEN = dict(metavar="SHAPE", help="widen the target to a real model's shape (llama-3-8b, llama-3-70b, qwen3.5-9b, ...) "
+             "and the drafter to the small shape with its head dim; same function, real size")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specgraph", description="graph-compiled speculative decoding")
     common = argparse.ArgumentParser(add_help=False)  # every command's
@@ -54,9 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (default 3)")
     bench.add_argument("--baselines", default="hf,hf-assisted,ar",
                        help="comma-separated: hf, hf-assisted, ar, serial (default hf,hf-assisted,ar)")
-    bench.add_argument("--widen", metavar="SHAPE",
-                       help="widen the target to a real model's shape (llama-3-8b, llama-3-70b, ...) and the drafter "
-                            "to the small shape with its head dim; same function, real size")
+    bench.add_argument("--widen", **WIDEN)
     bench.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON")
     bench.add_argument("--plot", type=Path, metavar="OUT.png", help="plot tokens/s per system and accepted lengths")
 
@@ -86,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--depths", default="2,3,4,6", help="candidate depths (default 2,3,4,6)")
     tune.add_argument("--nodes", default="4,8,16,32,64",
                       help="candidate node counts, each cut to what the width and depth grow (default 4,8,16,32,64)")
+    tune.add_argument("--widen", **WIDEN)
     return parser
 
 
@@ -282,7 +285,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
     recipe, prompts = _load_recipe(args)
     graph = plan(recipe)
     _serial_in_one_process(graph, "tune", "cannot be tuned yet (tune measures the serial executor's steps)")
-    spec = TuneSpec(prompts[: args.max_prompts], new_tokens, candidates, args.rule, epsilon)
+    spec = TuneSpec(prompts[: args.max_prompts], new_tokens, candidates, args.rule, epsilon, args.widen)
     report = run_tune(graph, spec)
     print_report(report, spec)
     if report.chosen is None:

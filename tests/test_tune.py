@@ -129,6 +129,8 @@ def test_tune_a_hybrid_target_by_bole_rule_and_run_it_exactly(tmp_path, capsys, 
     (["--set", "execution=disaggregated"], "tune: execution 'disaggregated' cannot be tuned yet (tune measures the "
                                            "serial executor's steps); valid: serial"),
     (["--prompts", "none.jsonl"], "--prompts: none.jsonl does not exist"),
+    (["--widen", "llama-9b"], "--widen: unknown shape 'llama-9b'; valid: llama-3.2-1b, llama-3.2-3b, llama-3-8b, "
+                              "llama-3-70b, qwen3.5-9b, qwen3.5-27b"),
     (["--rule", "bole", "--epsilon", "0"], "--epsilon: must be > 0 (got 0.0)"),
     (["--rule", "bole", "--epsilon", "-0.5"], "--epsilon: must be > 0 (got -0.5)"),
     (["--epsilon", "0.1"], "--epsilon: it is the budget of --rule bole; give both, or neither"),

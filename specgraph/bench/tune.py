@@ -138,6 +138,7 @@ class TuneSpec:
     candidates: list[Candidate]
     rule: str = "throughput"
     epsilon: float | None = None  # bole: verification may cost (1 + epsilon) one-token forwards
+    widen: str | None = None  # a real model's shape for the target (as `specgraph bench --widen`)
 
 
 @dataclass
@@ -167,7 +168,7 @@ def run_tune(graph: SpecGraph, spec: TuneSpec) -> TuneReport:
         except RecipeError as exc:
             raise SpecgraphError(f"tune: candidate tree {candidate}: {exc}") from None
     console = Console(stderr=True, highlight=False, soft_wrap=True)
-    with Program(graph) as program:
+    with Program(graph, widen=spec.widen) as program:
         encoded = [program.encode(row["prompt"]) for row in spec.prompts]
         for row, ids in zip(spec.prompts, encoded):
             if not 0 < len(ids) < recipe.max_seq_len:
