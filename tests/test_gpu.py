@@ -139,6 +139,18 @@ def test_tensor_parallel_target_on_two_gpus_decodes_the_single_gpu_tokens(tmp_pa
     assert json.loads(out.read_text())["results"][0]["output_ids"] == expected
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensor_parallel_hybrid_target_on_two_gpus_decodes_the_tokens_of_transformers(hybrid_reference):
+    """fp32; the Qwen3.5 fixture split over cuda:0 and cuda:1 (Triton gated-DeltaNet kernels, NCCL
+    all-reduces in captured steps), its drafter on the CPU."""
+    recipe = two_stage(shared_fixture("hybrid"), EMBEDDED / "draft", {"shape": "static", "branching": [3, 2, 1]},
+                       max_new_tokens=48).model_dump(mode="json")
+    recipe["stages"][1]["devices"] = ["cuda:0", "cuda:1"]
+    ids, expected = hybrid_reference[0]
+    with Program.from_recipe(Recipe.from_dict(recipe)) as split:
+        assert split.generate(ids).output_ids == expected[:48]
+
+
 def shared_fixture(name: str):
     """A fixture model from ../shared, or from .fixtures/ where a GPU machine got only the checkout."""
     found = [p for p in (SHARED / "models" / name, REPO / ".fixtures" / name) if p.is_dir()]
