@@ -162,3 +162,25 @@ def test_widened_hybrid_computes_the_same_function():
     prompt = small_program.encode("def load(path):\n    with open(path) as f:\n")
     expected = small_program.autoregressive().generate(prompt, 40).output_ids
     assert wide_program.generate(prompt).output_ids == expected
+
+
+def test_bench_of_one_new_token_is_a_one_line_error(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "def f():"}) + "\n")
+    assert main(["bench", str(REPO / "recipes" / "demo.yaml"), "--prompts", str(prompts), "--max-new-tokens", "1",
+                 "--baselines", "ar"]) == 2
+    err = capsys.readouterr().err
+    assert "specgraph: error: --max-new-tokens: bench measures decoding after the first token; give at least 2 " \
+           "(got 1)" in err and "Traceback" not in err
+
+
+def test_prompts_that_all_end_at_their_first_token_are_a_one_line_error(tmp_path, monkeypatch, capsys):
+    from specgraph.bench.systems import Run, SpecgraphSystem
+
+    monkeypatch.setattr(SpecgraphSystem, "run", lambda self, ids, max_new_tokens: Run([0], 0.01, 0.01))  # EOS at once
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "def f():"}) + "\n")
+    assert main(["bench", str(REPO / "recipes" / "demo.yaml"), "--prompts", str(prompts), "--baselines", "ar"]) == 2
+    err = capsys.readouterr().err
+    assert "error: specgraph: every prompt ended at its first token (end of sequence): there is no decoding to " \
+           "measure; give other prompts" in err and "Traceback" not in err

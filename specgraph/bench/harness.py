@@ -56,6 +56,9 @@ def run_bench(spec: BenchSpec) -> dict:
     unknown = [b for b in spec.baselines if b not in BASELINES]
     if unknown:
         raise SpecgraphError(f"--baselines: unknown {unknown[0]!r}; valid: {', '.join(BASELINES)}")
+    if spec.max_new_tokens < 2:
+        raise SpecgraphError(f"--max-new-tokens: bench measures decoding after the first token; give at least 2 "
+                             f"(got {spec.max_new_tokens})")
     program = Program(plan(spec.recipe), systems=tuple(b for b in spec.baselines if b in ("ar", "serial")),
                       widen=spec.widen)
     try:
@@ -145,6 +148,9 @@ def measure_system(system, spec: BenchSpec, encoded: list[list[int]], progress: 
             progress.advance(task)
         repeats.append(runs)
     # decode tokens/s: tokens after the first step over the time after it (prefill is in TTFT)
+    if not sum(r.decode_tokens for r in repeats[0]):
+        raise SpecgraphError(f"{system.name}: every prompt ended at its first token (end of sequence): there is no "
+                             "decoding to measure; give other prompts")
     tps = [sum(r.decode_tokens for r in runs) / sum(r.decode_seconds for r in runs) for runs in repeats]
     last = repeats[-1]
     steps = [n for r in last for n in r.accepted_lengths]
