@@ -239,7 +239,8 @@ def gated_delta_step_inputs(b, t, h, hk, dk, dv, depth, dtype, seed, kernel=4, s
     inputs, write, decay_input = projected[..., :c], projected[..., c:c + h], projected[..., c + h:c + 2 * h]
     conv = torch.randn(b, kernel - 1, c, generator=gen).to(dtype)
     conv_weight = (torch.randn(c, 1, kernel, generator=gen) / 2).to(dtype)
-    a_log, dt_bias = torch.rand(h, generator=gen).to(dtype), torch.randn(h, generator=gen).to(dtype)
+    # slow decays (g about -0.01 to -0.1 a token), so that long paths and the committed state still count
+    a_log, dt_bias = torch.rand(h, generator=gen).to(dtype), (torch.randn(h, generator=gen) - 4).to(dtype)
     state = torch.randn(b, h, dk, dv, generator=gen) / 4
     s = step_tokens or t
     steps = torch.zeros(b, s, h, dk), torch.zeros(b, s, h, dv), torch.zeros(b, s, h)
@@ -261,10 +262,10 @@ def test_gated_delta_step_matches_reference(b, t, h, hk, dk, dv, depth, dtype):
     expected_steps, got_steps = [x.clone() for x in steps], [x.clone() for x in steps]
     expected = gated_delta_step_reference(*args, *expected_steps)
     got = gated_delta_step(*args, *got_steps)
-    assert close(got, expected)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the factors inherit the rounding of the bf16 activations
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: outputs rounded, factors from rounded activations
+    assert got.dtype == dtype and (got.float() - expected.float()).abs().max() <= tol * expected.float().abs().max()
     for name, x, y in zip(("k", "u", "G"), got_steps, expected_steps):
-        assert ((x - y).abs() <= tol * y.abs().clamp(min=1)).all(), name
+        assert (x - y).abs().max() <= tol * y.abs().max(), name
 
 
 @pytest.mark.parametrize("layers, b, h, dk, dv, kernel, path", [

@@ -165,6 +165,9 @@ def gated_delta_step(inputs: torch.Tensor, write: torch.Tensor, decay_input: tor
     (b, t, c), (h, dk, dv), kernel = inputs.shape, state.shape[1:], conv_weight.shape[-1]
     assert t <= step_k.shape[1] and windows.shape == (t, kernel) and visible.shape == (t, t), "step shapes disagree"
     hk = (c - h * dv) // (2 * dk)
+    assert c == 2 * hk * dk + h * dv and h % hk == 0 and dv >= 16, "heads or head dims the kernels do not take"
+    assert all(x.stride(-1) == 1 for x in (inputs, write, decay_input, conv)), "needs unit-stride last dimensions"
+    assert (step_k.stride(2), step_k.stride(3), step_u.stride(2), step_u.stride(3), step_decay.stride(2)) == (dk, 1, dv, 1, 1)
     out = inputs.new_empty(b, t, h, dv)
     q, v, beta = (torch.empty(b, t, h, *d, dtype=torch.float32, device=inputs.device) for d in ((dk,), (dv,), ()))
     bk, visible = max(16, triton.next_power_of_2(dk)), visible.contiguous()
@@ -192,7 +195,8 @@ def _(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, vi
 @triton.jit
 def _fold_state(state, step_k, step_u, step_decay, path, P, H, S, DK: tl.constexpr, DV: tl.constexpr,
                 BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    lb, h, tile = tl.program_id(0) // H, tl.program_id(0) % H, tl.program_id(1)  # lb: layer * B + batch row
+    pid = tl.program_id(0).to(tl.int64)  # (offsets past 2^31 elements: the state of many layers and batch rows)
+    lb, h, tile = pid // H, pid % H, tl.program_id(1)  # lb: layer * B + batch row
     p, keys, vals = tl.arange(0, BP), tl.arange(0, BK), tile * BV + tl.arange(0, BV)
     kmask, vmask = keys < DK, vals < DV
     nodes = tl.load(path + p, mask=p < P, other=-1)
@@ -216,7 +220,7 @@ def _fold_state(state, step_k, step_u, step_decay, path, P, H, S, DK: tl.constex
 @triton.jit
 def _fold_conv(conv, step_inputs, path, P, S, C, KEPT: tl.constexpr, BP: tl.constexpr, BR: tl.constexpr,
                BC: tl.constexpr):
-    lb = tl.program_id(0)
+    lb = tl.program_id(0).to(tl.int64)
     channels = tl.program_id(1) * BC + tl.arange(0, BC)
     cmask = channels < C
     p, r = tl.arange(0, BP), tl.arange(0, BR)
@@ -236,7 +240,8 @@ def _fold_conv(conv, step_inputs, path, P, S, C, KEPT: tl.constexpr, BP: tl.cons
 def gated_delta_commit(state: torch.Tensor, conv: torch.Tensor, step_k: torch.Tensor, step_u: torch.Tensor,
                        step_decay: torch.Tensor, step_inputs: torch.Tensor, path: torch.Tensor) -> None:
     """Same signature and effect as gated_delta_commit_reference (every tensor contiguous)."""
-    assert all(x.is_contiguous() for x in (state, conv, step_k, step_u, step_decay, step_inputs)), "needs contiguous"
+    assert all(x.is_contiguous() for x in (state, conv, step_k, step_u, step_decay, step_inputs, path)), \
+        "needs contiguous tensors"
     (layers, b, h, dk, dv), (kept, c), s, p = state.shape, conv.shape[2:], step_k.shape[2], path.numel()
     bp, bv = max(16, triton.next_power_of_2(p)), _value_tile(dv)
     _fold_state[(layers * b * h, triton.cdiv(dv, bv))](state, step_k, step_u, step_decay, path, p, h, s, DK=dk, DV=dv,
