@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from specgraph.bench.widen import widen
 from specgraph.cache import KVCache
+from specgraph.models.hybrid import HybridModel, to_hf_norms
 from specgraph.models.llama import hf_state
 from specgraph.models.loader import load_model
 from specgraph.recipe import Recipe
@@ -96,14 +97,20 @@ def _splittable_checkpoint(name: str, folder: Path) -> Path:
     embedded = Path(__file__).resolve().parent.parent / "recipes" / "models" / name
     small = load_model(embedded, torch.float32, "cpu")
     wide = widen(small, replace(small.shape, num_heads=6, num_kv_heads=2), "cpu", torch.float32, tied=True)
-    checkpoint = folder / name
+    return save_checkpoint(wide, embedded, folder / name, num_attention_heads=6, num_key_value_heads=2)
+
+
+def save_checkpoint(model: nn.Module, like: Path, checkpoint: Path, **config) -> Path:
+    """`model` (tied embeddings) saved as a Hugging Face checkpoint in the folder `checkpoint`, with the
+    tokenizer and config of the checkpoint `like`, the config's fields `config` changed."""
     checkpoint.mkdir()
     for file in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(embedded / file, checkpoint / file)
-    config = json.loads((embedded / "config.json").read_text())
-    config.update(num_attention_heads=6, num_key_value_heads=2)
-    (checkpoint / "config.json").write_text(json.dumps(config))
-    state = {f"model.{k}": v.contiguous() for k, v in hf_state(wide).items() if k not in ("inv_freq", "lm_head.weight")}
+        shutil.copy(like / file, checkpoint / file)
+    (checkpoint / "config.json").write_text(json.dumps(json.loads((like / "config.json").read_text()) | config))
+    state = hf_state(model)
+    if isinstance(model, HybridModel):
+        state = to_hf_norms(state)
+    state = {f"model.{k}": v.contiguous() for k, v in state.items() if k not in ("inv_freq", "lm_head.weight")}
     save_file(state, checkpoint / "model.safetensors")
     return checkpoint
 

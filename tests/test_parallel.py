@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import EMBEDDED, shared_models
-from helpers import PROMPT, splittable_recipe, two_stage
+from helpers import PROMPT, save_checkpoint, splittable_recipe, two_stage
 
 from specgraph.bench.widen import widen
 from specgraph.cli import main
@@ -87,11 +87,21 @@ def test_widening_builds_each_ranks_shard_directly(model):
             assert torch.equal(a, b), name
 
 
-def test_a_hybrid_target_split_over_two_processes_decodes_the_tokens_of_transformers(hybrid_reference):
+@pytest.mark.parametrize("key_heads", [2, 4])
+def test_a_hybrid_target_split_over_two_processes_decodes_the_tokens_of_transformers(key_heads, hybrid_reference,
+                                                                                   tmp_path):
     """The Qwen3.5 fixture over two ranks: each keeps one of the two attention heads (the one KV head
-    replicated), one of the two DeltaNet key heads with its two value heads, and half the MLP."""
-    recipe = two_stage(shared_models() / "hybrid", EMBEDDED / "draft", {"shape": "static", "branching": [3, 2, 1]},
-                       max_new_tokens=24)
+    replicated), its share of the DeltaNet key heads, each with its value heads, and half the MLP. With
+    4 key heads (the fixture widened, same function, to 4 key heads over 8 value heads), each rank holds
+    two key heads, each read by two of its value heads."""
+    hybrid = shared_models() / "hybrid"
+    if key_heads != 2:
+        small = load_model(hybrid, torch.float32, "cpu")
+        wide = widen(small, replace(small.shape, linear_key_heads=key_heads, linear_value_heads=2 * key_heads), "cpu",
+                     torch.float32, tied=True)
+        hybrid = save_checkpoint(wide, hybrid, tmp_path / "hybrid", linear_num_key_heads=key_heads,
+                                 linear_num_value_heads=2 * key_heads)
+    recipe = two_stage(hybrid, EMBEDDED / "draft", {"shape": "static", "branching": [3, 2, 1]}, max_new_tokens=24)
     ids, expected = hybrid_reference[0]
     with Program.from_recipe(Recipe.from_dict(recipe.model_dump(mode="json") | {"stages": [
             recipe.stages[0].model_dump(mode="json"),
