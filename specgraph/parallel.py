@@ -53,11 +53,11 @@ def _rows(weight: torch.Tensor, sizes: list[int], rank: int, world: int) -> torc
     return torch.cat([block.chunk(world)[rank] for block in weight.split(sizes)]).clone()
 
 
-def _attention_rows(weight: torch.Tensor, query_rows: int, kv_heads: int, rank: int, world: int) -> torch.Tensor:
-    """Rank's rows of a fused q(+gate)/k/v projection: its share of the query rows, and of the k and v
-    rows its KV heads' (the one KV head its query heads read where KV heads are fewer than the ranks)."""
-    kv_rows = (weight.shape[0] - query_rows) // 2
-    queries, keys, values = weight.split([query_rows, kv_rows, kv_rows])
+def _attention_rows(weight: torch.Tensor, kv_rows: int, kv_heads: int, rank: int, world: int) -> torch.Tensor:
+    """Rank's rows of a fused q(+gate)/k/v projection (`kv_rows` rows each of k and v): its share of the
+    query rows, and of the k and v rows its KV heads' (the one KV head its query heads read where KV
+    heads are fewer than the ranks)."""
+    queries, keys, values = weight.split([weight.shape[0] - 2 * kv_rows, kv_rows, kv_rows])
     if kv_heads % world == 0:
         kv = [x.chunk(world)[rank] for x in (keys, values)]
     else:
@@ -77,10 +77,10 @@ def shard_layer(layer: DecoderLayer | HybridLayer, shape: LlamaShape | HybridSha
     reduce = partial(funcol.all_reduce, reduceOp="sum", group=group)
     attn = getattr(layer, "self_attn", None)
     if attn is not None:
-        queries = (2 if isinstance(layer, HybridLayer) else 1) * shape.num_heads * shape.head_dim  # a hybrid's q + gate
-        attn.qkv_proj.weight = _parameter(_attention_rows(attn.qkv_proj.weight, queries, shape.num_kv_heads, rank, world))
+        kv_rows, kv = shape.num_kv_heads * shape.head_dim, shape.num_kv_heads
+        attn.qkv_proj.weight = _parameter(_attention_rows(attn.qkv_proj.weight, kv_rows, kv, rank, world))
         if attn.qkv_proj.bias is not None:
-            attn.qkv_proj.bias = _parameter(_attention_rows(attn.qkv_proj.bias, queries, shape.num_kv_heads, rank, world))
+            attn.qkv_proj.bias = _parameter(_attention_rows(attn.qkv_proj.bias, kv_rows, kv, rank, world))
         attn.o_proj.weight = _parameter(attn.o_proj.weight.chunk(world, dim=1)[rank].clone())
         attn.num_heads, attn.num_kv_heads = local.num_heads, local.num_kv_heads
         attn.reduce = reduce
