@@ -46,26 +46,26 @@ SHAPES = {"chain": None, "bushy": 3, "dynamic": 8}  # tree name -> depth (None: 
 
 
 def layer_inputs(shape, t: int, tree: Tree, generator: torch.Generator, device: torch.device,
-                 dtype: torch.dtype = torch.bfloat16) -> tuple:
+                 dtype: torch.dtype = torch.bfloat16, batch: int = 1, step_tokens: int = 2 * STEP_TOKENS) -> tuple:
     """Random inputs of one layer step (as models/hybrid.GatedDeltaNet passes them, activations in
-    `dtype`) and its step buffers."""
+    `dtype`) and its step buffers of `step_tokens` rows (also tests/test_kernels.py's)."""
     h, hk, dk, dv, kernel = (shape.linear_value_heads, shape.linear_key_heads, shape.linear_key_dim,
                              shape.linear_value_dim, shape.conv_kernel)
     c = 2 * hk * dk + h * dv
     act = dict(dtype=dtype, device=device)
-    projected = torch.randn(1, t, c + 2 * h, generator=generator).to(**act)  # rows as one projection gives them
-    inputs, write, decay_input = projected[..., :c], projected[..., c:c + h], projected[..., c + h:]
-    conv = torch.randn(1, kernel - 1, c, generator=generator).to(**act)
+    projected = torch.randn(batch, t, c + 2 * h + 5, generator=generator).to(**act)  # views of one projection's rows
+    inputs, write, decay_input = projected[..., :c], projected[..., c:c + h], projected[..., c + h:c + 2 * h]
+    conv = torch.randn(batch, kernel - 1, c, generator=generator).to(**act)
     conv_weight = (torch.randn(c, 1, kernel, generator=generator) / 2).to(**act)
     # slow decays (g about -0.01 to -0.1 a token), so that long paths and the committed state still count
     a_log, dt_bias = torch.rand(h, generator=generator).to(**act), (torch.randn(h, generator=generator) - 4).to(**act)
-    state = (torch.randn(1, h, dk, dv, generator=generator) / 8).to(device)
+    state = (torch.randn(batch, h, dk, dv, generator=generator) / 8).to(device)
     ancestors = tree.ancestors.to(device)
     args = (inputs, write, decay_input, conv, conv_weight, a_log, dt_bias, conv_windows(ancestors, kernel), ancestors,
             state)
     f32 = dict(dtype=torch.float32, device=device)
-    steps = (torch.zeros(1, STEP_TOKENS * 2, h, dk, **f32), torch.zeros(1, STEP_TOKENS * 2, h, dv, **f32),
-             torch.zeros(1, STEP_TOKENS * 2, h, **f32))
+    steps = (torch.zeros(batch, step_tokens, h, dk, **f32), torch.zeros(batch, step_tokens, h, dv, **f32),
+             torch.zeros(batch, step_tokens, h, **f32))
     return args, steps
 
 

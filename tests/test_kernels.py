@@ -2,10 +2,15 @@
 
 Tolerance policy: fp32 inputs 1e-4 absolute; bf16 inputs 2e-2 relative to max(1, |reference|), about
 two bf16 ulps (outputs are rounded to bf16, and the interpreter truncates fp32 -> bf16 casts where
-a GPU rounds to nearest)."""
+a GPU rounds to nearest); the gated-DeltaNet step, whose outputs are small, relative to the largest
+reference output (1e-4 fp32, 2e-2 bf16)."""
+
+import sys
+from dataclasses import replace
 
 import pytest
 import torch
+from conftest import REPO
 
 from specgraph.kernels.accept import accept_greedy_reference, accept_sampling_reference
 from specgraph.kernels.accept.triton import accept_greedy, accept_sampling
@@ -229,25 +234,6 @@ def test_gated_delta_tree_and_commit_match_the_recurrence(b, t, h, dk, dv):
     assert (committed - states[leaf]).abs().max() < 1e-4
 
 
-def gated_delta_step_inputs(b, t, h, hk, dk, dv, depth, dtype, seed, kernel=4, step_tokens=None):
-    """Random inputs of one gated-DeltaNet layer step over a random tree (as models/hybrid.py passes them)."""
-    from specgraph.models.hybrid import conv_windows
-    gen = torch.Generator().manual_seed(seed)
-    tree = Tree.random(t, depth, gen)
-    c = 2 * hk * dk + h * dv
-    projected = torch.randn(b, t, c + 2 * h + 5, generator=gen).to(dtype)  # as split from one projection's rows
-    inputs, write, decay_input = projected[..., :c], projected[..., c:c + h], projected[..., c + h:c + 2 * h]
-    conv = torch.randn(b, kernel - 1, c, generator=gen).to(dtype)
-    conv_weight = (torch.randn(c, 1, kernel, generator=gen) / 2).to(dtype)
-    # slow decays (g about -0.01 to -0.1 a token), so that long paths and the committed state still count
-    a_log, dt_bias = torch.rand(h, generator=gen).to(dtype), (torch.randn(h, generator=gen) - 4).to(dtype)
-    state = torch.randn(b, h, dk, dv, generator=gen) / 4
-    s = step_tokens or t
-    steps = torch.zeros(b, s, h, dk), torch.zeros(b, s, h, dv), torch.zeros(b, s, h)
-    return (inputs, write, decay_input, conv, conv_weight, a_log, dt_bias, conv_windows(tree.ancestors, kernel),
-            tree.ancestors, state), steps, tree
-
-
 @pytest.mark.parametrize("b, t, h, hk, dk, dv, depth, dtype", [
     (1, 1, 4, 2, 64, 64, 1, torch.float32),  # the one-token step (autoregressive decoding)
     (2, 13, 3, 1, 48, 40, 5, torch.float32),  # batch 2, odd head dims, 3 value heads per key head
@@ -256,9 +242,16 @@ def gated_delta_step_inputs(b, t, h, hk, dk, dv, depth, dtype, seed, kernel=4, s
     (1, 128, 2, 2, 64, 128, 16, torch.bfloat16),  # the largest step, depth 16
 ])
 def test_gated_delta_step_matches_reference(b, t, h, hk, dk, dv, depth, dtype):
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_gated_delta import layer_inputs
+
+    from specgraph.bench.widen import QWEN35_REAL
     from specgraph.kernels.gated_delta import gated_delta_step_reference
     from specgraph.kernels.gated_delta.triton import gated_delta_step
-    args, steps, _ = gated_delta_step_inputs(b, t, h, hk, dk, dv, depth, dtype, seed=t + dk, step_tokens=t + 3)
+    shape = replace(QWEN35_REAL["qwen3.5-9b"], linear_key_heads=hk, linear_value_heads=h, linear_key_dim=dk,
+                    linear_value_dim=dv)
+    gen = torch.Generator().manual_seed(t + dk)
+    args, steps = layer_inputs(shape, t, Tree.random(t, depth, gen), gen, torch.device("cpu"), dtype, b, t + 3)
     expected_steps, got_steps = [x.clone() for x in steps], [x.clone() for x in steps]
     expected = gated_delta_step_reference(*args, *expected_steps)
     got = gated_delta_step(*args, *got_steps)
