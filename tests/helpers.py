@@ -159,16 +159,26 @@ def total_variation(p: dict, q: dict) -> float:
     return 0.5 * sum(abs(p.get(k, 0) - q.get(k, 0)) for k in set(p) | set(q))
 
 
-def gone(pids: list[int]) -> bool:
-    """Whether none of `pids` is still running (a zombie is not: its parent has not reaped it yet)."""
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(")")[-1].split()[0] != "Z":
-                    return False
-        except FileNotFoundError:
-            continue
+def gone(pids: list[int], within: float = 10.0) -> bool:
+    """Whether none of `pids` is still running `within` seconds from now (a zombie is not: its parent
+    has not reaped it yet). The grace covers multiprocessing's resource tracker, a child that exits
+    when it reads its parent's end of the pipe closed, a moment after the parent."""
+    import time
+
+    deadline = time.monotonic() + within
+    while any(_running(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
     return True
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def fault_ends_the_run(program, pid: int, sig: int, error: str) -> None:
