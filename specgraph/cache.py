@@ -18,9 +18,10 @@ recomputation from scratch over random trees and verdicts):
     rollback recomputes nothing; besides the root, the committed tokens not fed yet are those
     adopted from the stages above since the stage last stepped (at most one from each), fed with
     its next step.
-A hybrid model's cache also holds each gated-DeltaNet layer's recurrent state, which a step
-reads but does not change: the step leaves its tokens' factors, and `commit` folds the accepted
-path's into the state.
+A hybrid model's cache also holds each gated-DeltaNet layer's recurrent state, which a forward
+reads but does not change: the forward leaves its tokens' factors, and `commit` (or, for a
+drafter, `fold`) folds the accepted path's into the state. A forward sees the state and its own
+tokens only, not an earlier forward's uncommitted ones (`recurrent`): a step must be one forward.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class KVCache:
     """Keys and values of every attention layer of one stage: [layers, B, Hkv, S, K]."""
 
     TENSORS = ("k", "v")  # the storage, in the order of `tensors()` and `wrap`
+    recurrent = False  # whether a forward sees only committed state and its own tokens (see the module doc)
 
     def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str, kernels: Kernels = Kernels()):
@@ -87,6 +89,7 @@ class HybridCache(KVCache):
     factors of the last forward's tokens (at most `step_tokens`), which `commit` folds in."""
 
     TENSORS = KVCache.TENSORS + ("state", "conv", "step_k", "step_u", "step_decay", "step_inputs")
+    recurrent = True
 
     def __init__(self, attention_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str, kernels: Kernels = Kernels(), *,
@@ -113,13 +116,14 @@ class HybridCache(KVCache):
         self.conv.zero_()
 
     def keep(self, count: int) -> None:
-        self._fold(torch.arange(count, device=self.state.device))
+        self.fold(torch.arange(count, device=self.state.device))
 
     def commit(self, path: torch.Tensor, start: torch.Tensor | int) -> None:
         super().commit(path, start)
-        self._fold(path)
+        self.fold(path)
 
-    def _fold(self, path: torch.Tensor) -> None:
-        """Advance every DeltaNet state and conv window along `path` (the last forward's nodes, root first, -1 padded)."""
+    def fold(self, path: torch.Tensor) -> None:
+        """Advance every DeltaNet state and conv window along `path` ([P] long: rows of the last
+        forward, oldest first, -1 padded; all -1: no change)."""
         self.kernels.gated_delta_commit(self.state, self.conv, self.step_k, self.step_u, self.step_decay,
                                         self.step_inputs, path)

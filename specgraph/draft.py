@@ -7,6 +7,12 @@ children is then fed once, in batches (one per depth for static trees, one per e
 dynamic trees), at draft-cache slots L + i, under a mask that shows it the prefix and its own fed
 ancestors. After verification, `commit` moves the K/V of the accepted nodes to slots L - 1 + depth.
 
+A recurrent drafter (a hybrid model: its DeltaNet layers see, besides the committed state, only
+the tokens of their own forward) re-feeds the catch-up and every node fed so far with each batch,
+as one tree, so that each node sees all its ancestors; a forward of a few dozen tokens costs a
+small model about what one token does. Its commit folds the catch-up and the accepted nodes but
+the last (which the next catch-up feeds) from the last forward's factors into its state.
+
 Every tree is grown on the device with no host reads, so a whole draft can be captured as one
 CUDA graph. A static tree's shape is known: its feed batches, masks, positions and child slots are
 constants planned once (`_StaticPlan`). A dynamic tree's growth has a known size too: each
@@ -53,8 +59,7 @@ class _Level(NamedTuple):
     """One depth of a static tree's growth (device tensors)."""
 
     expanding: torch.Tensor  # [E] the nodes of this depth that have children, in feed order
-    offsets: torch.Tensor  # [E] their draft-cache slots past L
-    visible: torch.Tensor  # [E, fed so far] bool: which fed nodes (this depth's included) each one sees
+    fed: int  # nodes fed once this depth is: the plan's first `fed` in feed order, these E last
     width: int  # most children of one of them
     rows: torch.Tensor  # [M] for each child of this depth's nodes: the row of its parent in `expanding`
     ranks: torch.Tensor  # [M] its rank among its siblings
@@ -68,24 +73,38 @@ class _StaticPlan:
     def __init__(self, topo: TreeTopology, device: torch.device):
         self.structure = TreeStructure.of(topo.parents, device)
         self.parents = torch.tensor(topo.parents, device=device)
-        fed_at: dict[int, int] = {}  # node -> offset of its draft-cache slot past L
+        fed = [u for depth in range(1, topo.max_depth) for u in topo.expanding(depth)]  # feed order
+        fed_at = {u: offset for offset, u in enumerate(fed)}  # node -> offset of its draft-cache slot past L
+        lineage = torch.zeros(len(fed), len(fed), dtype=torch.bool)
+        for row, u in enumerate(fed):
+            while u > 0:  # u and its ancestors below the root (which is in the prefix)
+                lineage[row, fed_at[u]] = True
+                u = topo.parents[u]
+        self.fed = torch.tensor(fed, dtype=torch.long, device=device)  # [F]
+        self.fed_depths = self.structure.depths[self.fed]  # [F]
+        self.lineage = lineage.to(device)  # [F, F] each fed node's fed ancestors and itself
         self.levels: list[_Level] = []
         for depth in range(topo.max_depth):
             expanding = topo.expanding(depth)
-            if depth > 0:
-                for u in expanding:
-                    fed_at[u] = len(fed_at)
-            visible = torch.zeros(len(expanding), len(fed_at), dtype=torch.bool)
-            for row, u in enumerate(expanding):
-                while u > 0:  # u and its ancestors below the root (which is in the prefix)
-                    visible[row, fed_at[u]] = True
-                    u = topo.parents[u]
             rows, ranks, kids = zip(*[(row, rank, kid) for row, u in enumerate(expanding)
                                       for rank, kid in enumerate(topo.children(u))])
-            offsets = [fed_at.get(u, -1) for u in expanding]
-            longs = [torch.tensor(x, dtype=torch.long, device=device) for x in (expanding, offsets, rows, ranks, kids)]
-            self.levels.append(_Level(*longs[:2], visible.to(device), max(ranks) + 1, *longs[2:]))
+            longs = [torch.tensor(x, dtype=torch.long, device=device) for x in (rows, ranks, kids)]
+            fed_so_far = sum(len(topo.expanding(d)) for d in range(1, depth + 1))
+            self.levels.append(_Level(torch.tensor(expanding, device=device), fed_so_far, max(ranks) + 1, *longs))
         self.fed_at = torch.tensor([fed_at.get(n, -1) for n in range(len(topo.parents))], device=device)  # [N + 1]
+
+
+CATCH_UP = 2  # committed tokens a catch-up feeds: the last accepted draft (maybe never fed) and the new root
+
+
+class _Step(NamedTuple):
+    """What a draft step's forwards share: the committed tokens [capacity] and their count
+    ([] long), the slots they attend over, and how many committed tokens the catch-up fed."""
+
+    committed: torch.Tensor
+    length: torch.Tensor
+    width: int
+    feeds: int
 
 
 @dataclass
@@ -95,6 +114,7 @@ class Draft:
 
     tree: Tree
     fed_at: torch.Tensor  # [N + 1] draft-cache slot past L of each node, -1 if not fed
+    feeds: int = CATCH_UP  # committed tokens its catch-up fed
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The tree's tensors, then fed_at: a deterministic draft as a CUDA graph's outputs."""
@@ -103,9 +123,6 @@ class Draft:
     @classmethod
     def from_tensors(cls, tensors: tuple[torch.Tensor, ...], max_depth: int) -> Draft:
         return cls(Tree.from_tensors(tensors[:-1], max_depth), tensors[-1])
-
-
-CATCH_UP = 2  # committed tokens a catch-up feeds: the last accepted draft (maybe never fed) and the new root
 
 
 class Drafter:
@@ -120,10 +137,12 @@ class Drafter:
         self.nodes = plan.nodes if isinstance(plan, DynamicTree) else len(plan.parents) - 1
         self.max_depth = plan.depth if isinstance(plan, DynamicTree) else plan.max_depth
         self._causal = {t: torch.ones(t, t, dtype=torch.bool, device=device).tril() for t in range(1, max_feeds + 1)}
+        self.refeeds = stage.cache.recurrent  # each forward re-feeds the catch-up and every fed node (module doc)
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor) -> None:
         """Feed all but the last two prompt tokens [L] (the first catch-up feeds those)."""
+        self.stage.cache.reset()
         if prompt.numel() > CATCH_UP:
             self.stage.prefill(prompt[:-CATCH_UP])
 
@@ -135,9 +154,10 @@ class Drafter:
         (fewer than two only right after a one-token prompt)."""
         root_logits = self.catch_up(committed, length, width, feeds)
         root = committed.index_select(0, length.reshape(1) - 1)  # [1]
+        step = _Step(committed, length, width, feeds)
         if self.static is not None:
-            return Draft(self._grow_static(root, root_logits, length, width, generator), self.static.fed_at)
-        return Draft(*self._grow_dynamic(root, root_logits, length, width))
+            return Draft(self._grow_static(root, root_logits, step, generator), self.static.fed_at, feeds)
+        return Draft(*self._grow_dynamic(root, root_logits, step), feeds)
 
     def catch_up(self, committed: torch.Tensor, length: torch.Tensor, width: int, feeds: int = CATCH_UP) -> torch.Tensor:
         """Feed the last `feeds` of the `length` committed tokens at their slots -> the root's logits [V]."""
@@ -154,6 +174,30 @@ class Drafter:
         offset = draft.fed_at.index_select(0, nodes.clamp(min=0))
         src = torch.where((nodes >= 0) & (offset >= 0), length + offset, dst)  # unfed or rejected: stay
         self.stage.cache.move(src, dst)
+        if self.refeeds:  # the state to committed[:L' - 2]: the catch-up and the accepted nodes but the last
+            rows = torch.cat([torch.arange(draft.feeds, device=path.device), draft.feeds + offset])  # [feeds + D]
+            folded = draft.feeds + (nodes >= 0).sum() - 1  # (the accepted nodes but the last were fed: they have children)
+            self.stage.cache.fold(torch.where(torch.arange(rows.numel(), device=path.device) < folded, rows, -1))
+
+    def _feed(self, tokens: torch.Tensor, depths: torch.Tensor, lineage: torch.Tensor, new: int,
+              step: _Step) -> torch.Tensor:
+        """Feed the last `new` of the F nodes fed so far this step (tokens, depths [F], in feed order;
+        lineage [F, F] bool: each one's fed ancestors and itself) at draft-cache slots L + offset ->
+        their logits [new, V]. A recurrent stage re-feeds the catch-up and all F, as one tree."""
+        length, f = step.length, tokens.numel()
+        positions, slots = length - 1 + depths, length + torch.arange(f, device=tokens.device)  # [F]
+        if not self.refeeds:
+            return self.stage.forward(tokens[-new:], positions[-new:], slots[-new:],
+                                      step_mask(length, lineage[-new:], step.width))
+        feeds = step.feeds
+        start = length - feeds
+        caught = start + torch.arange(feeds, device=tokens.device)  # [feeds] the catch-up's slots
+        visible = torch.cat([torch.cat([self._causal[feeds], lineage.new_zeros(feeds, f)], 1),
+                             torch.cat([lineage.new_ones(f, feeds), lineage], 1)])  # [feeds + F, feeds + F]
+        logits = self.stage.forward(torch.cat([step.committed.index_select(0, caught), tokens]),
+                                    torch.cat([caught, positions]), torch.cat([caught, slots]),
+                                    step_mask(start, visible, step.width))
+        return logits[-new:]
 
     def _choose(self, logits: torch.Tensor, k: int, draw: bool,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -173,7 +217,7 @@ class Drafter:
             remaining = remaining.scatter(1, token, 0.0)
         return tokens, torch.stack(proposals, dim=1)
 
-    def _grow_static(self, root: torch.Tensor, root_logits: torch.Tensor, length: torch.Tensor, width: int,
+    def _grow_static(self, root: torch.Tensor, root_logits: torch.Tensor, step: _Step,
                      generator: torch.Generator | None) -> Tree:
         plan, device = self.static, self.stage.device
         tokens = torch.empty(len(self.plan.parents), dtype=torch.long, device=device)  # [N + 1]
@@ -183,9 +227,9 @@ class Drafter:
             if depth == 0:
                 logits = root_logits[None]  # [1, V]
             else:
-                positions = (length - 1 + depth).expand(level.expanding.numel())
-                mask = step_mask(length, level.visible, width)  # [E, width]
-                logits = self.stage.forward(tokens[level.expanding], positions, length + level.offsets, mask)  # [E, V]
+                fed = plan.fed[: level.fed]
+                logits = self._feed(tokens[fed], plan.fed_depths[: level.fed], plan.lineage[: level.fed, : level.fed],
+                                    level.expanding.numel(), step)  # [E, V]
             chosen, drawn_from = self._choose(logits, level.width, self.rule == "sampling", generator)
             tokens[level.kids] = chosen[level.rows, level.ranks]
             if drawn_from is not None:
@@ -194,8 +238,7 @@ class Drafter:
                 proposals[level.kids] = drawn_from[level.rows, level.ranks]
         return Tree(tokens, plan.parents, proposals, plan.structure)
 
-    def _grow_dynamic(self, root: torch.Tensor, root_logits: torch.Tensor, length: torch.Tensor,
-                      width: int) -> tuple[Tree, torch.Tensor]:
+    def _grow_dynamic(self, root: torch.Tensor, root_logits: torch.Tensor, step: _Step) -> tuple[Tree, torch.Tensor]:
         """Maximum-likelihood expansion: each step feeds the W leaves of highest cumulative draft
         log-probability (ties: the earlier created) and gives each its W most likely children;
         the tree keeps the `nodes` most likely nodes. Returns it and each node's fed-slot offset past L."""
@@ -211,22 +254,20 @@ class Drafter:
         leaf = torch.zeros(size, dtype=torch.bool, device=device)  # created and not expanded
         fed = torch.zeros(plan.fed, dtype=torch.long, device=device)  # fed slot -> node
         fed_at = torch.full((size,), -1, dtype=torch.long, device=device)  # node -> fed slot
-        slot = torch.arange(plan.fed, device=device)
         expanding, logits = torch.zeros(1, dtype=torch.long, device=device), root_logits[None]  # [E], [E, V]
-        for step in range(plan.depth):
-            if step > 0:
+        for s in range(plan.depth):
+            if s > 0:
                 best = torch.where(leaf, scores, float("-inf")).sort(descending=True, stable=True).indices
                 expanding = best[:w]  # [W]
                 leaf.index_fill_(0, expanding, False)
-                offsets = (step - 1) * w + torch.arange(w, device=device)  # [W]
+                offsets = (s - 1) * w + torch.arange(w, device=device)  # [W]
                 fed[offsets] = expanding
                 fed_at[expanding] = offsets
-                visible = lineage[expanding][:, fed] & (slot < (step * w))  # [W, R]: fed ancestors (and self)
-                logits = self.stage.forward(tokens[expanding], length - 1 + depths[expanding], length + offsets,
-                                            step_mask(length, visible, width))  # [W, V]
+                so_far = fed[: s * w]  # [F]
+                logits = self._feed(tokens[so_far], depths[so_far], lineage[so_far][:, so_far], w, step)  # [W, V]
             chosen = logits.topk(w, dim=-1).indices  # [E, W]
             gained = logits.log_softmax(-1).gather(1, chosen)  # [E, W]
-            kids = slice(plan.first_child(step), plan.first_child(step) + chosen.numel())
+            kids = slice(plan.first_child(s), plan.first_child(s) + chosen.numel())
             parent = expanding.repeat_interleave(w)  # [E W]
             tokens[kids], parents[kids], depths[kids] = chosen.flatten(), parent, depths[parent] + 1
             scores[kids] = scores[parent] + gained.flatten().double()

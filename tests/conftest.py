@@ -56,6 +56,14 @@ def hybrid_reference(code_prompts):
     return hf_greedy(shared_models() / "hybrid", code_prompts[:PROMPTS], NEW_TOKENS)
 
 
+@pytest.fixture(scope="session")
+def small_hybrid(tmp_path_factory) -> Path:
+    """A small hybrid drafter for the hybrid fixture: its first four layers (helpers.shallow_hybrid)."""
+    from helpers import shallow_hybrid
+
+    return shallow_hybrid(shared_models() / "hybrid", tmp_path_factory.mktemp("drafter"))
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -73,6 +73,33 @@ def chain_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return Stage("test", model, ids.numel() + 8, torch.device("cpu")).prefill(ids)
 
 
+def grown_on_the_host(logits_after, committed: torch.Tensor, spec) -> tuple[list[int], list[int]]:
+    """The dynamic tree of `spec` (a DynamicTree) by its definition, each node's logits from its
+    whole path run alone (`logits_after(ids [T])` -> the next token's logits [V]): (tokens, parents)
+    of the kept nodes, root first, in creation order."""
+    tokens, parents, scores, leaves = [int(committed[-1])], [-1], [0.0], []
+
+    def path(node: int) -> list[int]:
+        return [] if node == 0 else path(parents[node]) + [tokens[node]]
+
+    expanding = [0]
+    for step in range(spec.depth):
+        if step > 0:
+            order = sorted(range(len(leaves)), key=lambda i: -scores[leaves[i]])  # stable: earlier first on ties
+            expanding = [leaves[i] for i in order[: spec.width]]
+            leaves = [n for n in leaves if n not in expanding]
+        for parent in expanding:
+            logits = logits_after(torch.cat([committed, torch.tensor(path(parent), dtype=torch.long)]))
+            for token in logits.topk(spec.width).indices.tolist():
+                tokens.append(token)
+                parents.append(parent)
+                scores.append(scores[parent] + float(logits.log_softmax(-1)[token]))
+                leaves.append(len(tokens) - 1)
+    keep = [0] + sorted(sorted(range(1, len(tokens)), key=lambda n: -scores[n])[: spec.nodes])
+    index = {old: new for new, old in enumerate(keep)}
+    return [tokens[n] for n in keep], [index.get(parents[n], -1) for n in keep]
+
+
 class HostReads(TorchDispatchMode):
     """Records the ops that would make a GPU wait for the host (scalar reads, data-dependent shapes)
     or copy from the host (Python values turned into tensors), neither of which a CUDA graph can hold."""
@@ -113,6 +140,15 @@ def save_checkpoint(model: nn.Module, like: Path, checkpoint: Path, **config) ->
     state = {f"model.{k}": v.contiguous() for k, v in state.items() if k not in ("inv_freq", "lm_head.weight")}
     save_file(state, checkpoint / "model.safetensors")
     return checkpoint
+
+
+def shallow_hybrid(hybrid: Path, folder: Path, layers: int = 4) -> Path:
+    """A small hybrid drafter for the hybrid checkpoint `hybrid`: its first `layers` layers (DeltaNet
+    and attention), embeddings and final norm, saved in `folder` as a checkpoint of the same family and tokenizer."""
+    model = load_model(hybrid, torch.float32, "cpu")
+    model.layers = nn.ModuleList(model.layers[:layers])
+    types = json.loads((hybrid / "config.json").read_text())["layer_types"][:layers]
+    return save_checkpoint(model, hybrid, folder / "shallow_hybrid", num_hidden_layers=layers, layer_types=types)
 
 
 def splittable_recipe(folder: Path, devices: str = "cpu") -> Path:

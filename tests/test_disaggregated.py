@@ -56,6 +56,20 @@ def test_static_trees_and_typical_acceptance_through_the_executor(target_referen
                 assert program.generate(ids).output_ids == expected[:48]
 
 
+def test_a_hybrid_drafter_drafts_static_trees_for_a_hybrid_target(small_hybrid, hybrid_reference):
+    """A small hybrid drafter (drafting each static tree anew after the verdict, its recurrent state
+    folded along the accepted path) in its own process: the hybrid target's own greedy output."""
+    recipe = disaggregated(shared_models() / "hybrid", small_hybrid, {"shape": "static", "branching": [3, 2, 1]},
+                           max_new_tokens=48)
+    accepted = []
+    with Program.from_recipe(recipe) as program:
+        for ids, expected in hybrid_reference[:3]:
+            generation = program.generate(ids)
+            assert generation.output_ids == expected[:48]
+            accepted += generation.accepted_lengths
+    assert sum(accepted) / len(accepted) > 1.2
+
+
 def test_a_tensor_parallel_target_with_a_one_process_drafter(tmp_path, target_reference):
     """Three processes: the target split over two (gloo all-reduces in its own group), the drafter in
     a third. The fixtures' heads do not split in two, so both are widened (same function) to 6 query

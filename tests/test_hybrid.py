@@ -1,17 +1,24 @@
-"""The Qwen3.5 hybrid target (gated DeltaNet + gated attention) against transformers on the
-hybrid fixture, fp32 on the CPU: prompt logits, every tree node's logits, the state a commit
-builds, and greedy speculative output token for token (16 held-out prompts x 128 new tokens)."""
+"""The Qwen3.5 hybrid (gated DeltaNet + gated attention) against transformers on the hybrid
+fixture, fp32 on the CPU: prompt logits, every tree node's logits, the state a commit builds,
+greedy speculative output token for token (16 held-out prompts x 128 new tokens); and a small
+hybrid (the fixture's first four layers) drafting for it: its trees are its own model's, by
+transformers, after any verdicts."""
+
+import random
 
 import pytest
 import torch
 import transformers
 from conftest import EMBEDDED, NEW_TOKENS, REPO, shared_models
-from helpers import LONG_PROMPT, two_stage
+from helpers import LONG_PROMPT, grown_on_the_host, two_stage
 
+from specgraph.draft import Drafter
 from specgraph.models.loader import load_model
+from specgraph.recipe import DynamicTree, SamplingSpec, StaticTree
 from specgraph.program import Program
 from specgraph.runtime.stage import Stage, step_mask
-from specgraph.tree import Tree
+from specgraph.sampling import probs_from_logits
+from specgraph.tree import Tree, TreeTopology
 
 LOGIT_TOL = 1e-4  # fp32: transformers runs a prompt through its chunked algorithm, we through the closed form
 
@@ -70,10 +77,10 @@ def reference(hybrid_reference):
     ("draft", {"shape": "chain", "length": 4}),
     ("draft", {"shape": "static", "branching": [3, 2, 1, 1]}),
     ("draft", {"shape": "dynamic", "width": 4, "depth": 5, "nodes": 24}),
-    ("mid", {"shape": "static", "branching": [3, 2, 1, 1]}),
+    ("small hybrid", {"shape": "dynamic", "width": 4, "depth": 5, "nodes": 24}),
 ])
-def test_greedy_output_equals_the_hybrid_target_alone(hybrid, reference, drafter, tree):
-    draft = EMBEDDED / "draft" if drafter == "draft" else shared_models() / "mid"
+def test_greedy_output_equals_the_hybrid_target_alone(hybrid, reference, drafter, tree, request):
+    draft = EMBEDDED / "draft" if drafter == "draft" else request.getfixturevalue("small_hybrid")
     program = Program.from_recipe(two_stage(hybrid, draft, tree, max_new_tokens=NEW_TOKENS))
     accepted = []
     for ids, expected in reference:
@@ -83,19 +90,77 @@ def test_greedy_output_equals_the_hybrid_target_alone(hybrid, reference, drafter
     assert sum(accepted) / len(accepted) > 1.5
 
 
+def static_tree_by_definition(logits_after, committed: torch.Tensor, topo: TreeTopology) -> list[int]:
+    """A static tree's tokens by definition: each node's children are the top-k after its path."""
+    tokens = [int(committed[-1])] + [0] * topo.nodes
+    for node in range(len(topo.parents)):
+        kids = topo.children(node)
+        if kids:
+            path, u = [], node
+            while u > 0:
+                path, u = [tokens[u]] + path, topo.parents[u]
+            best = logits_after(torch.cat([committed, torch.tensor(path, dtype=torch.long)])).topk(len(kids)).indices
+            for kid, token in zip(kids, best.tolist()):
+                tokens[kid] = token
+    return tokens
+
+
+@pytest.mark.parametrize("plan", [TreeTopology.from_spec(StaticTree(branching=[3, 2, 1])),
+                                  DynamicTree(width=3, depth=3, nodes=8)], ids=["static", "dynamic"])
+def test_a_hybrid_drafter_grows_its_own_models_trees_after_any_verdicts(small_hybrid, plan):
+    """Over steps with random verdicts (nothing, some or a whole branch accepted, a random bonus),
+    from a one-token prompt (its first catch-up feeds one token and its first verdict accepts
+    nothing, so nothing is folded) and a longer one: every tree is the one its model, run by
+    transformers over the committed tokens and each node's path, defines; with the sampling rule,
+    each node's first child is drawn from that node's distribution."""
+    hf_small = transformers.AutoModelForCausalLM.from_pretrained(small_hybrid, dtype=torch.float32).eval()
+    logits_after = torch.no_grad()(lambda ids: hf_small(ids[None]).logits[0, -1])
+    d = Drafter(Stage("draft", load_model(small_hybrid, torch.float32, "cpu"), 160, torch.device("cpu")), plan,
+                "greedy", SamplingSpec())
+    sampling, generator = SamplingSpec(temperature=1.0, top_k=20), torch.Generator().manual_seed(0)
+    sampler = Drafter(d.stage, plan, "sampling", sampling) if isinstance(plan, TreeTopology) else None
+    rng = random.Random(1)
+    for committed in ([17], torch.randint(0, 4096, (30,)).tolist()):
+        buffer = torch.zeros(128, dtype=torch.long)
+        buffer[: len(committed)] = torch.tensor(committed)
+        d.prefill(torch.tensor(committed))
+        for step in range(6):
+            length, ids = len(committed), torch.tensor(committed)
+            if sampler is not None:  # (before the draft that is committed: a commit folds the last forward's factors)
+                drawn = sampler.draft(buffer, torch.tensor(length), d.stage.width(length, 40), generator,
+                                      min(2, length)).tree
+                for node in filter(drawn.children, range(drawn.size)):
+                    path = drawn.ancestors[node].nonzero().flatten()[1:]
+                    expected = probs_from_logits(logits_after(torch.cat([ids, drawn.tokens[path]])), sampling)
+                    assert (drawn.proposals[drawn.children(node)[0]] - expected).abs().max() < 1e-4
+            draft = d.draft(buffer, torch.tensor(length), d.stage.width(length, 40), None, min(2, length))
+            tree = draft.tree
+            if isinstance(plan, DynamicTree):
+                assert (tree.tokens.tolist(), tree.parents.tolist()) == grown_on_the_host(logits_after, ids, plan)
+            else:
+                assert tree.tokens.tolist() == static_tree_by_definition(logits_after, ids, plan)
+            path = [0]
+            while tree.children(path[-1]) and (step > 0 or length > 1) and rng.random() < 0.7:
+                path.append(rng.choice(tree.children(path[-1])))
+            new = tree.tokens[path[1:]].tolist() + [rng.randrange(4096)]
+            d.commit(draft, torch.tensor(path + [-1] * (d.max_depth + 1 - len(path))), torch.tensor(length))
+            committed += new
+            buffer[: len(committed)] = torch.tensor(committed)
+
+
 def test_fused_gated_delta_kernels_decode_the_tokens_of_transformers(hybrid, reference):
     """The Triton gated-DeltaNet step and commit, chosen per op (the other ops stay the references;
     interpreted on the CPU, hence one prompt): a tree recipe's greedy tokens are transformers'."""
     from specgraph.kernels.gated_delta.triton import gated_delta_commit, gated_delta_step
     fused = {"gated_delta_step": "triton", "gated_delta_commit": "triton"}
     program = Program.from_recipe(two_stage(hybrid, EMBEDDED / "draft", {"shape": "static", "branching": [3, 2, 1, 1]},
-                                            max_new_tokens=32, lowering={"kernels": fused}))
+                                            max_new_tokens=16, lowering={"kernels": fused}))
     target = program.stages["target"]
     assert target.cache.kernels.gated_delta_commit is gated_delta_commit
     assert target.model.layers[0].linear_attn.kernels.gated_delta_step is gated_delta_step
     ids, expected = reference[0]
     generation = program.generate(ids)
-    assert generation.output_ids == expected[:32] and max(generation.accepted_lengths) > 1
+    assert generation.output_ids == expected[:16] and max(generation.accepted_lengths) > 1
 
 
 def test_autoregressive_hybrid_equals_transformers(hybrid, reference):

@@ -266,6 +266,7 @@ def test_gated_delta_step_matches_reference(b, t, h, hk, dk, dv, depth, dtype):
     (1, 2, 2, 48, 40, 4, [0, 2, 5, -1, -1]),  # a padded path of three
     (3, 1, 2, 64, 128, 4, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]),  # past one 16-row tile
     (1, 1, 2, 32, 32, 2, [0, 3]),  # a conv of width 2
+    (1, 1, 2, 32, 32, 4, [-1, -1, -1]),  # nothing to fold (a drafter's first step after a one-token prompt)
 ])
 def test_gated_delta_commit_matches_reference(layers, b, h, dk, dv, kernel, path):
     from specgraph.kernels.gated_delta.triton import gated_delta_commit
@@ -276,8 +277,11 @@ def test_gated_delta_commit_matches_reference(layers, b, h, dk, dv, kernel, path
                torch.randn(layers, b, s, h, dv, generator=gen), -torch.rand(layers, b, s, h, generator=gen).cumsum(2),
                torch.randn(layers, b, s, c, generator=gen))
     path = torch.tensor(path)
+    state_before, conv_before = state.clone(), conv.clone()
     expected_state, expected_conv = state.clone(), conv.clone()
     gated_delta_commit_reference(expected_state, expected_conv, *factors, path)
     gated_delta_commit(state, conv, *factors, path)
     assert (state - expected_state).abs().max() < 1e-4
     assert torch.equal(conv, expected_conv)
+    if (path < 0).all():  # the oracle: nothing changed
+        assert torch.equal(expected_state, state_before) and torch.equal(expected_conv, conv_before)

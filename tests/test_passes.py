@@ -110,6 +110,12 @@ def test_capture_graphs_lists_the_step_sizes_of_each_stage():
     assert not sampled.node("target")["step_graphs"]
     assert sampled.node("target")["graph_buckets"] == (1, 1 + 3 + 6 + 6)
     assert sampled.node("draft")["graph_buckets"] == (2, 3, 6)  # catch-up, then 3 and 6 nodes expanded
+    hybrid = place(validate(graph(draft=shared_models() / "hybrid", tree={"shape": "static", "branching": [3, 2, 1]},
+                                  sampling={"temperature": 0.7})))
+    for name in hybrid.stages():
+        hybrid.node(name)["device"] = torch.device("cuda:0")
+    hybrid = capture_graphs(plan_memory(plan_tree(hybrid)))  # a hybrid drafter re-feeds the catch-up and all fed so far
+    assert hybrid.node("draft")["graph_buckets"] == (2, 2 + 3, 2 + 3 + 6)
     dyn = place(validate(graph(tree={"shape": "dynamic", "width": 5, "depth": 3, "nodes": 20})))
     dyn.node("draft")["device"] = dyn.node("target")["device"] = torch.device("cuda:0")
     assert capture_graphs(plan_memory(plan_tree(dyn))).node("target")["step_graphs"]  # dynamic growth is on the device too
@@ -184,16 +190,27 @@ def test_bad_checkpoints_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("change, expected", [
-    ({"models.draft.path": "HYBRID"}, "stages.0.model: models.draft is a hybrid model (Qwen3_5ForCausalLM), which runs "
-                                      "only as the target; draft with a Llama-family model"),
+    ({"models.draft.path": "HYBRID", "execution": "disaggregated"},
+     "stages.0.model: models.draft is a hybrid model (Qwen3_5ForCausalLM), which drafts under execution: disaggregated "
+     "only a static tree (tree: {shape: static}), drafted anew after each verdict"),
+    ({"models.draft.path": "HYBRID", "execution": "pipeline", "models.mid": {"path": "TARGET"},
+      "stages": [{"name": "draft", "model": "draft", "devices": ["cpu"]},
+                 {"name": "mid", "model": "mid", "devices": ["cpu"], "verifies": "draft"},
+                 {"name": "target", "model": "target", "devices": ["cpu"], "verifies": "mid"}]},
+     "stages.0.model: models.draft is a hybrid model (Qwen3_5ForCausalLM), which runs in a pipeline only as the last stage"),
     ({"models.target.path": "HYBRID", "stages.0.tree": {"shape": "static", "branching": [4, 3, 3, 3]}},
      "stages.0.tree: a hybrid target verifies at most 128 tokens per step; this tree and its root are 161"),
+    ({"models.draft.path": "HYBRID", "models.target.path": "HYBRID", "stages.0.tree": {"shape": "static", "branching": [4, 3, 3, 3]}},
+     "stages.0.tree: a hybrid drafter feeds at most 128 tokens per step; this tree and its catch-up are 162"),
 ])
-def test_hybrid_model_runs_only_as_the_target(change, expected):
+def test_where_a_hybrid_model_may_run(change, expected):
     data = two_stage(TARGET, DRAFT).model_dump(mode="json")
-    hybrid = str(shared_models() / "hybrid")
+    paths = {'"HYBRID"': json.dumps(str(shared_models() / "hybrid")), '"TARGET"': json.dumps(str(TARGET))}
     for key, value in change.items():
-        apply_override(data, f"{key}={json.dumps(value.replace('HYBRID', hybrid) if isinstance(value, str) else value)}")
+        text = json.dumps(value)
+        for name, path in paths.items():
+            text = text.replace(name, path)
+        apply_override(data, f"{key}={text}")
     with pytest.raises(RecipeError) as info:
         run_pipeline(SpecGraph.from_recipe(Recipe.from_dict(data)))
     assert expected in str(info.value)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import EMBEDDED
-from helpers import HostReads, chain_logits
+from helpers import HostReads, chain_logits, grown_on_the_host
 
 from specgraph.draft import Drafter
 from specgraph.models.loader import load_model
@@ -66,32 +66,6 @@ def test_static_drafts_follow_the_draft_models_ranking():
     assert tree.tokens[tree.children(1)].tolist() == logits.topk(2).indices.tolist()
 
 
-def grown_on_the_host(model, committed: torch.Tensor, spec: DynamicTree) -> tuple[list[int], list[int]]:
-    """The dynamic tree by its definition, each node's logits from its whole path run alone:
-    (tokens, parents) of the kept nodes, root first, in creation order."""
-    tokens, parents, scores, leaves = [int(committed[-1])], [-1], [0.0], []
-
-    def path(node: int) -> list[int]:
-        return [] if node == 0 else path(parents[node]) + [tokens[node]]
-
-    expanding = [0]
-    for step in range(spec.depth):
-        if step > 0:
-            order = sorted(range(len(leaves)), key=lambda i: -scores[leaves[i]])  # stable: earlier first on ties
-            expanding = [leaves[i] for i in order[: spec.width]]
-            leaves = [n for n in leaves if n not in expanding]
-        for parent in expanding:
-            logits = chain_logits(model, torch.cat([committed, torch.tensor(path(parent), dtype=torch.long)]))[-1]
-            for token in logits.topk(spec.width).indices.tolist():
-                tokens.append(token)
-                parents.append(parent)
-                scores.append(scores[parent] + float(logits.log_softmax(-1)[token]))
-                leaves.append(len(tokens) - 1)
-    keep = [0] + sorted(sorted(range(1, len(tokens)), key=lambda n: -scores[n])[: spec.nodes])
-    index = {old: new for new, old in enumerate(keep)}
-    return [tokens[n] for n in keep], [index.get(parents[n], -1) for n in keep]
-
-
 def test_dynamic_tree_keeps_the_most_likely_nodes():
     spec = DynamicTree(width=3, depth=4, nodes=10)
     d = drafter(spec)
@@ -99,7 +73,8 @@ def test_dynamic_tree_keeps_the_most_likely_nodes():
     tree = draft(d, committed)
     check_well_formed(tree, 11)
     assert int(tree.depths.max()) >= 2  # expansion went deeper than the root's children
-    assert (tree.tokens.tolist(), tree.parents.tolist()) == grown_on_the_host(d.stage.model, committed, spec)
+    assert (tree.tokens.tolist(), tree.parents.tolist()) == grown_on_the_host(
+        lambda ids: chain_logits(d.stage.model, ids)[-1], committed, spec)
 
 
 def test_sampling_drafts_record_their_proposals():

@@ -13,7 +13,8 @@ After:  + `static_shapes` (bool): forwards attend over the whole cache (shapes d
           runs, each captured once per stage and replayed:
             target  - 1 (autoregressive) and the drafter's tree + root;
             drafter - 2 (catch-up) and the batch sizes of its tree expansion (nodes per depth with
-                      children; the width for dynamic trees);
+                      children; the width for dynamic trees), or for a hybrid drafter, which
+                      re-feeds, the catch-up and the nodes fed so far;
             pipeline - every stage's steps run forward by forward: the first stage's catch-ups of
                       1 to `feeds` tokens and its tree's expansions, the others every size up to
                       their `step_tokens`.
@@ -24,19 +25,24 @@ from __future__ import annotations
 
 from specgraph.graph import SpecGraph
 from specgraph.growing import GrowthPlan
+from specgraph.models.loader import is_hybrid
 from specgraph.passes.base import graph_pass
 from specgraph.recipe import DynamicTree
 
 
-def expansion_sizes(tree) -> set[int]:
+def expansion_sizes(tree, feeds: int, recurrent: bool) -> set[int]:
+    """Token counts of a drafter's expansion forwards: each batch of nodes, or, for a recurrent
+    (hybrid) drafter, the catch-up and every node fed so far (draft.py)."""
     if isinstance(tree, GrowthPlan):
         return {tree.leaves}
     if isinstance(tree, DynamicTree):
-        return {tree.width}
-    return {len(tree.expanding(depth)) for depth in range(1, tree.max_depth)}
+        batches = [tree.width] * (tree.depth - 1)
+    else:
+        batches = [len(tree.expanding(depth)) for depth in range(1, tree.max_depth)]
+    return {feeds + sum(batches[: i + 1]) for i in range(len(batches))} if recurrent else set(batches)
 
 
-@graph_pass(requires=("device", "tree", "tree_nodes", "window", "step_tokens", "feeds"), provides=("static_shapes", "step_graphs", "alone_step_graphs", "graph_buckets"))
+@graph_pass(requires=("config", "device", "tree", "tree_nodes", "window", "step_tokens", "feeds"), provides=("static_shapes", "step_graphs", "alone_step_graphs", "graph_buckets"))
 def capture_graphs(graph: SpecGraph) -> SpecGraph:
     recipe, target = graph.recipe, graph.target
     drafter = graph.drafter_of(target)
@@ -59,5 +65,6 @@ def capture_graphs(graph: SpecGraph) -> SpecGraph:
             node["graph_buckets"] = tuple(sorted({1} | ({graph.node(drafter)["tree_nodes"] + 1} if drafter else set())))
         else:  # (a pipeline's first stage catches up on anything from one token to its `feeds`)
             catch_up = set(range(1, node["feeds"] + 1)) if recipe.execution == "pipeline" else {node["feeds"]}
-            node["graph_buckets"] = tuple(sorted(catch_up | expansion_sizes(node["tree"])))
+            expansions = expansion_sizes(node["tree"], node["feeds"], is_hybrid(node["config"]))
+            node["graph_buckets"] = tuple(sorted(catch_up | expansions))
     return graph

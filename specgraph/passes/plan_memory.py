@@ -46,10 +46,13 @@ def plan_memory(graph: SpecGraph) -> SpecGraph:
             step_tokens = (node["feeds"] or CATCH_UP) + node["tree_nodes"]
         shape = model_shape(node["config"])
         if isinstance(shape, HybridShape) and step_tokens > STEP_TOKENS:
-            where = (f"stages.{node['index']}.verify.window" if node["window"] else
-                     f"stages.{graph.node(drafter)['index']}.tree")
-            raise RecipeError(f"{where}: a hybrid target verifies at most {STEP_TOKENS} tokens per step; "
-                              f"this {'window' if node['window'] else 'tree'} and its root are {step_tokens}")
+            if node["window"]:
+                where, limit, what = f"stages.{node['index']}.verify.window", "target verifies", "this window and its root"
+            elif drafter:
+                where, limit, what = f"stages.{graph.node(drafter)['index']}.tree", "target verifies", "this tree and its root"
+            else:
+                where, limit, what = f"stages.{node['index']}.tree", "drafter feeds", "this tree and its catch-up"
+            raise RecipeError(f"{where}: a hybrid {limit} at most {STEP_TOKENS} tokens per step; {what} are {step_tokens}")
         itemsize = node["dtype"].itemsize
         node["step_tokens"] = step_tokens
         node["cache_slots"] = max_seq_len + step_tokens + slack

@@ -14,7 +14,7 @@ from specgraph.errors import CheckpointError, RecipeError
 from specgraph.graph import SpecGraph
 from specgraph.models.loader import is_hybrid, read_config, tokenizer_fingerprint
 from specgraph.passes.base import graph_pass
-from specgraph.recipe import ChainTree, DynamicTree
+from specgraph.recipe import ChainTree, DynamicTree, StaticTree
 
 
 @graph_pass(provides=("config", "tokenizer", "eos_ids", "rule"))
@@ -46,9 +46,7 @@ def validate(graph: SpecGraph) -> SpecGraph:
         node["rule"] = _rule(spec.verify.rule, recipe.sampling.temperature, index)
         _check_window(node, recipe.max_seq_len)
         if name != target and is_hybrid(node["config"]):
-            raise RecipeError(f"stages.{index}.model: models.{spec.model} is a hybrid model "
-                              f"({node['config'].architectures[0]}), which runs only as the target; "
-                              "draft with a Llama-family model")
+            _check_hybrid_drafter(recipe.execution, spec, index, node["config"].architectures[0])
         if spec.tree is not None and name == target:
             raise RecipeError(f"stages.{index}.tree: the last stage drafts for no one; "
                               "put the tree on the stage it verifies")
@@ -56,6 +54,18 @@ def validate(graph: SpecGraph) -> SpecGraph:
             _check_dynamic(spec.tree, index)
     _check_same_vocabulary(graph, target)
     return graph
+
+
+def _check_hybrid_drafter(execution: str, spec, index: int, architecture: str) -> None:
+    """A hybrid drafts a tree anew each step (its recurrent state follows the committed tokens only):
+    with serial execution, or a static tree under disaggregated execution, where chains and dynamic
+    trees grow across verdicts; a pipeline's stages below the last verify windows they keep."""
+    where = f"stages.{index}.model: models.{spec.model} is a hybrid model ({architecture}), which"
+    if execution == "pipeline":
+        raise RecipeError(f"{where} runs in a pipeline only as the last stage; use a Llama-family model below it")
+    if execution == "disaggregated" and not isinstance(spec.tree, StaticTree):
+        raise RecipeError(f"{where} drafts under execution: disaggregated only a static tree (tree: {{shape: static}}), "
+                          "drafted anew after each verdict; chains and dynamic trees grow across verdicts there")
 
 
 def _check_pipeline(graph: SpecGraph) -> None:

@@ -13,6 +13,7 @@ autoregressive decoding through the same path (a root-only tree).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -64,7 +65,7 @@ class SerialExecutor:
             seq.copy_(self.sequence)
         width = self.drafter.stage.width(length, self.nodes + 1)
         draft = self.drafter.draft(seq.tokens, seq.length, width, generator, min(CATCH_UP, length))
-        return Draft(draft.tree.to(self.device), draft.fed_at)
+        return dataclasses.replace(draft, tree=draft.tree.to(self.device))
 
     def _verify(self, draft: Draft | None, length: int, generator: torch.Generator | None) -> torch.Tensor:
         """-> [D + 2]: the count of new tokens, then the new tokens (padded)."""

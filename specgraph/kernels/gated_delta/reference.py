@@ -99,7 +99,8 @@ def gated_delta_commit_reference(state: torch.Tensor, conv: torch.Tensor, step_k
                                  step_u: torch.Tensor, step_decay: torch.Tensor, step_inputs: torch.Tensor,
                                  path: torch.Tensor) -> None:
     """Advance, in place, every layer's state [L, B, H, dk, dv] and conv window [L, B, K - 1, C] to
-    the last node of `path` ([P] long: nodes of the last step, root first, -1 padded), from the
+    the last node of `path` ([P] long: nodes of the last step, root first, -1 padded; all -1: left
+    as they are), from the
     step's factors (step_k [L, B, S, H, dk], step_u [L, B, S, H, dv], step_decay [L, B, S, H]) and
     conv inputs step_inputs [L, B, S, C]."""
     _fold_state(state, step_k, step_u, step_decay, path)
@@ -115,9 +116,9 @@ def _fold_state(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, path_deca
     k [..., T, H, dk], u [..., T, H, dv] and G [..., T, H] (leading dimensions: layers, batch)."""
     valid = path >= 0
     nodes = path.clamp(min=0)
-    last = nodes.gather(0, valid.sum().reshape(1) - 1)  # [1]
+    last = nodes.gather(0, (valid.sum().reshape(1) - 1).clamp(min=0))  # [1]
     decay = path_decay.index_select(-2, nodes)  # [..., P, H]
-    last_decay = path_decay.index_select(-2, last)  # [..., 1, H]
+    last_decay = torch.where(valid.any(), path_decay.index_select(-2, last), 0.0)  # [..., 1, H] (none: no decay)
     weight = torch.where(valid[:, None], (last_decay - decay).exp(), 0.0)  # [..., P, H]
     written = torch.einsum("...ph,...phk,...phv->...hkv", weight, k.index_select(-3, nodes), u.index_select(-3, nodes))
     state.mul_(last_decay.exp()[..., 0, :, None, None]).add_(written)

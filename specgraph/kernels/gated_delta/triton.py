@@ -202,8 +202,9 @@ def _fold_state(state, step_k, step_u, step_decay, path, P, H, S, DK: tl.constex
     nodes = tl.load(path + p, mask=p < P, other=-1)
     on = nodes >= 0
     node = tl.where(on, nodes, 0)
-    last = tl.sum(tl.where(p == tl.sum(on.to(tl.int32), axis=0) - 1, node, 0), axis=0)
-    g_last = tl.load(step_decay + (lb * S + last) * H + h)
+    count = tl.sum(on.to(tl.int32), axis=0)
+    last = tl.sum(tl.where(p == count - 1, node, 0), axis=0)
+    g_last = tl.load(step_decay + (lb * S + last) * H + h, mask=count > 0, other=0.0)  # (an empty path: no decay)
     g = tl.load(step_decay + (lb * S + node) * H + h, mask=on, other=0.0)
     weight = tl.where(on, tl.exp(g_last - g), 0.0)  # [BP]
     k = tl.load(step_k + ((lb * S + node[:, None]) * H + h) * DK + keys[None, :], mask=on[:, None] & kmask[None, :],
