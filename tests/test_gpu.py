@@ -209,6 +209,20 @@ def test_hybrid_with_the_fused_gated_delta_kernels_equals_transformers(hybrid_re
         assert program.generate(ids).output_ids == expected
 
 
+def test_a_hybrid_drafter_captured_on_the_gpu_equals_transformers(small_hybrid, hybrid_reference):
+    """fp32, Triton kernels, whole steps captured: a small hybrid (re-feeding its catch-up and fed
+    nodes with each expansion) drafts dynamic trees for the hybrid fixture; its greedy tokens are
+    transformers', and a step reads nothing on the host."""
+    recipe = two_stage(shared_fixture("hybrid"), small_hybrid, {"shape": "dynamic", "width": 4, "depth": 5, "nodes": 24},
+                       max_new_tokens=128, dtype="float32")
+    program = Program.from_recipe(recipe.model_copy(update={"stages": [
+        s.model_copy(update={"devices": ["cuda:0"]}) for s in recipe.stages]}))
+    for ids, expected in hybrid_reference[:4]:
+        assert program.generate(ids).output_ids == expected
+    assert set(program.executor._graphs) == {"draft", "verify"}
+    assert step_without_host_sync(program.executor) >= 1
+
+
 def disaggregated_on(draft_device: str, target_device: str, tree: dict, **fields) -> Program:
     recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", tree, execution="disaggregated", **fields)
     devices = [[draft_device], [target_device]]
