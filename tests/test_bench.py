@@ -1,6 +1,7 @@
 """specgraph bench at small scale on the CPU, and widening to real shapes."""
 
 import json
+import sys
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from specgraph.models.hybrid import FULL, LINEAR, HybridShape
 from specgraph.models.llama import LlamaShape
 from specgraph.models.loader import load_model, read_config
 from specgraph.program import Program, plan
+from specgraph.graph import SpecGraph
 from specgraph.recipe import Recipe
 
 
@@ -184,3 +186,22 @@ def test_prompts_that_all_end_at_their_first_token_are_a_one_line_error(tmp_path
     err = capsys.readouterr().err
     assert "error: specgraph: every prompt ended at its first token (end of sequence): there is no decoding to " \
            "measure; give other prompts" in err and "Traceback" not in err
+
+
+def test_bench_systems_draw_with_the_recipes_seed_and_count_auto_devices_as_gpus(monkeypatch):
+    """The measured systems decode as `run` does with the recipe's sampling.seed; a stage on
+    `devices: [auto]` is counted as one GPU where one is present."""
+    from specgraph.bench.harness import BenchSpec, _gpus, build_systems
+
+    recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "chain", "length": 3},
+                       sampling={"temperature": 1.0, "seed": 7}, max_new_tokens=8)
+    program = Program.from_recipe(recipe)
+    systems, _ = build_systems(program, BenchSpec(recipe, [], 8, baselines=("ar",)))
+    ids = program.encode("import os\nimport sys\n")
+    for system, alone in zip(systems, (False, True)):
+        reference = program.autoregressive() if alone else program
+        assert system.run(ids, 8).output_ids == reference.generate(ids, 8, seed=7).output_ids
+    assert any(systems[0].run(ids, 8).output_ids != program.generate(ids, 8, seed=s).output_ids for s in range(4))
+    auto = recipe.model_copy(update={"stages": [s.model_copy(update={"devices": ["auto"]}) for s in recipe.stages]})
+    monkeypatch.setattr(sys.modules["specgraph.passes.place"], "present_devices", lambda: ["cpu", "cuda:0"])
+    assert _gpus(SpecGraph.from_recipe(auto)) == "1 GPU"

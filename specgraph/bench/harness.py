@@ -17,6 +17,7 @@ from specgraph.bench.timing import best_seconds
 from specgraph.bench.systems import HFSystem, Run, SpecgraphSystem, hf_mirror
 from specgraph.errors import SpecgraphError
 from specgraph.models.loader import is_hybrid
+from specgraph.passes.place import resolve_device
 from specgraph.program import Program, plan
 from specgraph.recipe import Recipe
 from specgraph.runtime.executor import total_stats
@@ -73,7 +74,7 @@ def build_systems(program, spec: BenchSpec) -> tuple[list, dict[str, str]]:
     graph = program.graph
     target_node = graph.node(graph.target)
     drafter = graph.drafter_of(graph.target)
-    execution = spec.recipe.execution
+    execution, seed = spec.recipe.execution, spec.recipe.sampling.seed
 
     def how(step_graphs: bool) -> str:
         steps = "CUDA graphs per step" if step_graphs else (
@@ -82,21 +83,21 @@ def build_systems(program, spec: BenchSpec) -> tuple[list, dict[str, str]]:
 
     systems = [SpecgraphSystem("specgraph", program.system("specgraph"),
                                f"recipe {spec.recipe.name}, {execution} executor, "
-                               f"{how(target_node['step_graphs'])}, {_gpus(graph)}")]
+                               f"{how(target_node['step_graphs'])}, {_gpus(graph)}", seed)]
     skipped: dict[str, str] = {}
     target_model = program.stages[graph.target].model if graph.target in program.stages else None
     hf_target = None
     for name in spec.baselines:
         if name == "ar":
             systems.append(SpecgraphSystem("ar", program.system("ar"), f"specgraph, target alone, serial, "
-                                           f"{how(target_node['alone_step_graphs'])}, {_gpus(graph, alone=True)}"))
+                                           f"{how(target_node['alone_step_graphs'])}, {_gpus(graph, alone=True)}", seed))
         elif name == "serial":
             if execution == "serial":
                 skipped[name] = "the recipe already runs on the serial executor"
             else:
                 systems.append(SpecgraphSystem("serial", program.system("serial"),
                                                f"the recipe on the serial executor, every stage on the target's devices, "
-                                               f"{_gpus(graph, alone=True)}"))
+                                               f"{_gpus(graph, alone=True)}", seed))
         elif target_node["tp"] > 1:
             skipped[name] = f"transformers baselines run on one device; the target is tensor-parallel over {target_node['tp']}"
         elif target_node["rule"] != "greedy":
@@ -120,7 +121,8 @@ def build_systems(program, spec: BenchSpec) -> tuple[list, dict[str, str]]:
 def _gpus(graph, alone: bool = False) -> str:
     """How many GPUs a system uses: the recipe's (every stage's devices), or the target's alone."""
     names = [graph.target] if alone else graph.stages()
-    gpus = {d for name in names for d in graph.node(name)["spec"].devices if d.startswith("cuda")}
+    listed = {resolve_device(d, "") for name in names for d in graph.node(name)["spec"].devices}  # (auto: a GPU where present)
+    gpus = {d for d in listed if d.type == "cuda"}
     return f"{len(gpus)} GPU{'s' if len(gpus) != 1 else ''}" if gpus else "CPU"
 
 

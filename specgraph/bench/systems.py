@@ -44,13 +44,14 @@ def _sync(device: torch.device) -> None:
 
 
 class SpecgraphSystem:
-    def __init__(self, name: str, executor: Executor, description: str):
-        self.name, self.executor, self.description = name, executor, description
+    def __init__(self, name: str, executor: Executor, description: str, seed: int):
+        """`seed`: every request's (the recipe's sampling.seed)."""
+        self.name, self.executor, self.description, self.seed = name, executor, description, seed
         self.device = executor.device
 
     def run(self, ids: list[int], max_new_tokens: int) -> Run:
         _sync(self.device)
-        gen = self.executor.generate(ids, max_new_tokens)
+        gen = self.executor.generate(ids, max_new_tokens, self.seed)
         _sync(self.device)
         first = min(gen.accepted_lengths[0], len(gen.output_ids)) if gen.accepted_lengths else 0
         return Run(gen.output_ids, gen.seconds, gen.first_token_seconds, first, gen.accepted_lengths,

@@ -200,7 +200,8 @@ def measure_candidates(program: Program, plans: dict[Candidate, SpecGraph], spec
         for number, (candidate, candidate_plan) in enumerate(plans.items(), start=1):
             stages = {name: stage_over(candidate_plan, name, program.stages[name].model)
                       for name in candidate_plan.stages()}
-            system = SpecgraphSystem(str(candidate), make_executor(candidate_plan, stages), f"tree {candidate}")
+            system = SpecgraphSystem(str(candidate), make_executor(candidate_plan, stages), f"tree {candidate}",
+                                     program.recipe.sampling.seed)
             result = measure_system(system, bench, encoded, progress)
             progress.remove_task(progress.task_ids[-1])
             m = Measurement(candidate, result["mean_accepted_length"], result["draft_step_ms"] / 1e3,
