@@ -84,12 +84,13 @@ class _StaticPlan:
         self.fed_depths = self.structure.depths[self.fed]  # [F]
         self.lineage = lineage.to(device)  # [F, F] each fed node's fed ancestors and itself
         self.levels: list[_Level] = []
+        fed_so_far = 0
         for depth in range(topo.max_depth):
             expanding = topo.expanding(depth)
+            fed_so_far += len(expanding) if depth > 0 else 0  # (the root comes from the catch-up)
             rows, ranks, kids = zip(*[(row, rank, kid) for row, u in enumerate(expanding)
                                       for rank, kid in enumerate(topo.children(u))])
             longs = [torch.tensor(x, dtype=torch.long, device=device) for x in (rows, ranks, kids)]
-            fed_so_far = sum(len(topo.expanding(d)) for d in range(1, depth + 1))
             self.levels.append(_Level(torch.tensor(expanding, device=device), fed_so_far, max(ranks) + 1, *longs))
         self.fed_at = torch.tensor([fed_at.get(n, -1) for n in range(len(topo.parents))], device=device)  # [N + 1]
 

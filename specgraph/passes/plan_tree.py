@@ -23,6 +23,7 @@ from specgraph.draft import CATCH_UP
 from specgraph.errors import RecipeError
 from specgraph.graph import SpecGraph
 from specgraph.growing import GrowthPlan
+from specgraph.models.loader import is_hybrid
 from specgraph.passes.base import graph_pass
 from specgraph.recipe import ChainTree, DynamicTree, GrowSpec
 from specgraph.recipe import StaticTree as StaticTreeSpec
@@ -48,6 +49,11 @@ def plan_tree(graph: SpecGraph) -> SpecGraph:
             raise RecipeError(f"{where}: a static tree is drafted anew after each verdict; "
                               "grow a chain or a dynamic tree while the target verifies")
         if growing and isinstance(tree, (ChainTree, DynamicTree)):
+            if is_hybrid(node["config"]):  # (its forwards would need the nodes fed by earlier ones: draft.py)
+                raise RecipeError(f"stages.{node['index']}.model: models.{spec.model} is a hybrid model "
+                                  f"({node['config'].architectures[0]}), which drafts under execution: disaggregated "
+                                  "only a static tree (tree: {shape: static}), drafted anew after each verdict; "
+                                  "chains and dynamic trees grow across verdicts there")
             width, depth, nodes = (1, tree.length, tree.length) if isinstance(tree, ChainTree) else (
                 tree.width, tree.depth, tree.nodes)
             grow = spec.grow or GrowSpec()

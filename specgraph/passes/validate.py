@@ -14,7 +14,7 @@ from specgraph.errors import CheckpointError, RecipeError
 from specgraph.graph import SpecGraph
 from specgraph.models.loader import is_hybrid, read_config, tokenizer_fingerprint
 from specgraph.passes.base import graph_pass
-from specgraph.recipe import ChainTree, DynamicTree, StaticTree
+from specgraph.recipe import ChainTree, DynamicTree
 
 
 @graph_pass(provides=("config", "tokenizer", "eos_ids", "rule"))
@@ -57,15 +57,12 @@ def validate(graph: SpecGraph) -> SpecGraph:
 
 
 def _check_hybrid_drafter(execution: str, spec, index: int, architecture: str) -> None:
-    """A hybrid drafts a tree anew each step (its recurrent state follows the committed tokens only):
-    with serial execution, or a static tree under disaggregated execution, where chains and dynamic
-    trees grow across verdicts; a pipeline's stages below the last verify windows they keep."""
-    where = f"stages.{index}.model: models.{spec.model} is a hybrid model ({architecture}), which"
+    """A hybrid drafts a tree anew each step (its recurrent state follows the committed tokens only),
+    so not below the last stage of a pipeline, whose stages verify windows they keep (plan_tree
+    refuses it a tree that grows across verdicts)."""
     if execution == "pipeline":
-        raise RecipeError(f"{where} runs in a pipeline only as the last stage; use a Llama-family model below it")
-    if execution == "disaggregated" and not isinstance(spec.tree, StaticTree):
-        raise RecipeError(f"{where} drafts under execution: disaggregated only a static tree (tree: {{shape: static}}), "
-                          "drafted anew after each verdict; chains and dynamic trees grow across verdicts there")
+        raise RecipeError(f"stages.{index}.model: models.{spec.model} is a hybrid model ({architecture}), which runs "
+                          "in a pipeline only as the last stage; use a Llama-family model below it")
 
 
 def _check_pipeline(graph: SpecGraph) -> None:
