@@ -155,6 +155,10 @@ class LoweringSpec(_Strict):
     kernels: KernelKind | dict[str, KernelKind] = Field(
         "auto", description="fused-op implementations: auto (Triton where it pays on a GPU), reference (plain PyTorch), "
         "triton; or one per op, e.g. {gated_delta_step: reference} (ops not named: auto)")
+    row_invariant: bool = Field(
+        False, description="the target's projections and attention give each token the same bits in a tree step as "
+        "in a one-token step (Triton kernels of fixed tiling), so greedy speculation in bf16 on a GPU reproduces the "
+        "target's own greedy output exactly; Llama-family targets on one or two devices")
 
     @field_validator("kernels")
     @classmethod

@@ -44,3 +44,25 @@ def test_triton_kernels_sample_the_reference_tokens():
     result = fused.generate(ids, seed=3)
     assert result.output_ids == reference.generate(ids, seed=3).output_ids
     assert max(result.accepted_lengths) > 1
+
+
+def test_row_invariant_kernels_decode_the_reference_tokens():
+    """lowering.row_invariant: the target projects (logits head included), gates and attends with
+    the row-invariant kernels; greedy tokens are the reference program's."""
+    from specgraph.kernels.attention.invariant import attention_invariant
+    from specgraph.kernels.linear.invariant import linear_invariant
+
+    def program(lowering: dict) -> Program:
+        recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "static", "branching": [2, 1]},
+                           max_new_tokens=8, lowering=lowering)
+        return Program.from_recipe(recipe)
+
+    invariant, reference = program({"kernels": "triton", "row_invariant": True}), program({"kernels": "reference"})
+    target = invariant.stages["target"].model
+    assert target.layers[0].self_attn.kernels.attention is attention_invariant
+    assert target.kernels.linear is linear_invariant
+    assert invariant.stages["draft"].model.kernels.linear is not linear_invariant  # the drafter keeps its kernels
+    ids = invariant.encode("def parse(path):\n    with open(path) as f:\n")
+    result = invariant.generate(ids)
+    assert result.output_ids == reference.generate(ids).output_ids
+    assert max(result.accepted_lengths) > 1

@@ -7,13 +7,15 @@ import sys
 
 import pytest
 import torch
-from conftest import EMBEDDED, REPO, SHARED
+from conftest import EMBEDDED, NEW_TOKENS, REPO, SHARED
+from conftest import PROMPTS as HELD_OUT
 from helpers import sampled_law, total_variation, two_stage, two_token_law
 
 from specgraph.export import export_program
 from specgraph.program import Program
 from specgraph.recipe import Recipe
 from specgraph.runtime.clock import Clock
+from specgraph.runtime.stage import step_mask
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -221,6 +223,55 @@ def test_a_hybrid_drafter_captured_on_the_gpu_equals_transformers(small_hybrid, 
         assert program.generate(ids).output_ids == expected
     assert set(program.executor._graphs) == {"draft", "verify"}
     assert step_without_host_sync(program.executor) >= 1
+
+
+def test_row_invariant_kernels_give_a_token_the_same_bits_in_any_step_in_bf16():
+    """bf16: every row of the row-invariant projection and SwiGLU at 2-128 rows (K split or not) is,
+    bit for bit, the row projected alone, as is every row of add + RMSNorm; every node of a 21-node
+    tree's attention over a 700-token prefix is the node decoded alone with its path committed."""
+    from test_invariant_kernels import path_alone
+    from test_kernels import random_tree
+
+    from specgraph.kernels.attention.invariant import attention_invariant
+    from specgraph.kernels.linear.invariant import linear_invariant
+    from specgraph.kernels.norm.triton import add_rmsnorm
+    from specgraph.kernels.swiglu.invariant import swiglu_invariant
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16, generator=g)
+    for n, k in [(1536, 1024), (1024, 8192)]:
+        weight, bias = torch.randn(n, k, **bf16) / k ** 0.5, torch.randn(n, **bf16)
+        for rows in (2, 21, 128):
+            x = torch.randn(rows, k, **bf16)
+            for op, b in [(linear_invariant, bias), (linear_invariant, None), (swiglu_invariant, None)]:
+                whole = op(x, weight, b)
+                assert all(torch.equal(whole[i], op(x[i], weight, b)) for i in range(rows)), (op, n, k, rows)
+    x, delta, w = torch.randn(21, 4096, **bf16), torch.randn(21, 4096, **bf16), torch.randn(4096, **bf16)
+    total, normed = add_rmsnorm(x, delta, w, 1e-5)
+    for i in range(21):
+        one = add_rmsnorm(x[i : i + 1], delta[i : i + 1], w, 1e-5)
+        assert torch.equal(one[0][0], total[i]) and torch.equal(one[1][0], normed[i])
+    t, prefix, width = 21, 700, 1024
+    q = torch.randn(1, 32, t, 128, **bf16)
+    k, v = torch.randn(1, 8, width, 128, **bf16), torch.randn(1, 8, width, 128, **bf16)
+    mask = step_mask(torch.tensor(prefix, device="cuda"), random_tree(t, torch.Generator().manual_seed(1)).ancestors.cuda(),
+                     width)
+    tree = attention_invariant(q, k, v, mask, prefix + torch.arange(t, device="cuda"))
+    for node in range(t):
+        assert torch.equal(tree[:, :, node], path_alone(k, v, q, mask, prefix, node)), node
+
+
+@pytest.mark.parametrize("tree", [{"shape": "chain", "length": 4}, {"shape": "static", "branching": [3, 2, 1]},
+                                  {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 12}],
+                         ids=["chain", "static", "dynamic"])
+def test_row_invariant_speculation_in_bf16_decodes_the_autoregressive_tokens(tree, code_prompts):
+    """bf16, lowering.row_invariant, steps captured and layers compiled: on 16 code prompts x 128
+    tokens the recipe's greedy tokens are the target's own one-token-at-a-time greedy tokens."""
+    program = on_gpu(tree, dtype="bfloat16", max_new_tokens=NEW_TOKENS, lowering={"row_invariant": True})
+    alone = program.autoregressive()
+    for prompt in code_prompts[:HELD_OUT]:
+        ids = program.encode(prompt["prompt"])
+        assert program.generate(ids).output_ids == alone.generate(ids, NEW_TOKENS).output_ids, prompt["id"]
 
 
 def disaggregated_on(draft_device: str, target_device: str, tree: dict, **fields) -> Program:

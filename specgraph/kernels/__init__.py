@@ -1,5 +1,7 @@
 """Kernels: each op has reference.py (plain PyTorch, the definition) and triton.py (the fast path)
-with the same signature. `Kernels` is one choice per op, made by the select_kernels pass."""
+with the same signature; linear, swiglu and attention also have invariant.py (Triton, each token's
+row the same bits whatever the step's token count). `Kernels` is one choice per op, made by the
+select_kernels pass."""
 
 from __future__ import annotations
 
@@ -23,6 +25,11 @@ TRITON = {"attention": ("attention", "attention"), "rope_write": ("rope", "rope_
           "accept_greedy": ("accept", "accept_greedy"), "accept_sampling": ("accept", "accept_sampling"),
           "gated_delta_step": ("gated_delta", "gated_delta_step"), "gated_delta_commit": ("gated_delta", "gated_delta_commit")}
 
+# what a row-invariant stage runs: `{op}_invariant` from invariant.py where the Triton kernel's
+# arithmetic depends on the row count; the Triton kernel where it does not (one program per row or element)
+ROW_INVARIANT = {"linear": "invariant", "swiglu": "invariant", "attention": "invariant",
+                 "add_rmsnorm": "triton", "rope_write": "triton"}
+
 
 @dataclass(frozen=True)
 class Kernels:
@@ -39,10 +46,11 @@ class Kernels:
 
     @classmethod
     def select(cls, choice: dict[str, str]) -> Kernels:
-        """choice: op -> "triton" or "reference" (Triton modules are imported only when chosen)."""
+        """choice: op -> "triton", "invariant" or "reference" (Triton modules are imported only when chosen)."""
         fast = {}
         for op, kind in choice.items():
-            if kind == "triton":
+            if kind in ("triton", "invariant"):
                 module, name = TRITON[op]
-                fast[op] = getattr(importlib.import_module(f"specgraph.kernels.{module}.triton"), name)
+                name = name if kind == "triton" else f"{op}_invariant"
+                fast[op] = getattr(importlib.import_module(f"specgraph.kernels.{module}.{kind}"), name)
         return cls(**fast)

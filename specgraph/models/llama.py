@@ -210,7 +210,7 @@ class DecoderModel(nn.Module):
     def logits(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """The last layer's residual x and MLP output delta [B, T, hidden] -> logits [B, T, V] in fp32, V = served_vocab."""
         _, h = self.kernels.add_rmsnorm(x, delta, self.norm.weight, self.norm.eps)
-        return self.lm_head(h)[..., : self.served_vocab].float()
+        return self.kernels.linear(h, self.lm_head.weight, None)[..., : self.served_vocab].float()
 
 
 class LlamaModel(DecoderModel):

@@ -1,7 +1,7 @@
 """select_kernels: choose the implementation of each fused op per stage.
 
 Before: stages carry `device`.
-After:  + `kernels` {op: "triton" | "reference"} for attention, rope_write, linear, add_rmsnorm,
+After:  + `kernels` {op: "triton" | "invariant" | "reference"} for attention, rope_write, linear, add_rmsnorm,
         swiglu, kv_move, accept_greedy, accept_sampling, gated_delta_step and gated_delta_commit.
         `lowering.kernels`: "reference" or "triton" force one kind everywhere (Triton on the CPU
         runs only under TRITON_INTERPRET=1, for tests), or per op where it maps ops to kinds; "auto"
@@ -11,13 +11,14 @@ After:  + `kernels` {op: "triton" | "reference"} for attention, rope_write, line
         only silu(gate) * up, gated_delta_step does a whole gated-DeltaNet layer step in two kernels
         where PyTorch takes dozens (faster up to 64 nodes; at 128, PyTorch's closed form is: run 43), and our add_rmsnorm beats Inductor's inside compiled layers too
         (docs/benchmarks.md; on Hopper our kernels also launch dependently) — and the references
-        on the CPU.
+        on the CPU. `lowering.row_invariant` gives the target the kernels of ROW_INVARIANT (linear, swiglu
+        and attention from kernels/*/invariant.py; Triton, so on a GPU or TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
 
 from specgraph.graph import SpecGraph
-from specgraph.kernels import TRITON
+from specgraph.kernels import ROW_INVARIANT, TRITON
 from specgraph.passes.base import graph_pass
 
 
@@ -29,4 +30,6 @@ def select_kernels(graph: SpecGraph) -> SpecGraph:
         node = graph.node(name)
         auto = "triton" if node["device"].type == "cuda" else "reference"
         node["kernels"] = {op: auto if per_op.get(op, "auto") == "auto" else per_op[op] for op in TRITON}
+        if graph.recipe.lowering.row_invariant and name == graph.target:
+            node["kernels"].update(ROW_INVARIANT)
     return graph

@@ -79,11 +79,18 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
                            HAS_BIAS=bias is not None, BLOCK_K=min(1024, triton.next_power_of_2(k)),
                            **launch(x.device))
         return out.view(*x.shape[:-1], i)
-    rows = F.linear(x, weight, bias).reshape(-1, n)  # [tokens, 2I]: gate, up
-    out = torch.empty(rows.shape[0], i, dtype=x.dtype, device=x.device)
+    return silu_mul_rows(F.linear(x, weight, bias))
+
+
+def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] (a projection: gate, then up) -> silu(gate) * up [..., I], one elementwise pass."""
+    n = gate_up.shape[-1]
+    i = n // 2
+    rows = gate_up.reshape(-1, n)  # [tokens, 2I]
+    out = torch.empty(rows.shape[0], i, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(i))
-    _swiglu[(rows.shape[0], triton.cdiv(i, block))](rows, out, i, BLOCK=block, **launch(x.device))
-    return out.view(*x.shape[:-1], i)
+    _swiglu[(rows.shape[0], triton.cdiv(i, block))](rows, out, i, BLOCK=block, **launch(gate_up.device))
+    return out.view(*gate_up.shape[:-1], i)
 
 
 @swiglu.register_fake
