@@ -20,6 +20,7 @@ from specgraph.models.llama import hf_state
 from specgraph.models.loader import load_model
 from specgraph.recipe import Recipe
 from specgraph.runtime.stage import Stage
+from specgraph.tree import Tree
 
 
 # A prompt longer than an exported package's 64-token step (91 tokens for the embedded pair): a
@@ -241,3 +242,24 @@ def fault_ends_the_run(program, pid: int, sig: int, error: str) -> None:
         raise AssertionError("the request did not fail")
     assert time.monotonic() - start < 15
     assert gone(pids)
+
+
+def random_tree(t: int, generator: torch.Generator) -> Tree:
+    parents = [-1] + [int(torch.randint(0, i, (), generator=generator)) for i in range(1, t)]
+    return Tree(torch.zeros(t, dtype=torch.long), torch.tensor(parents))
+
+
+def path_alone(k, v, q, mask, prefix: int, node: int):
+    """Node `node` of a tree step at slots [prefix, prefix + T) decoded alone: its ancestors' K/V
+    copied to slots prefix, prefix + 1, ... (committed, at their positions), the node last."""
+    from specgraph.kernels.attention.invariant import attention_invariant  # a Triton module: imported when used
+
+    path = mask[node, prefix:].nonzero().flatten().tolist()
+    k2, v2 = k.clone(), v.clone()
+    for depth, i in enumerate(path):
+        k2[:, :, prefix + depth], v2[:, :, prefix + depth] = k[:, :, prefix + i], v[:, :, prefix + i]
+    p = prefix + len(path) - 1
+    alone = torch.zeros(1, mask.shape[1], dtype=torch.bool, device=k.device)
+    alone[0, : p + 1] = True
+    slot = torch.tensor([p], device=k.device)
+    return attention_invariant(q[:, :, node : node + 1].contiguous(), k2, v2, alone, slot)[:, :, 0]

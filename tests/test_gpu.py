@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import EMBEDDED, NEW_TOKENS, REPO, SHARED
 from conftest import PROMPTS as HELD_OUT
-from helpers import sampled_law, total_variation, two_stage, two_token_law
+from helpers import path_alone, random_tree, sampled_law, total_variation, two_stage, two_token_law
 
 from specgraph.export import export_program
 from specgraph.program import Program
@@ -229,9 +229,6 @@ def test_row_invariant_kernels_give_a_token_the_same_bits_in_any_step_in_bf16():
     """bf16: every row of the row-invariant projection and SwiGLU at 2-128 rows (K split or not) is,
     bit for bit, the row projected alone, as is every row of add + RMSNorm; every node of a 21-node
     tree's attention over a 700-token prefix is the node decoded alone with its path committed."""
-    from test_invariant_kernels import path_alone
-    from test_kernels import random_tree
-
     from specgraph.kernels.attention.invariant import attention_invariant
     from specgraph.kernels.linear.invariant import linear_invariant
     from specgraph.kernels.norm.triton import add_rmsnorm

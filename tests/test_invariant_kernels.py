@@ -5,7 +5,7 @@ committed at its positions. (On a GPU in bf16: tests/test_gpu.py.)"""
 
 import pytest
 import torch
-from test_kernels import random_tree
+from helpers import path_alone, random_tree
 
 from specgraph.kernels.attention import attention_reference
 from specgraph.kernels.attention.invariant import attention_invariant
@@ -34,20 +34,6 @@ def test_invariant_projection_matches_reference_and_each_row_its_bits_alone(op, 
     assert all(torch.equal(got[i], op(x[i], weight, b)) for i in range(rows))
     if k == 4200:
         assert tiling(n, k, 4)[2] > 1
-
-
-def path_alone(k, v, q, mask, prefix: int, node: int):
-    """Node `node` of a tree step at slots [prefix, prefix + T) decoded alone: its ancestors' K/V
-    copied to slots prefix, prefix + 1, ... (committed, at their positions), the node last."""
-    path = mask[node, prefix:].nonzero().flatten().tolist()
-    k2, v2 = k.clone(), v.clone()
-    for depth, i in enumerate(path):
-        k2[:, :, prefix + depth], v2[:, :, prefix + depth] = k[:, :, prefix + i], v[:, :, prefix + i]
-    p = prefix + len(path) - 1
-    alone = torch.zeros(1, mask.shape[1], dtype=torch.bool, device=k.device)
-    alone[0, : p + 1] = True
-    slot = torch.tensor([p], device=k.device)
-    return attention_invariant(q[:, :, node : node + 1].contiguous(), k2, v2, alone, slot)[:, :, 0]
 
 
 @pytest.mark.parametrize("b, h, hkv, t, d, prefix, width", [

@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import REPO
+from helpers import random_tree
 
 from specgraph.kernels.accept import accept_greedy_reference, accept_sampling_reference
 from specgraph.kernels.accept.triton import accept_greedy, accept_sampling
@@ -37,11 +38,6 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 def close(got: torch.Tensor, expected: torch.Tensor) -> bool:
     scale = expected.float().abs().clamp(min=1.0)
     return got.dtype == expected.dtype and bool(((got.float() - expected.float()).abs() <= TOL[got.dtype] * scale).all())
-
-
-def random_tree(t: int, generator: torch.Generator) -> Tree:
-    parents = [-1] + [int(torch.randint(0, i, (), generator=generator)) for i in range(1, t)]
-    return Tree(torch.zeros(t, dtype=torch.long), torch.tensor(parents))
 
 
 @pytest.mark.parametrize("b, h, hkv, t, d, prefix, width, dtype", [

@@ -202,6 +202,9 @@ def test_bad_checkpoints_are_refused(tmp_path):
      "stages.0.tree: a hybrid target verifies at most 128 tokens per step; this tree and its root are 161"),
     ({"models.draft.path": "HYBRID", "models.target.path": "HYBRID", "stages.0.tree": {"shape": "static", "branching": [4, 3, 3, 3]}},
      "stages.0.tree: a hybrid drafter feeds at most 128 tokens per step; this tree and its catch-up are 162"),
+    ({"models.target.path": "HYBRID", "lowering.row_invariant": True},
+     "lowering.row_invariant: the target (stage 1, Qwen3_5ForCausalLM) has a gated-DeltaNet tree step, which no "
+     "row-invariant kernel covers yet; it covers Llama, Mistral and Qwen2 targets"),
 ])
 def test_where_a_hybrid_model_may_run(change, expected):
     data = two_stage(TARGET, DRAFT).model_dump(mode="json")
@@ -228,6 +231,9 @@ def test_where_a_hybrid_model_may_run(change, expected):
     ({"stages.1.tree": {"shape": "chain", "length": 2}}, "stages.1.tree: the last stage drafts for no one"),
     ({"stages.0.tree": {"shape": "dynamic", "width": 2, "depth": 2, "nodes": 7}}, "stages.0.tree.nodes: 7 exceeds the 6 nodes"),
     ({"max_seq_len": 5000}, "max_seq_len: 5000 exceeds models.draft's max_position_embeddings 4096"),
+    ({"lowering.row_invariant": True, "stages.1.devices": ["cpu", "cpu", "cpu"], "stages.0.devices": ["cpu", "cpu", "cpu"]},
+     "lowering.row_invariant: stages.1.devices: a sum over more than two tensor-parallel ranks depends on their order; "
+     "give the target one or two devices"),
 ])
 def test_impossible_plans_are_refused(change, expected):
     data = two_stage(TARGET, DRAFT).model_dump(mode="json")
@@ -257,3 +263,17 @@ def test_select_kernels_picks_triton_where_it_pays():
     assert set(reference.node("target")["kernels"].values()) == {"reference"}
     forced = run_pipeline(graph(lowering={"kernels": "triton"}))
     assert set(forced.node("draft")["kernels"].values()) == {"triton"}
+    invariant = run_pipeline(graph(lowering={"row_invariant": True}))  # the target's row-invariant kernels, on any device
+    assert invariant.node("target")["kernels"] == {**cpu.node("target")["kernels"], "linear": "invariant",
+                                                   "swiglu": "invariant", "attention": "invariant",
+                                                   "add_rmsnorm": "triton", "rope_write": "triton"}
+    assert invariant.node("draft")["kernels"] == cpu.node("draft")["kernels"]
+
+
+def test_triton_kernels_on_the_cpu_outside_the_interpreter_are_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RecipeError, match=r"lowering.row_invariant: stage 1 \(target\) is on the CPU, where Triton "
+                                          "kernels run only under TRITON_INTERPRET=1"):
+        run_pipeline(graph(lowering={"row_invariant": True}))
+    with pytest.raises(RecipeError, match=r"lowering.kernels: stage 0 \(draft\) is on the CPU"):
+        run_pipeline(graph(lowering={"kernels": {"attention": "triton"}}))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import EMBEDDED, REPO, shared_models
-from helpers import fault_ends_the_run, sampled_law, splittable_recipe, total_variation, two_token_law
+from helpers import PROMPT, fault_ends_the_run, sampled_law, splittable_recipe, total_variation, two_token_law
 from safetensors.torch import load_file, save_file
 
 from specgraph.bench.pipespec import stage_table, steady_state
@@ -70,6 +70,16 @@ def test_greedy_output_equals_the_last_stage_alone(name, request):
     assert table["s0"]["proposed"] > 0 and table["s0"]["rolled_back"] > 0  # the drafter was rolled back
     last = table[f"s{len(models) - 1}"]
     assert last["verified"] >= last["accepted"] > 0 and last["rolled_back"] == 0  # nothing rolls the last stage back
+
+
+def test_a_row_invariant_last_stage_decodes_the_last_stage_alone():
+    """lowering.row_invariant: the last stage verifies windows with the invariant kernels
+    (interpreted; a short prompt): the last stage's own greedy tokens (ar, reference kernels)."""
+    recipe = pipeline(["draft", "target"], max_new_tokens=12, lowering={"kernels": "reference", "row_invariant": True})
+    alone = Program.from_recipe(pipeline(["draft", "target"], max_new_tokens=12, execution="serial"))
+    ids = alone.encode(PROMPT)
+    with Program.from_recipe(recipe) as program:
+        assert program.generate(ids).output_ids == alone.autoregressive().generate(ids, 12).output_ids
 
 
 def test_tensor_parallel_stages_follow_their_leaders(tmp_path, target_reference):

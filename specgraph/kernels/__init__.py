@@ -6,6 +6,7 @@ select_kernels pass."""
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,6 +30,11 @@ TRITON = {"attention": ("attention", "attention"), "rope_write": ("rope", "rope_
 # arithmetic depends on the row count; the Triton kernel where it does not (one program per row or element)
 ROW_INVARIANT = {"linear": "invariant", "swiglu": "invariant", "attention": "invariant",
                  "add_rmsnorm": "triton", "rope_write": "triton"}
+
+
+def interpreted() -> bool:
+    """Whether Triton kernels run in its interpreter (TRITON_INTERPRET=1, set before any kernel module is imported)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,14 @@ import os
 
 import torch
 
+from specgraph.kernels import interpreted
+
 ENABLED = os.environ.get("SPECGRAPH_PDL", "1") != "0"  # SPECGRAPH_PDL=0 launches plainly (for comparisons)
 
 
 @functools.cache
 def _supported(index: int) -> bool:
-    return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(index)[0] >= 9
+    return not interpreted() and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl(device: torch.device) -> bool:

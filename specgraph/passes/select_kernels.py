@@ -17,8 +17,9 @@ After:  + `kernels` {op: "triton" | "invariant" | "reference"} for attention, ro
 
 from __future__ import annotations
 
+from specgraph.errors import RecipeError
 from specgraph.graph import SpecGraph
-from specgraph.kernels import ROW_INVARIANT, TRITON
+from specgraph.kernels import ROW_INVARIANT, TRITON, interpreted
 from specgraph.passes.base import graph_pass
 
 
@@ -32,4 +33,8 @@ def select_kernels(graph: SpecGraph) -> SpecGraph:
         node["kernels"] = {op: auto if per_op.get(op, "auto") == "auto" else per_op[op] for op in TRITON}
         if graph.recipe.lowering.row_invariant and name == graph.target:
             node["kernels"].update(ROW_INVARIANT)
+        if node["device"].type == "cpu" and set(node["kernels"].values()) != {"reference"} and not interpreted():
+            asked = "row_invariant" if graph.recipe.lowering.row_invariant and name == graph.target else "kernels"
+            raise RecipeError(f"lowering.{asked}: stage {node['index']} ({name}) is on the CPU, where Triton kernels "
+                              "run only under TRITON_INTERPRET=1 (slowly, for tests); use them on a GPU")
     return graph

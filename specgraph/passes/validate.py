@@ -65,8 +65,8 @@ def _check_row_invariant(node: dict) -> None:
     index, architecture = node["index"], node["config"].architectures[0]
     if is_hybrid(node["config"]) or architecture == "Qwen3ForCausalLM":
         what = "a gated-DeltaNet tree step" if is_hybrid(node["config"]) else "per-head q/k norms"
-        raise RecipeError(f"lowering.row_invariant: the target (stage {index}, {architecture}) has {what}, which "
-                          "have no row-invariant kernel yet; it covers Llama, Mistral and Qwen2 targets")
+        raise RecipeError(f"lowering.row_invariant: the target (stage {index}, {architecture}) has {what}, which no "
+                          "row-invariant kernel covers yet; it covers Llama, Mistral and Qwen2 targets")
     if len(node["spec"].devices) > 2:
         raise RecipeError(f"lowering.row_invariant: stages.{index}.devices: a sum over more than two tensor-parallel "
                           "ranks depends on their order; give the target one or two devices")
