@@ -143,6 +143,9 @@ def export_program(program, out: Path) -> dict:
     up-to-date folder. The folder is then all `run --program` needs, from any working folder."""
     out = Path(out)
     recipe = program.recipe
+    if recipe.lowering.row_invariant:
+        raise SpecgraphError("lowering.row_invariant: an exported program runs AOTInductor's code for plain PyTorch "
+                             "ops, whose rows are not invariant; run the recipe itself (specgraph run RECIPE)")
     key = program_key(recipe)
     old = check_program_folder(out)
     if old is not None:

@@ -110,3 +110,11 @@ def test_compile_never_overwrites_what_is_not_a_program(tmp_path, capsys):
     afile.write_text("x")
     assert main(["compile", str(DEMO), "-o", str(afile)]) == 2
     assert f"-o: {afile} is a file; give a folder" in capsys.readouterr().err
+
+
+def test_a_row_invariant_recipe_is_not_exported(tmp_path, capsys):
+    assert main(["compile", str(DEMO), "-o", str(tmp_path / "p"), *SMALL, "--set", "lowering.row_invariant=true"]) == 2
+    assert capsys.readouterr().err.strip().endswith("lowering.row_invariant: an exported program runs AOTInductor's "
+                                                    "code for plain PyTorch ops, whose rows are not invariant; run the "
+                                                    "recipe itself (specgraph run RECIPE)")
+    assert not (tmp_path / "p").exists()
