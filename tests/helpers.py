@@ -263,3 +263,22 @@ def path_alone(k, v, q, mask, prefix: int, node: int):
     alone[0, : p + 1] = True
     slot = torch.tensor([p], device=k.device)
     return attention_invariant(q[:, :, node : node + 1].contiguous(), k2, v2, alone, slot)[:, :, 0]
+
+
+def one_token_steps(args: tuple, steps: tuple, path: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The tokens of `path` (nodes of the step `args`) decoded one at a time, each step committed:
+    their outputs [B, H, dv], and the state and conv window after the last."""
+    from specgraph.kernels.gated_delta.invariant import gated_delta_commit_invariant, gated_delta_step_invariant
+    from specgraph.models.hybrid import conv_windows
+
+    inputs, write, decay_input, conv, conv_weight, a_log, dt_bias, _, _, state = args
+    state, conv = state[None].clone(), conv[None].clone()  # one layer
+    alone = torch.ones(1, 1, dtype=torch.bool, device=inputs.device)
+    outs = []
+    for node in path:
+        token = (x[:, node : node + 1] for x in (inputs, write, decay_input))
+        outs.append(gated_delta_step_invariant(*token, conv[0], conv_weight, a_log, dt_bias,
+                                               conv_windows(alone, conv_weight.shape[-1]), alone, state[0], *steps)[:, 0])
+        gated_delta_commit_invariant(state, conv, *(x[None] for x in steps), inputs[None, :, node : node + 1].contiguous(),
+                                     torch.tensor([0], device=inputs.device))
+    return outs, state[0], conv[0]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import EMBEDDED, NEW_TOKENS, REPO, SHARED
 from conftest import PROMPTS as HELD_OUT
-from helpers import path_alone, random_tree, sampled_law, total_variation, two_stage, two_token_law
+from helpers import one_token_steps, path_alone, random_tree, sampled_law, total_variation, two_stage, two_token_law
 
 from specgraph.export import export_program
 from specgraph.program import Program
@@ -227,11 +227,15 @@ def test_a_hybrid_drafter_captured_on_the_gpu_equals_transformers(small_hybrid, 
 
 def test_row_invariant_kernels_give_a_token_the_same_bits_in_any_step_in_bf16():
     """bf16: every row of the row-invariant projection and SwiGLU at 2-128 rows (K split or not) is,
-    bit for bit, the row projected alone, as is every row of add + RMSNorm; every node of a 21-node
-    tree's attention over a 700-token prefix is the node decoded alone with its path committed."""
+    bit for bit, the row projected alone, as is every row of add + RMSNorm and of the per-head
+    RMSNorm; every node of a 21-node tree's attention over a 700-token prefix is the node decoded
+    alone with its path committed; every node of a gated-DeltaNet step (Qwen3.5-9B and 27B layer
+    shapes) is the node decoded by one-token steps along its path, and committing a path leaves
+    their state and conv window."""
     from specgraph.kernels.attention.invariant import attention_invariant
+    from specgraph.kernels.gated_delta.invariant import gated_delta_commit_invariant, gated_delta_step_invariant
     from specgraph.kernels.linear.invariant import linear_invariant
-    from specgraph.kernels.norm.triton import add_rmsnorm
+    from specgraph.kernels.norm.triton import add_rmsnorm, rmsnorm
     from specgraph.kernels.swiglu.invariant import swiglu_invariant
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -256,15 +260,42 @@ def test_row_invariant_kernels_give_a_token_the_same_bits_in_any_step_in_bf16():
     tree = attention_invariant(q, k, v, mask, prefix + torch.arange(t, device="cuda"))
     for node in range(t):
         assert torch.equal(tree[:, :, node], path_alone(k, v, q, mask, prefix, node)), node
+    heads = rmsnorm(q.transpose(1, 2), w[:128], 1e-6)  # [1, T, 32, 128]: the per-head norms
+    assert all(torch.equal(heads[0, i], rmsnorm(q.transpose(1, 2)[0, i], w[:128], 1e-6)) for i in range(t))
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_gated_delta import layer_inputs
+
+    from specgraph.bench.widen import QWEN35_REAL
+    from specgraph.tree import Tree
+    cpu = torch.Generator().manual_seed(2)
+    for shape in QWEN35_REAL.values():
+        tree = Tree.random(t, 6, cpu)
+        args, steps = layer_inputs(shape, t, tree, cpu, torch.device("cuda"), torch.bfloat16, 1, 2 * t)
+        args = (args[0].contiguous(), *args[1:])
+        got = gated_delta_step_invariant(*args, *steps)
+        deepest = int(tree.depths.argmax())
+        for node in range(t):
+            path = tree.ancestors[node].nonzero().flatten().tolist()
+            outs, state, conv = one_token_steps(args, tuple(x.clone() for x in steps), path)
+            assert torch.equal(got[:, node], outs[-1]), node
+            if node == deepest:
+                committed, window = args[9][None].clone(), args[3][None].clone()
+                gated_delta_commit_invariant(committed, window, *(x[None] for x in steps), args[0][None].contiguous(),
+                                             torch.tensor(path, device="cuda"))
+                assert torch.equal(committed[0], state) and torch.equal(window[0], conv)
 
 
+@pytest.mark.parametrize("target", ["target", "hybrid"])
 @pytest.mark.parametrize("tree", [{"shape": "chain", "length": 4}, {"shape": "static", "branching": [3, 2, 1]},
                                   {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 12}],
                          ids=["chain", "static", "dynamic"])
-def test_row_invariant_speculation_in_bf16_decodes_the_autoregressive_tokens(tree, code_prompts):
-    """bf16, lowering.row_invariant, steps captured and layers compiled: on 16 code prompts x 128
-    tokens the recipe's greedy tokens are the target's own one-token-at-a-time greedy tokens."""
-    program = on_gpu(tree, dtype="bfloat16", max_new_tokens=NEW_TOKENS, lowering={"row_invariant": True})
+def test_row_invariant_speculation_in_bf16_decodes_the_autoregressive_tokens(tree, target, code_prompts):
+    """bf16, lowering.row_invariant, steps captured and layers compiled, a Llama or a Qwen3.5 hybrid
+    target: on 16 code prompts x 128 tokens the recipe's greedy tokens are the target's own
+    one-token-at-a-time greedy tokens."""
+    checkpoint = EMBEDDED / "target" if target == "target" else shared_fixture("hybrid")
+    program = on_gpu(tree, checkpoint, dtype="bfloat16", max_new_tokens=NEW_TOKENS, lowering={"row_invariant": True})
     alone = program.autoregressive()
     for prompt in code_prompts[:HELD_OUT]:
         ids = program.encode(prompt["prompt"])

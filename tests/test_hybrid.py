@@ -148,17 +148,24 @@ def test_a_hybrid_drafter_grows_its_own_models_trees_after_any_verdicts(small_hy
             buffer[: len(committed)] = torch.tensor(committed)
 
 
-def test_fused_gated_delta_kernels_decode_the_tokens_of_transformers(hybrid, code_prompts):
-    """The Triton gated-DeltaNet step and commit, chosen per op (the other ops stay the references;
-    interpreted on the CPU, hence one short prompt): a tree recipe's greedy tokens are transformers'."""
-    from specgraph.kernels.gated_delta.triton import gated_delta_commit, gated_delta_step
-    fused = {"gated_delta_step": "triton", "gated_delta_commit": "triton"}
+@pytest.mark.parametrize("lowering, chars, tokens", [
+    ({"kernels": {"gated_delta_step": "triton", "gated_delta_commit": "triton"}}, 160, 16),
+    ({"kernels": "reference", "row_invariant": True}, 80, 8),  # more kernels interpreted: shorter
+], ids=["closed-form", "row-invariant"])
+def test_fused_gated_delta_kernels_decode_the_tokens_of_transformers(hybrid, code_prompts, lowering, chars, tokens):
+    """The Triton gated-DeltaNet step and commit — the closed form chosen per op, or with
+    lowering.row_invariant the target's node-by-node walk, its per-head norms, projections and
+    attention (the other ops stay the references; interpreted on the CPU, hence one short prompt):
+    a tree recipe's greedy tokens are transformers'."""
+    from specgraph.kernels.gated_delta import invariant, triton
+    module = invariant if lowering.get("row_invariant") else triton
+    suffix = "_invariant" if lowering.get("row_invariant") else ""
     program = Program.from_recipe(two_stage(hybrid, EMBEDDED / "draft", {"shape": "static", "branching": [3, 2, 1, 1]},
-                                            max_new_tokens=16, lowering={"kernels": fused}))
+                                            max_new_tokens=tokens, lowering=lowering))
     target = program.stages["target"]
-    assert target.cache.kernels.gated_delta_commit is gated_delta_commit
-    assert target.model.layers[0].linear_attn.kernels.gated_delta_step is gated_delta_step
-    [(ids, expected)] = hf_greedy(hybrid, [{"prompt": code_prompts[0]["prompt"][:160]}], 16)
+    assert target.cache.kernels.gated_delta_commit is getattr(module, f"gated_delta_commit{suffix}")
+    assert target.model.layers[0].linear_attn.kernels.gated_delta_step is getattr(module, f"gated_delta_step{suffix}")
+    [(ids, expected)] = hf_greedy(hybrid, [{"prompt": code_prompts[0]["prompt"][:chars]}], tokens)
     generation = program.generate(ids)
     assert generation.output_ids == expected and max(generation.accepted_lengths) > 1
 

@@ -1,26 +1,52 @@
 """The row-invariant kernels (kernels/*/invariant.py; the Triton interpreter on the CPU, fp32):
 their results are the references', and a token's row has the bits it has when the token is alone
 in its step — a tree node's attention output those of the node decoded alone after its path was
-committed at its positions. (On a GPU in bf16: tests/test_gpu.py.)"""
+committed at its positions, its gated-DeltaNet output (and the state a commit leaves) those of
+one-token steps along its path. (On a GPU in bf16: tests/test_gpu.py.)"""
 
+import sys
+from dataclasses import replace
+
+import numpy as np
 import pytest
 import torch
-from helpers import path_alone, random_tree
+from conftest import REPO
+from helpers import one_token_steps, path_alone, random_tree
 
 from specgraph.kernels.attention import attention_reference
 from specgraph.kernels.attention.invariant import attention_invariant
+from specgraph.kernels.gated_delta import gated_delta_step_reference
+from specgraph.kernels.gated_delta.invariant import gated_delta_commit_invariant, gated_delta_step_invariant
 from specgraph.kernels.linear import linear_reference
 from specgraph.kernels.linear.invariant import linear_invariant, tiling
 from specgraph.kernels.swiglu import swiglu_reference
+from specgraph.kernels.norm import rmsnorm_reference
+from specgraph.kernels.norm.triton import rmsnorm
 from specgraph.kernels.swiglu.invariant import swiglu_invariant
 from specgraph.runtime.stage import step_mask
+from specgraph.tree import Tree
+
+
+@pytest.fixture(autouse=True)
+def dot_row_by_row(monkeypatch):
+    """The interpreter's tl.dot is numpy's matmul, whose BLAS may round a row by where it sits in the
+    tile (a micro-kernel's tail rows take another path; machine dependent). A GPU's MMA rounds each
+    row alike, and so does this dot, one row at a time: what is left to test is our kernels' tiles
+    and reduction orders."""
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        rows = [np.matmul(row[..., None, :], b.data, dtype=d.data.dtype) for row in np.moveaxis(a.data, -2, 0)]
+        return TensorHandle(np.concatenate(rows, axis=-2) + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", dot)
 
 
 @pytest.mark.parametrize("op, reference", [(linear_invariant, linear_reference), (swiglu_invariant, swiglu_reference)],
                          ids=["linear", "swiglu"])
 @pytest.mark.parametrize("rows, k, n, bias", [
     (1, 37, 18, False),  # one token, odd K, fewer outputs than a tile
-    (19, 300, 70, True),  # two row blocks, a bias
+    (19, 300, 70, True),  # a 32-row block, a bias
     (40, 4200, 64, True),  # K split, the parts summed in order (bias after the sum); 32-row blocks
 ])
 def test_invariant_projection_matches_reference_and_each_row_its_bits_alone(op, reference, rows, k, n, bias):
@@ -71,3 +97,40 @@ def test_invariant_attention_of_a_prefill_chunk_and_of_a_drafters_level():
     slots = torch.tensor([46, 47, 48])
     got = attention_invariant(q[:, :, :3].contiguous(), k, v, level, slots)
     assert (got - attention_reference(q[:, :, :3], k, v, level, slots)).abs().max() < 1e-5
+
+
+def test_rmsnorm_kernel_matches_reference_row_by_row():
+    """The per-head norms (any strides: a chunk of a projection) — one program a row."""
+    g = torch.Generator().manual_seed(0)
+    q_gate = torch.randn(3, 5, 2, 2 * 24, generator=g)
+    q, weight = q_gate.chunk(2, dim=-1)[0], torch.rand(24, generator=g) + 0.5  # q [3, 5, 2, 24], strided
+    got = rmsnorm(q, weight, 1e-6)
+    assert got.shape == q.shape and (got - rmsnorm_reference(q, weight, 1e-6)).abs().max() < 1e-5
+    assert torch.equal(got[1, 3], rmsnorm(q[1, 3], weight, 1e-6))
+
+
+@pytest.mark.parametrize("b, t, h, hk, dk, dv, depth", [
+    (1, 9, 4, 2, 16, 48, 4),  # a bushy tree; two value tiles, the second part masked
+    (2, 6, 2, 1, 32, 16, 6),  # a chain (every state on chip), batch 2
+])
+def test_invariant_gated_delta_gives_each_node_and_commit_the_bits_of_one_token_steps(b, t, h, hk, dk, dv, depth):
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_gated_delta import layer_inputs
+
+    from specgraph.bench.widen import QWEN35_REAL
+    shape = replace(QWEN35_REAL["qwen3.5-9b"], linear_key_heads=hk, linear_value_heads=h, linear_key_dim=dk,
+                    linear_value_dim=dv)
+    gen = torch.Generator().manual_seed(t + dk)
+    tree = Tree.random(t, depth, gen)
+    args, steps = layer_inputs(shape, t, tree, gen, torch.device("cpu"), torch.float32, b, t + 2)
+    got = gated_delta_step_invariant(*args, *steps)
+    assert (got - gated_delta_step_reference(*args, *(x.clone() for x in steps))).abs().max() < 1e-4
+    for node in range(t):
+        path = tree.ancestors[node].nonzero().flatten().tolist()  # root first
+        outs, state, conv = one_token_steps(args, tuple(x.clone() for x in steps), path)
+        assert torch.equal(got[:, node], outs[-1]), node
+        if node == t - 1:  # committing the path after the tree step leaves the one-token steps' state
+            committed, window = args[9][None].clone(), args[3][None].clone()
+            gated_delta_commit_invariant(committed, window, *(x[None] for x in steps), args[0][None].contiguous(),
+                                         torch.tensor([*path, -1]))
+            assert torch.equal(committed[0], state) and torch.equal(window[0], conv)

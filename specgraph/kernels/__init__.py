@@ -1,6 +1,6 @@
 """Kernels: each op has reference.py (plain PyTorch, the definition) and triton.py (the fast path)
-with the same signature; linear, swiglu and attention also have invariant.py (Triton, each token's
-row the same bits whatever the step's token count). `Kernels` is one choice per op, made by the
+with the same signature; linear, swiglu, attention and gated_delta also have invariant.py (Triton,
+each token's row the same bits whatever the step's token count). `Kernels` is one choice per op, made by the
 select_kernels pass."""
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from specgraph.kernels.attention import attention_reference
 from specgraph.kernels.gated_delta import gated_delta_commit_reference, gated_delta_step_reference
 from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.kernels.linear import linear_reference
-from specgraph.kernels.norm import add_rmsnorm_reference
+from specgraph.kernels.norm import add_rmsnorm_reference, rmsnorm_reference
 from specgraph.kernels.rope import rope_write_reference
 from specgraph.kernels.swiglu import swiglu_reference
 
 # op -> (module of its Triton implementation, function name)
 TRITON = {"attention": ("attention", "attention"), "rope_write": ("rope", "rope_write"), "linear": ("linear", "linear"),
-          "add_rmsnorm": ("norm", "add_rmsnorm"),
+          "add_rmsnorm": ("norm", "add_rmsnorm"), "rmsnorm": ("norm", "rmsnorm"),
           "swiglu": ("swiglu", "swiglu"), "kv_move": ("kv_move", "kv_move"),
           "accept_greedy": ("accept", "accept_greedy"), "accept_sampling": ("accept", "accept_sampling"),
           "gated_delta_step": ("gated_delta", "gated_delta_step"), "gated_delta_commit": ("gated_delta", "gated_delta_commit")}
@@ -29,7 +29,8 @@ TRITON = {"attention": ("attention", "attention"), "rope_write": ("rope", "rope_
 # what a row-invariant stage runs: `{op}_invariant` from invariant.py where the Triton kernel's
 # arithmetic depends on the row count; the Triton kernel where it does not (one program per row or element)
 ROW_INVARIANT = {"linear": "invariant", "swiglu": "invariant", "attention": "invariant",
-                 "add_rmsnorm": "triton", "rope_write": "triton"}
+                 "gated_delta_step": "invariant", "gated_delta_commit": "invariant",
+                 "add_rmsnorm": "triton", "rmsnorm": "triton", "rope_write": "triton"}
 
 
 def interpreted() -> bool:
@@ -43,6 +44,7 @@ class Kernels:
     rope_write: Callable = rope_write_reference
     linear: Callable = linear_reference
     add_rmsnorm: Callable = add_rmsnorm_reference
+    rmsnorm: Callable = rmsnorm_reference
     swiglu: Callable = swiglu_reference
     kv_move: Callable = kv_move_reference
     accept_greedy: Callable = accept_greedy_reference

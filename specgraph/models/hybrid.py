@@ -116,18 +116,11 @@ def conv_windows(visible: torch.Tensor, kernel: int) -> torch.Tensor:
     return kernel - 1 + torch.where(wanted >= 0, node, wanted)
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(RMSNorm):
     """RMSNorm over each value head, then times silu(gate) (plain weight, not zero-centred)."""
 
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (normed * F.silu(gate.float())).to(x.dtype)
+        return (super().forward(x) * F.silu(gate.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):

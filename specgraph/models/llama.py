@@ -14,7 +14,6 @@ from torch import nn
 
 from specgraph.cache import KVCache
 from specgraph.kernels import Kernels
-from specgraph.kernels.norm import rmsnorm_reference
 
 
 @dataclass(frozen=True)
@@ -100,9 +99,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = Kernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rmsnorm_reference(x, self.weight, self.eps)
+        return self.kernels.rmsnorm(x, self.weight, self.eps)
 
 
 def unsharded(x: torch.Tensor) -> torch.Tensor:

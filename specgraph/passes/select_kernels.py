@@ -2,7 +2,7 @@
 
 Before: stages carry `device`.
 After:  + `kernels` {op: "triton" | "invariant" | "reference"} for attention, rope_write, linear, add_rmsnorm,
-        swiglu, kv_move, accept_greedy, accept_sampling, gated_delta_step and gated_delta_commit.
+        rmsnorm (the per-head norms of Qwen3 and Qwen3.5), swiglu, kv_move, accept_greedy, accept_sampling, gated_delta_step and gated_delta_commit.
         `lowering.kernels`: "reference" or "triton" force one kind everywhere (Triton on the CPU
         runs only under TRITON_INTERPRET=1, for tests), or per op where it maps ops to kinds; "auto"
         picks Triton for every op on a GPU — attention reads only the slots a step can see,
@@ -10,9 +10,11 @@ After:  + `kernels` {op: "triton" | "invariant" | "reference"} for attention, ro
         cuBLAS's split-K reduction, swiglu projects one token on the gate and up rows and stores
         only silu(gate) * up, gated_delta_step does a whole gated-DeltaNet layer step in two kernels
         where PyTorch takes dozens (faster up to 64 nodes; at 128, PyTorch's closed form is: run 43), and our add_rmsnorm beats Inductor's inside compiled layers too
-        (docs/benchmarks.md; on Hopper our kernels also launch dependently) — and the references
-        on the CPU. `lowering.row_invariant` gives the target the kernels of ROW_INVARIANT (linear, swiglu
-        and attention from kernels/*/invariant.py; Triton, so on a GPU or TRITON_INTERPRET=1).
+        (docs/benchmarks.md; on Hopper our kernels also launch dependently) — but for rmsnorm,
+        left to Inductor — and the references on the CPU. `lowering.row_invariant` gives the
+        target the kernels of ROW_INVARIANT (linear, swiglu, attention and the gated-DeltaNet step
+        and commit from kernels/*/invariant.py, the rest row by row; Triton, so on a GPU or
+        TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -23,14 +25,17 @@ from specgraph.kernels import ROW_INVARIANT, TRITON, interpreted
 from specgraph.passes.base import graph_pass
 
 
+LEFT_TO_INDUCTOR = ("rmsnorm",)  # "auto" keeps the reference, which Inductor fuses with the ops around it
+
+
 @graph_pass(requires=("device",), provides=("kernels",))
 def select_kernels(graph: SpecGraph) -> SpecGraph:
     wanted = graph.recipe.lowering.kernels
     per_op = wanted if isinstance(wanted, dict) else dict.fromkeys(TRITON, wanted)
     for name in graph.stages():
         node = graph.node(name)
-        auto = "triton" if node["device"].type == "cuda" else "reference"
-        node["kernels"] = {op: auto if per_op.get(op, "auto") == "auto" else per_op[op] for op in TRITON}
+        gpu = node["device"].type == "cuda"
+        node["kernels"] = {op: _kind(per_op.get(op, "auto"), op, gpu) for op in TRITON}
         if graph.recipe.lowering.row_invariant and name == graph.target:
             node["kernels"].update(ROW_INVARIANT)
         if node["device"].type == "cpu" and set(node["kernels"].values()) != {"reference"} and not interpreted():
@@ -38,3 +43,10 @@ def select_kernels(graph: SpecGraph) -> SpecGraph:
             raise RecipeError(f"lowering.{asked}: stage {node['index']} ({name}) is on the CPU, where Triton kernels "
                               "run only under TRITON_INTERPRET=1 (slowly, for tests); use them on a GPU")
     return graph
+
+
+def _kind(asked: str, op: str, gpu: bool) -> str:
+    """An op's kernel kind: as asked; for "auto", Triton on a GPU (but LEFT_TO_INDUCTOR) and the reference elsewhere."""
+    if asked != "auto":
+        return asked
+    return "triton" if gpu and op not in LEFT_TO_INDUCTOR else "reference"

@@ -59,17 +59,11 @@ def validate(graph: SpecGraph) -> SpecGraph:
 
 
 def _check_row_invariant(node: dict) -> None:
-    """What lowering.row_invariant makes exact: a Llama-family target without per-head norms (whose
-    every op has a row-invariant kernel), on one device or two (a sum of two ranks' parts does not
-    depend on the order)."""
-    index, architecture = node["index"], node["config"].architectures[0]
-    if is_hybrid(node["config"]) or architecture == "Qwen3ForCausalLM":
-        what = "a gated-DeltaNet tree step" if is_hybrid(node["config"]) else "per-head q/k norms"
-        raise RecipeError(f"lowering.row_invariant: the target (stage {index}, {architecture}) has {what}, which no "
-                          "row-invariant kernel covers yet; it covers Llama, Mistral and Qwen2 targets")
+    """What lowering.row_invariant makes exact: a target on one device or two (a sum of two ranks'
+    parts does not depend on their order)."""
     if len(node["spec"].devices) > 2:
-        raise RecipeError(f"lowering.row_invariant: stages.{index}.devices: a sum over more than two tensor-parallel "
-                          "ranks depends on their order; give the target one or two devices")
+        raise RecipeError(f"lowering.row_invariant: stages.{node['index']}.devices: a sum over more than two "
+                          "tensor-parallel ranks depends on their order; give the target one or two devices")
 
 
 def _check_hybrid_drafter(execution: str, spec, index: int, architecture: str) -> None:

@@ -49,12 +49,13 @@ def _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_con
     return (acc * tl.sigmoid(acc)).to(inputs.dtype.element_ty).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # (T = 1 compiles no other kernel: kernels/gated_delta/invariant.py)
 def _gates(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, visible, q_out, v_out, beta_out, step_k,
            step_decay, T, H, HK, scale, s_in_b, s_in_t, s_w_b, s_w_t, s_a_b, s_a_t, s_conv_b, s_conv_t, s_sk_b, s_sk_t,
            s_sd_b, s_sd_t, K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-           BDV: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr):
-    """One program per (batch, value head): each node's q, k (its key head's), v, beta and path log-decay G."""
+           BDV: tl.constexpr, RB: tl.constexpr, PATH: tl.constexpr, PDL: tl.constexpr):
+    """One program per (batch, value head): each node's q, k (its key head's), v, beta, and into
+    step_decay its path log-decay G (PATH) or its own log-decay g (not PATH; `visible` unused)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     b, h = tl.program_id(0) // H, tl.program_id(0) % H
@@ -79,16 +80,20 @@ def _gates(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, vi
         k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
         beta = tl.sigmoid(tl.load(write + b * s_w_b + rows * s_w_t + h, mask=live, other=0.0).to(tl.float32))
         beta = beta.to(inputs.dtype.element_ty).to(tl.float32)  # rounded like the reference
-        seen = tl.load(visible + rows[:, None] * T + nodes[None, :], mask=live[:, None] & (nodes < T)[None, :],
-                       other=0) != 0  # [RB, BT]: ancestors or self
-        path = tl.sum(tl.where(seen, g[None, :], 0.0), axis=1)  # [RB]: G
+        if PATH:
+            seen = tl.load(visible + rows[:, None] * T + nodes[None, :], mask=live[:, None] & (nodes < T)[None, :],
+                           other=0) != 0  # [RB, BT]: ancestors or self
+            decay = tl.sum(tl.where(seen, g[None, :], 0.0), axis=1)  # [RB]: G
+        else:
+            a_rows = tl.load(decay_input + b * s_a_b + rows * s_a_t + h, mask=live, other=0.0).to(tl.float32)
+            decay = g_scale * _softplus(a_rows + g_bias)  # [RB]: g
         at = (b * T + rows[:, None]) * H + h  # row of [B, T, H, ...] scratch
         tl.store(q_out + at * DK + keys[None, :], q, mask=live[:, None] & kmask[None, :])
         tl.store(v_out + at * DV + vals[None, :], v, mask=live[:, None] & vmask[None, :])
         tl.store(beta_out + (b * T + rows) * H + h, beta, mask=live)
         tl.store(step_k + b * s_sk_b + rows[:, None] * s_sk_t + h * DK + keys[None, :], k,
                  mask=live[:, None] & kmask[None, :])
-        tl.store(step_decay + b * s_sd_b + rows * s_sd_t + h, path, mask=live)
+        tl.store(step_decay + b * s_sd_b + rows * s_sd_t + h, decay, mask=live)
 
 
 @triton.jit
@@ -155,6 +160,29 @@ def _value_tile(dv: int) -> int:
     return min(triton.next_power_of_2(dv), 32)
 
 
+def gates(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor, conv: torch.Tensor,
+          conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, windows: torch.Tensor,
+          visible: torch.Tensor, state: torch.Tensor, step_k: torch.Tensor, step_decay: torch.Tensor,
+          path: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The _gates kernel (arguments as gated_delta_step's; visible contiguous): writes each node's k
+    and log-decay (its path's sum G, or its own g) to step_k and step_decay and returns its q
+    [B, T, H, dk], v [B, T, H, dv] and beta [B, T, H], fp32."""
+    (b, t, c), (h, dk, dv), kernel = inputs.shape, state.shape[1:], conv_weight.shape[-1]
+    assert t <= step_k.shape[1] and windows.shape == (t, kernel) and visible.shape == (t, t), "step shapes disagree"
+    hk = (c - h * dv) // (2 * dk)
+    assert c == 2 * hk * dk + h * dv and h % hk == 0 and dv >= 16, "heads or head dims the kernels do not take"
+    assert all(x.stride(-1) == 1 for x in (inputs, write, decay_input, conv)), "needs unit-stride last dimensions"
+    assert (step_k.stride(2), step_k.stride(3), step_decay.stride(2)) == (dk, 1, 1), "step rows [H, dk], [H] contiguous"
+    q, v, beta = (torch.empty(b, t, h, *d, dtype=torch.float32, device=inputs.device) for d in ((dk,), (dv,), ()))
+    _gates[(b * h,)](inputs, write, decay_input, conv, conv_weight.contiguous(), A_log, dt_bias, windows.contiguous(),
+                     visible, q, v, beta, step_k, step_decay, t, h, hk, dk ** -0.5, inputs.stride(0), inputs.stride(1),
+                     write.stride(0), write.stride(1), decay_input.stride(0), decay_input.stride(1), conv.stride(0),
+                     conv.stride(1), step_k.stride(0), step_k.stride(1), step_decay.stride(0), step_decay.stride(1),
+                     K=kernel, DK=dk, DV=dv, BT=max(16, triton.next_power_of_2(t)), BK=max(16, triton.next_power_of_2(dk)),
+                     BDV=max(16, triton.next_power_of_2(dv)), RB=ROW_BLOCK, PATH=path, **launch(inputs.device))
+    return q, v, beta
+
+
 @torch.library.custom_op("specgraph::gated_delta_step", mutates_args=("step_k", "step_u", "step_decay"))
 def gated_delta_step(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor, conv: torch.Tensor,
                      conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, windows: torch.Tensor,
@@ -162,22 +190,12 @@ def gated_delta_step(inputs: torch.Tensor, write: torch.Tensor, decay_input: tor
                      step_decay: torch.Tensor) -> torch.Tensor:
     """Same signature and result as gated_delta_step_reference (last dimensions contiguous; conv
     window, state and step tensors contiguous per batch row)."""
-    (b, t, c), (h, dk, dv), kernel = inputs.shape, state.shape[1:], conv_weight.shape[-1]
-    assert t <= step_k.shape[1] and windows.shape == (t, kernel) and visible.shape == (t, t), "step shapes disagree"
-    hk = (c - h * dv) // (2 * dk)
-    assert c == 2 * hk * dk + h * dv and h % hk == 0 and dv >= 16, "heads or head dims the kernels do not take"
-    assert all(x.stride(-1) == 1 for x in (inputs, write, decay_input, conv)), "needs unit-stride last dimensions"
-    assert (step_k.stride(2), step_k.stride(3), step_u.stride(2), step_u.stride(3), step_decay.stride(2)) == (dk, 1, dv, 1, 1)
-    out = inputs.new_empty(b, t, h, dv)
-    q, v, beta = (torch.empty(b, t, h, *d, dtype=torch.float32, device=inputs.device) for d in ((dk,), (dv,), ()))
-    bk, visible = max(16, triton.next_power_of_2(dk)), visible.contiguous()
-    _gates[(b * h,)](inputs, write, decay_input, conv, conv_weight.contiguous(), A_log, dt_bias, windows.contiguous(),
-                     visible, q, v, beta, step_k, step_decay, t, h, hk, dk ** -0.5, inputs.stride(0), inputs.stride(1),
-                     write.stride(0), write.stride(1), decay_input.stride(0), decay_input.stride(1), conv.stride(0),
-                     conv.stride(1), step_k.stride(0), step_k.stride(1), step_decay.stride(0), step_decay.stride(1),
-                     K=kernel, DK=dk, DV=dv, BT=max(16, triton.next_power_of_2(t)), BK=bk,
-                     BDV=max(16, triton.next_power_of_2(dv)), RB=ROW_BLOCK, **launch(inputs.device))
-    bv = _value_tile(dv)
+    (b, t, _), (h, dk, dv) = inputs.shape, state.shape[1:]
+    assert step_u.stride(2) == dv and step_u.stride(3) == 1, "step_u rows [H, dv] contiguous"
+    visible = visible.contiguous()
+    q, v, beta = gates(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible, state, step_k,
+                       step_decay, path=True)
+    out, bk, bv = inputs.new_empty(b, t, h, dv), max(16, triton.next_power_of_2(dk)), _value_tile(dv)
     _tree[(b * h, triton.cdiv(dv, bv))](q, v, beta, visible, state.contiguous(), out, step_k, step_u, step_decay, t, h,
                                         step_k.stride(0), step_k.stride(1), step_u.stride(0), step_u.stride(1),
                                         step_decay.stride(0), step_decay.stride(1), DK=dk, DV=dv, BK=bk, BV=bv,
@@ -243,10 +261,17 @@ def gated_delta_commit(state: torch.Tensor, conv: torch.Tensor, step_k: torch.Te
     """Same signature and effect as gated_delta_commit_reference (every tensor contiguous)."""
     assert all(x.is_contiguous() for x in (state, conv, step_k, step_u, step_decay, step_inputs, path)), \
         "needs contiguous tensors"
-    (layers, b, h, dk, dv), (kept, c), s, p = state.shape, conv.shape[2:], step_k.shape[2], path.numel()
+    (layers, b, h, dk, dv), s, p = state.shape, step_k.shape[2], path.numel()
     bp, bv = max(16, triton.next_power_of_2(p)), _value_tile(dv)
     _fold_state[(layers * b * h, triton.cdiv(dv, bv))](state, step_k, step_u, step_decay, path, p, h, s, DK=dk, DV=dv,
                                                          BP=bp, BK=max(16, triton.next_power_of_2(dk)), BV=bv)
+    fold_conv(conv, step_inputs, path)
+
+
+def fold_conv(conv: torch.Tensor, step_inputs: torch.Tensor, path: torch.Tensor) -> None:
+    """The conv windows [L, B, K - 1, C] advanced along `path` (as gated_delta_commit; contiguous)."""
+    (layers, b, kept, c), s, p = conv.shape, step_inputs.shape[2], path.numel()
     bc = 128
-    _fold_conv[(layers * b, triton.cdiv(c, bc))](conv, step_inputs, path, p, s, c, KEPT=kept, BP=bp,
-                                                 BR=triton.next_power_of_2(kept), BC=bc)
+    _fold_conv[(layers * b, triton.cdiv(c, bc))](conv, step_inputs, path, p, s, c, KEPT=kept,
+                                                 BP=max(16, triton.next_power_of_2(p)), BR=triton.next_power_of_2(kept),
+                                                 BC=bc)

@@ -1,4 +1,4 @@
-"""Residual add fused with RMSNorm: x + delta, and that sum normalised, in one pass."""
+"""RMSNorm, and the residual add fused with it: x + delta, and that sum normalised, in one pass."""
 
 from specgraph.kernels.norm.reference import add_rmsnorm_reference, rmsnorm_reference
 

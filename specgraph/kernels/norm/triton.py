@@ -1,5 +1,6 @@
 """Triton residual add + RMSNorm: one program per row reads x and delta once, writes the sum and
-its normalisation (fp32 statistics, rounded like the reference)."""
+its normalisation (fp32 statistics, rounded like the reference); and RMSNorm alone, the same
+program without the add (a row's result never depends on how many rows a call holds)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from specgraph.kernels.pdl import launch
 
 
 @triton.jit
-def _add_rmsnorm(x, delta, weight, total, out, C, eps, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+def _add_rmsnorm(x, delta, weight, total, out, C, eps, ADD: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    """ADD: normalise x + delta and store the sum in `total`; else normalise x (delta, total unused)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
@@ -21,10 +23,11 @@ def _add_rmsnorm(x, delta, weight, total, out, C, eps, BLOCK_C: tl.constexpr, PD
     if PDL:
         tl.extra.cuda.gdc_wait()
     b_x = tl.load(x + row * C + cols, mask=m, other=0.0)
-    b_d = tl.load(delta + row * C + cols, mask=m, other=0.0)
-    b_sum = (b_x.to(tl.float32) + b_d.to(tl.float32)).to(b_x.dtype)  # rounded like x + delta
-    tl.store(total + row * C + cols, b_sum, mask=m)
-    f = b_sum.to(tl.float32)
+    if ADD:
+        b_d = tl.load(delta + row * C + cols, mask=m, other=0.0)
+        b_x = (b_x.to(tl.float32) + b_d.to(tl.float32)).to(b_x.dtype)  # rounded like x + delta
+        tl.store(total + row * C + cols, b_x, mask=m)
+    f = b_x.to(tl.float32)
     normed = (f * tl.rsqrt(tl.sum(f * f, axis=0) / C + eps)).to(b_x.dtype)
     tl.store(out + row * C + cols, (b_w.to(tl.float32) * normed.to(tl.float32)).to(out.dtype.element_ty), mask=m)
 
@@ -35,7 +38,7 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps:
     c = x.shape[-1]
     x2, d2 = x.reshape(-1, c).contiguous(), delta.reshape(-1, c).contiguous()
     total, out = torch.empty_like(x2), torch.empty_like(x2)
-    _add_rmsnorm[(x2.shape[0],)](x2, d2, weight, total, out, c, eps, BLOCK_C=triton.next_power_of_2(c),
+    _add_rmsnorm[(x2.shape[0],)](x2, d2, weight, total, out, c, eps, ADD=True, BLOCK_C=triton.next_power_of_2(c),
                                  **launch(x.device))
     return total.view(x.shape), out.view(x.shape)
 
@@ -43,3 +46,19 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps:
 @add_rmsnorm.register_fake
 def _(x, delta, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("specgraph::rmsnorm", mutates_args=())
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same signature and result as rmsnorm_reference (x [..., C], any strides)."""
+    c = x.shape[-1]
+    x2 = x.reshape(-1, c).contiguous()
+    out = torch.empty_like(x2)
+    _add_rmsnorm[(x2.shape[0],)](x2, x2, weight, out, out, c, eps, ADD=False, BLOCK_C=triton.next_power_of_2(c),
+                                 **launch(x.device))
+    return out.view(x.shape)
+
+
+@rmsnorm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)

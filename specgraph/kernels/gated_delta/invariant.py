@@ -1,0 +1,131 @@
+"""Row-invariant gated-DeltaNet step and commit: each node's output, and the state a commit
+leaves, have the bits of one-token steps taken along the node's path.
+
+The closed form (triton.py) gives every node its output from the one committed state with its
+path's decays summed: exact in real arithmetic, but not the rounding of one-token steps, which
+decay and write the state token by token. Here the step walks the tree node by node, parents
+first, each program (batch, value head, value tile) holding its slice of the state on chip. Node
+i continues its parent's state S — still on chip when the parent is node i - 1, else read back
+from where the parent left it (the committed state for a root) — with the recurrence as it reads:
+    u_i = beta_i (v_i - e^{g_i} S^T k_i),   S_i = e^{g_i} S + k_i u_i^T (`_advance`),   o_i = S_i^T q_i
+The commit re-runs `_advance` along the accepted path from the stored k, u and g, leaving the
+path's last S_i bit for bit. A one-token step is the same code with T = 1, so autoregressive
+decoding and every tree agree. The cost: a step's nodes are dependent updates (a prompt chunk of
+128 tokens is 128 of them), and a node whose children do not follow it stores its state slice.
+
+step_decay holds each node's own log-decay g, not the closed form's path sums G: the step and
+the commit come as a pair (kernels.ROW_INVARIANT).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specgraph.kernels.gated_delta.triton import _value_tile, fold_conv, gates
+from specgraph.kernels.pdl import launch
+
+
+@triton.jit
+def _advance(s, g, k, u):
+    """S [BK, BV] <- e^g S + k u^T, k [BK], u [BV]: one fma per element, in the step and in the commit."""
+    return tl.fma(s, tl.exp(g), k[:, None] * u[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _walk(q_in, v_in, beta_in, parents, kept, state, states, out, step_k, step_u, step_decay, T, H, s_sk_b, s_sk_t,
+          s_su_b, s_su_t, s_sd_b, s_sd_t, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+          PDL: tl.constexpr):
+    """One program per (batch, value head, value tile of BV columns), nodes in order (see the module doc)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    b, h, tile = tl.program_id(0) // H, tl.program_id(0) % H, tl.program_id(1)
+    keys, vals = tl.arange(0, BK), tile * BV + tl.arange(0, BV)
+    kmask, vmask = keys < DK, vals < DV
+    tile_mask = kmask[:, None] & vmask[None, :]
+    slice_at = keys[:, None] * DV + vals[None, :]  # this tile within a head's [dk, dv] state
+    committed = state + (b * H + h) * DK * DV + slice_at
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    s = tl.load(committed, mask=tile_mask, other=0.0)  # [BK, BV]
+    for i in range(0, T):
+        parent = tl.load(parents + i)  # -1: a root
+        source = tl.where(parent < 0, committed, states + ((b * T + parent) * H + h) * DK * DV + slice_at)
+        s = tl.where(parent == i - 1, s, tl.load(source, mask=tile_mask & (parent != i - 1), other=0.0))
+        at = (b * T + i) * H + h  # row of [B, T, H, ...]
+        q = tl.load(q_in + at * DK + keys, mask=kmask, other=0.0)
+        k = tl.load(step_k + b * s_sk_b + i * s_sk_t + h * DK + keys, mask=kmask, other=0.0)
+        v = tl.load(v_in + at * DV + vals, mask=vmask, other=0.0)
+        beta, g = tl.load(beta_in + at), tl.load(step_decay + b * s_sd_b + i * s_sd_t + h)
+        u = beta * (v - tl.exp(g) * tl.sum(s * k[:, None], axis=0))  # [BV]
+        s = _advance(s, g, k, u)
+        tl.store(step_u + b * s_su_b + i * s_su_t + h * DV + vals, u, mask=vmask)
+        tl.store(out + at * DV + vals, tl.sum(s * q[:, None], axis=0).to(out.dtype.element_ty), mask=vmask)
+        tl.store(states + ((b * T + i) * H + h) * DK * DV + slice_at, s, mask=tile_mask & (tl.load(kept + i) != 0))
+        tl.debug_barrier()  # a stored state slice is visible to every thread before a later node reads it
+
+
+@torch.library.custom_op("specgraph::gated_delta_step_invariant", mutates_args=("step_k", "step_u", "step_decay"))
+def gated_delta_step_invariant(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor,
+                               conv: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
+                               dt_bias: torch.Tensor, windows: torch.Tensor, visible: torch.Tensor,
+                               state: torch.Tensor, step_k: torch.Tensor, step_u: torch.Tensor,
+                               step_decay: torch.Tensor) -> torch.Tensor:
+    """Signature and outputs as gated_delta_step_reference; step_decay gets each node's g (see the module doc)."""
+    (b, t, _), (h, dk, dv) = inputs.shape, state.shape[1:]
+    assert step_u.stride(2) == dv and step_u.stride(3) == 1, "step_u rows [H, dv] contiguous"
+    q, v, beta = gates(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible.contiguous(),
+                       state, step_k, step_decay, path=False)
+    order = torch.arange(t, device=visible.device)
+    parents = torch.where(visible & (order[None, :] < order[:, None]), order, -1).amax(1)  # [T]: the deepest ancestor
+    jumps = (parents >= 0) & (parents != order - 1)  # [T]: children not right after their parent
+    kept = ((parents[:, None] == order[None, :]) & jumps[:, None]).any(0).int()  # [T]: the parents of those
+    states = torch.empty(b, t, h, dk, dv, dtype=torch.float32, device=inputs.device)  # the kept nodes' S_i
+    out, bv = inputs.new_empty(b, t, h, dv), _value_tile(dv)
+    _walk[(b * h, triton.cdiv(dv, bv))](q, v, beta, parents.int(), kept, state.contiguous(), states, out, step_k,
+                                        step_u, step_decay, t, h, step_k.stride(0), step_k.stride(1), step_u.stride(0),
+                                        step_u.stride(1), step_decay.stride(0), step_decay.stride(1), DK=dk, DV=dv,
+                                        BK=max(16, triton.next_power_of_2(dk)), BV=bv, **launch(inputs.device))
+    return out
+
+
+@gated_delta_step_invariant.register_fake
+def _(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible, state, step_k, step_u,
+      step_decay):
+    (b, t, _), (h, _, dv) = inputs.shape, state.shape[1:]
+    return inputs.new_empty(b, t, h, dv)
+
+
+@triton.jit(do_not_specialize=["P"])
+def _fold_path(state, step_k, step_u, step_decay, path, P, H, S, DK: tl.constexpr, DV: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr):
+    """One program per (layer * batch row, value head, value tile): `_advance` along the path."""
+    pid = tl.program_id(0).to(tl.int64)  # (offsets past 2^31 elements: the state of many layers and batch rows)
+    lb, h = pid // H, pid % H
+    keys, vals = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV)
+    kmask, vmask = keys < DK, vals < DV
+    tile_mask = kmask[:, None] & vmask[None, :]
+    ptrs = state + ((lb * H + h) * DK + keys[:, None]) * DV + vals[None, :]
+    s = tl.load(ptrs, mask=tile_mask, other=0.0)
+    for p in range(0, P):
+        node = tl.load(path + p)
+        on = node >= 0  # (-1 pads the path's end)
+        row = (lb * S + tl.maximum(node, 0)) * H + h
+        k = tl.load(step_k + row * DK + keys, mask=kmask & on, other=0.0)
+        u = tl.load(step_u + row * DV + vals, mask=vmask & on, other=0.0)
+        s = tl.where(on, _advance(s, tl.load(step_decay + row), k, u), s)
+    tl.store(ptrs, s, mask=tile_mask)
+
+
+@torch.library.custom_op("specgraph::gated_delta_commit_invariant", mutates_args=("state", "conv"))
+def gated_delta_commit_invariant(state: torch.Tensor, conv: torch.Tensor, step_k: torch.Tensor, step_u: torch.Tensor,
+                                 step_decay: torch.Tensor, step_inputs: torch.Tensor, path: torch.Tensor) -> None:
+    """Signature and effect as gated_delta_commit_reference, from gated_delta_step_invariant's factors (contiguous)."""
+    assert all(x.is_contiguous() for x in (state, conv, step_k, step_u, step_decay, step_inputs, path)), \
+        "needs contiguous tensors"
+    (layers, b, h, dk, dv), bv = state.shape, _value_tile(state.shape[-1])
+    _fold_path[(layers * b * h, triton.cdiv(dv, bv))](state, step_k, step_u, step_decay, path, path.numel(), h,
+                                                        step_k.shape[2], DK=dk, DV=dv,
+                                                        BK=max(16, triton.next_power_of_2(dk)), BV=bv)
+    fold_conv(conv, step_inputs, path)
