@@ -286,6 +286,22 @@ def test_row_invariant_kernels_give_a_token_the_same_bits_in_any_step_in_bf16():
                 assert torch.equal(committed[0], state) and torch.equal(window[0], conv)
 
 
+def test_sampling_distributions_of_a_tree_step_have_each_rows_one_token_bits():
+    """What sampling with lowering.row_invariant rests on: given row-invariant logits, a tree node's
+    distribution (temperature, top-k, top-p, softmax over the logits of a step's nodes, at a
+    128k vocabulary) has the bits of the same row's distribution in a one-token step."""
+    from specgraph.recipe import SamplingSpec
+    from specgraph.sampling import probs_from_logits
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows in (21, 64):
+        logits = (3 * torch.randn(rows, 128256, device="cuda", generator=g)).bfloat16().float()  # as the head gives them
+        for spec in (SamplingSpec(temperature=0.8), SamplingSpec(temperature=0.7, top_k=50),
+                     SamplingSpec(temperature=1.0, top_p=0.9), SamplingSpec(temperature=0.6, top_k=200, top_p=0.8)):
+            whole = probs_from_logits(logits, spec)
+            assert all(torch.equal(whole[i], probs_from_logits(logits[i : i + 1], spec)[0]) for i in range(rows)), spec
+
+
 @pytest.mark.parametrize("target", ["target", "hybrid"])
 @pytest.mark.parametrize("tree", [{"shape": "chain", "length": 4}, {"shape": "static", "branching": [3, 2, 1]},
                                   {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 12}],
