@@ -6,6 +6,9 @@ heads, 32 or 48 value heads, head dims 128, conv width 4; bf16 activations, fp32
   - `triton`: our fused kernel (kernels/gated_delta/triton.py): every node from the one committed
     state in closed form, value-tiled, no per-node state;
   - `torch`: the same closed form in PyTorch (gated_delta_step_reference);
+  - `walk`: the row-invariant step (kernels/gated_delta/invariant.py, `lowering.row_invariant`):
+    node by node with the one-token recurrence, each program's state slice on chip, a state stored
+    where a child does not follow its parent — exactness's price against the closed form;
   - `branch`: branch by branch, what tree systems built for attention do: each node's state copied
     from its parent's and advanced by its token (level by level, every node of a level at once: the
     baseline's best case), each node's output read from its own state.
@@ -36,6 +39,7 @@ import torch
 from specgraph.bench.timing import graph_time_us, peak_bytes
 from specgraph.bench.widen import QWEN35_REAL
 from specgraph.kernels.gated_delta import gated_delta_step_reference
+from specgraph.kernels.gated_delta.invariant import gated_delta_step_invariant
 from specgraph.kernels.gated_delta.reference import gated_delta_gates
 from specgraph.kernels.gated_delta.triton import gated_delta_step
 from specgraph.models.hybrid import STEP_TOKENS, conv_windows
@@ -109,9 +113,9 @@ def case(shape_name: str, tree_name: str, t: int, layers: int, generator: torch.
     tree = Tree.random(t, min(SHAPES[tree_name] or t, t), generator)
     levels = tree_levels(tree, device)
     row = {"shape": shape_name, "tree": tree_name, "nodes": t, "depth": tree.max_depth + 1}
-    ways = {"triton": gated_delta_step, "torch": gated_delta_step_reference}
+    ways = {"triton": gated_delta_step, "torch": gated_delta_step_reference, "walk": gated_delta_step_invariant}
     if t > STEP_TOKENS:
-        del ways["triton"]
+        del ways["triton"], ways["walk"]
     errors: dict[str, list[tuple[float, float]]] = {name: [] for name in (*ways, "branch")}
     for layer in range(layers):
         args, steps = layer_inputs(shape, t, tree, generator, device)
@@ -138,7 +142,7 @@ def main() -> None:
         sys.exit("bench_gated_delta.py needs a CUDA GPU")
     generator = torch.Generator().manual_seed(0)
     rows = []
-    print(f"{'shape':>11} {'tree':>7} {'T':>3} {'depth':>5} | {'triton us':>9} {'torch us':>9} {'branch us':>9} | "
+    print(f"{'shape':>11} {'tree':>7} {'T':>3} {'depth':>5} | {'triton us':>9} {'walk us':>9} {'torch us':>9} {'branch us':>9} | "
           f"{'torch/tri':>9} {'branch/tri':>10} | {'triton MB':>9} {'torch MB':>9} {'branch MB':>9} {'branch/tri':>10} | "
           f"{'triton err':>10} {'cos':>8} | {'torch err':>9} {'cos':>8}")
     for shape_name in QWEN35_REAL:
@@ -149,7 +153,8 @@ def main() -> None:
                 tri = "triton_us" in r
                 mb = {n: r[f"{n}_bytes"] / 2**20 for n in ("triton", "torch", "branch") if f"{n}_bytes" in r}
                 print(f"{shape_name:>11} {tree_name:>7} {t:>3} {r['depth']:>5} | "
-                      + (f"{r['triton_us']:>9.1f} " if tri else f"{'-':>9} ") + f"{r['torch_us']:>9.1f} {r['branch_us']:>9.1f} | "
+                      + (f"{r['triton_us']:>9.1f} {r['walk_us']:>9.1f} " if tri else f"{'-':>9} {'-':>9} ")
+                      + f"{r['torch_us']:>9.1f} {r['branch_us']:>9.1f} | "
                       + (f"{r['torch_us'] / r['triton_us']:>9.2f} {r['branch_us'] / r['triton_us']:>10.2f} | " if tri
                          else f"{'-':>9} {'-':>10} | ")
                       + (f"{mb['triton']:>9.2f} " if tri else f"{'-':>9} ") + f"{mb['torch']:>9.2f} {mb['branch']:>9.1f} "

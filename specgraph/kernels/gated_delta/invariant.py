@@ -34,9 +34,9 @@ def _advance(s, g, k, u):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _walk(q_in, v_in, beta_in, parents, kept, state, states, out, step_k, step_u, step_decay, T, H, s_sk_b, s_sk_t,
+def _walk(q_in, v_in, beta_in, visible, state, states, out, step_k, step_u, step_decay, T, H, s_sk_b, s_sk_t,
           s_su_b, s_su_t, s_sd_b, s_sd_t, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-          PDL: tl.constexpr):
+          BT: tl.constexpr, PDL: tl.constexpr):
     """One program per (batch, value head, value tile of BV columns), nodes in order (see the module doc)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -48,9 +48,15 @@ def _walk(q_in, v_in, beta_in, parents, kept, state, states, out, step_k, step_u
     committed = state + (b * H + h) * DK * DV + slice_at
     if PDL:
         tl.extra.cuda.gdc_wait()
+    nodes = tl.arange(0, BT)  # the step's tree, each program on its own: its nodes' parents, and which to store
+    live = nodes < T
+    seen = tl.load(visible + nodes[:, None] * T + nodes[None, :], mask=live[:, None] & live[None, :], other=0) != 0
+    parents = tl.max(tl.where(seen & (nodes[None, :] < nodes[:, None]), nodes[None, :], -1), axis=1)  # [BT]: -1 a root
+    jumps = (parents >= 0) & (parents != nodes - 1)  # [BT]: children not right after their parent
+    kept = tl.max(tl.where((parents[:, None] == nodes[None, :]) & jumps[:, None], 1, 0), axis=0)  # [BT]: their parents
     s = tl.load(committed, mask=tile_mask, other=0.0)  # [BK, BV]
     for i in range(0, T):
-        parent = tl.load(parents + i)  # -1: a root
+        parent = tl.sum(tl.where(nodes == i, parents, 0))  # -1: a root
         source = tl.where(parent < 0, committed, states + ((b * T + parent) * H + h) * DK * DV + slice_at)
         s = tl.where(parent == i - 1, s, tl.load(source, mask=tile_mask & (parent != i - 1), other=0.0))
         at = (b * T + i) * H + h  # row of [B, T, H, ...]
@@ -62,7 +68,8 @@ def _walk(q_in, v_in, beta_in, parents, kept, state, states, out, step_k, step_u
         s = _advance(s, g, k, u)
         tl.store(step_u + b * s_su_b + i * s_su_t + h * DV + vals, u, mask=vmask)
         tl.store(out + at * DV + vals, tl.sum(s * q[:, None], axis=0).to(out.dtype.element_ty), mask=vmask)
-        tl.store(states + ((b * T + i) * H + h) * DK * DV + slice_at, s, mask=tile_mask & (tl.load(kept + i) != 0))
+        keep = tl.sum(tl.where(nodes == i, kept, 0)) != 0
+        tl.store(states + ((b * T + i) * H + h) * DK * DV + slice_at, s, mask=tile_mask & keep)
         tl.debug_barrier()  # a stored state slice is visible to every thread before a later node reads it
 
 
@@ -75,18 +82,16 @@ def gated_delta_step_invariant(inputs: torch.Tensor, write: torch.Tensor, decay_
     """Signature and outputs as gated_delta_step_reference; step_decay gets each node's g (see the module doc)."""
     (b, t, _), (h, dk, dv) = inputs.shape, state.shape[1:]
     assert step_u.stride(2) == dv and step_u.stride(3) == 1, "step_u rows [H, dv] contiguous"
-    q, v, beta = gates(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible.contiguous(),
-                       state, step_k, step_decay, path=False)
-    order = torch.arange(t, device=visible.device)
-    parents = torch.where(visible & (order[None, :] < order[:, None]), order, -1).amax(1)  # [T]: the deepest ancestor
-    jumps = (parents >= 0) & (parents != order - 1)  # [T]: children not right after their parent
-    kept = ((parents[:, None] == order[None, :]) & jumps[:, None]).any(0).int()  # [T]: the parents of those
-    states = torch.empty(b, t, h, dk, dv, dtype=torch.float32, device=inputs.device)  # the kept nodes' S_i
+    visible = visible.contiguous()
+    q, v, beta = gates(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible, state, step_k,
+                       step_decay, path=False)
+    states = torch.empty(b, t, h, dk, dv, dtype=torch.float32, device=inputs.device)  # the stored nodes' S_i
     out, bv = inputs.new_empty(b, t, h, dv), _value_tile(dv)
-    _walk[(b * h, triton.cdiv(dv, bv))](q, v, beta, parents.int(), kept, state.contiguous(), states, out, step_k,
-                                        step_u, step_decay, t, h, step_k.stride(0), step_k.stride(1), step_u.stride(0),
+    _walk[(b * h, triton.cdiv(dv, bv))](q, v, beta, visible, state.contiguous(), states, out, step_k, step_u,
+                                        step_decay, t, h, step_k.stride(0), step_k.stride(1), step_u.stride(0),
                                         step_u.stride(1), step_decay.stride(0), step_decay.stride(1), DK=dk, DV=dv,
-                                        BK=max(16, triton.next_power_of_2(dk)), BV=bv, **launch(inputs.device))
+                                        BK=max(16, triton.next_power_of_2(dk)), BV=bv,
+                                        BT=max(16, triton.next_power_of_2(t)), **launch(inputs.device))
     return out
 
 
