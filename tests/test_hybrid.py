@@ -149,7 +149,7 @@ def test_a_hybrid_drafter_grows_its_own_models_trees_after_any_verdicts(small_hy
 
 
 @pytest.mark.parametrize("target, lowering, chars, tokens", [
-    ("hybrid", {"kernels": {"gated_delta_step": "triton", "gated_delta_commit": "triton"}}, 160, 16),
+    ("hybrid", {"kernels": {"gated_delta_step": "triton", "gated_delta_commit": "triton"}}, 120, 12),
     ("small_hybrid", {"kernels": "reference", "row_invariant": True}, 80, 8),  # more kernels interpreted: smaller
 ], ids=["closed-form", "row-invariant"])
 def test_fused_gated_delta_kernels_decode_the_tokens_of_transformers(target, code_prompts, lowering, chars, tokens,
