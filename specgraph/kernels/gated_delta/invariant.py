@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specgraph.kernels.gated_delta.triton import _value_tile, fold_conv, gates
+from specgraph.kernels.gated_delta.triton import fold_conv, gates, step_outputs, value_tile
 from specgraph.kernels.pdl import launch
 
 
@@ -86,7 +86,7 @@ def gated_delta_step_invariant(inputs: torch.Tensor, write: torch.Tensor, decay_
     q, v, beta = gates(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible, state, step_k,
                        step_decay, path=False)
     states = torch.empty(b, t, h, dk, dv, dtype=torch.float32, device=inputs.device)  # the stored nodes' S_i
-    out, bv = inputs.new_empty(b, t, h, dv), _value_tile(dv)
+    out, bv = inputs.new_empty(b, t, h, dv), value_tile(dv)
     _walk[(b * h, triton.cdiv(dv, bv))](q, v, beta, visible, state.contiguous(), states, out, step_k, step_u,
                                         step_decay, t, h, step_k.stride(0), step_k.stride(1), step_u.stride(0),
                                         step_u.stride(1), step_decay.stride(0), step_decay.stride(1), DK=dk, DV=dv,
@@ -95,11 +95,7 @@ def gated_delta_step_invariant(inputs: torch.Tensor, write: torch.Tensor, decay_
     return out
 
 
-@gated_delta_step_invariant.register_fake
-def _(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible, state, step_k, step_u,
-      step_decay):
-    (b, t, _), (h, _, dv) = inputs.shape, state.shape[1:]
-    return inputs.new_empty(b, t, h, dv)
+gated_delta_step_invariant.register_fake(step_outputs)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -129,7 +125,7 @@ def gated_delta_commit_invariant(state: torch.Tensor, conv: torch.Tensor, step_k
     """Signature and effect as gated_delta_commit_reference, from gated_delta_step_invariant's factors (contiguous)."""
     assert all(x.is_contiguous() for x in (state, conv, step_k, step_u, step_decay, step_inputs, path)), \
         "needs contiguous tensors"
-    (layers, b, h, dk, dv), bv = state.shape, _value_tile(state.shape[-1])
+    (layers, b, h, dk, dv), bv = state.shape, value_tile(state.shape[-1])
     _fold_path[(layers * b * h, triton.cdiv(dv, bv))](state, step_k, step_u, step_decay, path, path.numel(), h,
                                                         step_k.shape[2], DK=dk, DV=dv,
                                                         BK=max(16, triton.next_power_of_2(dk)), BV=bv)

@@ -156,7 +156,7 @@ def _tree(q_in, v_in, beta_in, visible, state, out, step_k, step_u, step_decay, 
 ROW_BLOCK = 16  # nodes per block of the solve (the smallest tl.dot)
 
 
-def _value_tile(dv: int) -> int:
+def value_tile(dv: int) -> int:
     return min(triton.next_power_of_2(dv), 32)
 
 
@@ -195,7 +195,7 @@ def gated_delta_step(inputs: torch.Tensor, write: torch.Tensor, decay_input: tor
     visible = visible.contiguous()
     q, v, beta = gates(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible, state, step_k,
                        step_decay, path=True)
-    out, bk, bv = inputs.new_empty(b, t, h, dv), max(16, triton.next_power_of_2(dk)), _value_tile(dv)
+    out, bk, bv = inputs.new_empty(b, t, h, dv), max(16, triton.next_power_of_2(dk)), value_tile(dv)
     _tree[(b * h, triton.cdiv(dv, bv))](q, v, beta, visible, state.contiguous(), out, step_k, step_u, step_decay, t, h,
                                         step_k.stride(0), step_k.stride(1), step_u.stride(0), step_u.stride(1),
                                         step_decay.stride(0), step_decay.stride(1), DK=dk, DV=dv, BK=bk, BV=bv,
@@ -204,8 +204,9 @@ def gated_delta_step(inputs: torch.Tensor, write: torch.Tensor, decay_input: tor
 
 
 @gated_delta_step.register_fake
-def _(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible, state, step_k, step_u,
-      step_decay):
+def step_outputs(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible, state, step_k, step_u,
+                 step_decay):
+    """A gated-DeltaNet step's outputs [B, T, H, dv], unfilled (the fake of every step op)."""
     (b, t, _), (h, _, dv) = inputs.shape, state.shape[1:]
     return inputs.new_empty(b, t, h, dv)
 
@@ -262,7 +263,7 @@ def gated_delta_commit(state: torch.Tensor, conv: torch.Tensor, step_k: torch.Te
     assert all(x.is_contiguous() for x in (state, conv, step_k, step_u, step_decay, step_inputs, path)), \
         "needs contiguous tensors"
     (layers, b, h, dk, dv), s, p = state.shape, step_k.shape[2], path.numel()
-    bp, bv = max(16, triton.next_power_of_2(p)), _value_tile(dv)
+    bp, bv = max(16, triton.next_power_of_2(p)), value_tile(dv)
     _fold_state[(layers * b * h, triton.cdiv(dv, bv))](state, step_k, step_u, step_decay, path, p, h, s, DK=dk, DV=dv,
                                                          BP=bp, BK=max(16, triton.next_power_of_2(dk)), BV=bv)
     fold_conv(conv, step_inputs, path)
