@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_args(bench)
     _prompt_args(bench)
     bench.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (default 3)")
+    bench.add_argument("--warmup", type=int, metavar="N", help="decode only the first N prompts in the untimed first "
+                       "pass, where compilation and graph capture happen (default: all); decoding after the first "
+                       "token is timed apart from prefill, so shapes first met later add only to TTFT")
     bench.add_argument("--baselines", default="hf,hf-assisted,ar",
                        help="comma-separated: hf, hf-assisted, ar, serial (default hf,hf-assisted,ar)")
     bench.add_argument("--widen", **WIDEN)
@@ -223,8 +226,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
     recipe, prompts = _load_recipe(args)
     if args.repeats < 1:
         raise SpecgraphError(f"--repeats: must be at least 1 (got {args.repeats})")
+    if args.warmup is not None and args.warmup < 1:
+        raise SpecgraphError(f"--warmup: must be at least 1 prompt (got {args.warmup}); leave it out to warm up on all")
     spec = BenchSpec(recipe, prompts, args.max_new_tokens or recipe.max_new_tokens, args.repeats,
-                     tuple(b.strip() for b in args.baselines.split(",") if b.strip()), args.widen)
+                     tuple(b.strip() for b in args.baselines.split(",") if b.strip()), args.widen, args.warmup)
     report = run_bench(spec)
     print_table(report)
     if args.json is not None:

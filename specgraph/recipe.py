@@ -154,7 +154,8 @@ class LoweringSpec(_Strict):
     cuda_graphs: bool = Field(True, description="capture and replay CUDA graphs: whole steps where they allow, else one per forward size (GPU)")
     kernels: KernelKind | dict[str, KernelKind] = Field(
         "auto", description="fused-op implementations: auto (Triton where it pays on a GPU), reference (plain PyTorch), "
-        "triton; or one per op, e.g. {gated_delta_step: reference} (ops not named: auto)")
+        "triton; or one per op, e.g. {gated_delta_step: reference} (ops not named: auto; naming the gated-DeltaNet "
+        "step or commit names both)")
     row_invariant: bool = Field(
         False, description="the target's projections and attention give each token the same bits in a tree step as "
         "in a one-token step (Triton kernels of fixed tiling), so greedy speculation in bf16 on a GPU reproduces the "

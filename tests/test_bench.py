@@ -9,7 +9,7 @@ import torch
 from conftest import EMBEDDED, REPO, shared_models
 from helpers import chain_logits, two_stage
 
-from specgraph.bench.systems import HFSystem, hf_mirror
+from specgraph.bench.systems import HFSystem, SpecgraphSystem, hf_mirror
 from specgraph.bench.widen import SHAPES, draft_shape_for, widen, widened_shape
 from specgraph.cli import main
 from specgraph.errors import SpecgraphError
@@ -85,6 +85,24 @@ def test_a_failing_transformers_baseline_is_reported_not_fatal(tmp_path, monkeyp
     report = json.loads(out.read_text())
     assert set(report["systems"]) == {"specgraph", "ar"}
     assert report["skipped"] == {"hf": "transformers failed in this run: RuntimeError: cannot compile this model"}
+
+
+def test_warmup_decodes_the_first_prompts_untimed_then_every_prompt(tmp_path, monkeypatch, capsys):
+    decoded = []
+    run = SpecgraphSystem.run
+    monkeypatch.setattr(SpecgraphSystem, "run", lambda self, ids, n: decoded.append((self.name, ids)) or run(self, ids, n))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("import os\n", "def f(x):", "class A:")))
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(REPO / "recipes" / "demo.yaml"), "--prompts", str(prompts), "--max-new-tokens", "4",
+                 "--repeats", "1", "--warmup", "1", "--baselines", "ar", "--json", str(out)]) == 0
+    for name in ("specgraph", "ar"):
+        ids = [i for n, i in decoded if n == name]
+        assert len(ids) == 4 and ids[0] == ids[1] and len({tuple(i) for i in ids[1:]}) == 3  # first, then all three
+    assert json.loads(out.read_text())["warmup_prompts"] == 1
+    assert "(warm-up pass on 1)" in " ".join(capsys.readouterr().out.split())
+    assert main(["bench", str(REPO / "recipes" / "demo.yaml"), "--prompts", str(prompts), "--warmup", "0"]) == 2
+    assert "--warmup: must be at least 1 prompt (got 0)" in capsys.readouterr().err
 
 
 def test_unknown_baseline_is_refused(capsys):

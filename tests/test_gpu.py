@@ -200,13 +200,17 @@ def test_gated_delta_kernel_gives_every_node_the_recurrence_along_its_path(dtype
                 assert error < (1e-4 if dtype == torch.float32 else 2e-2) and cosine.min() > 0.999, (t, depth, error)
 
 
-def test_hybrid_with_the_fused_gated_delta_kernels_equals_transformers(hybrid_reference):
-    """fp32 on the GPU, Triton kernels (auto), the hybrid fixture: the tree recipe's greedy tokens are
-    transformers' on 16 prompts x 128 tokens."""
-    program = on_gpu({"shape": "dynamic", "width": 4, "depth": 5, "nodes": 24}, shared_fixture("hybrid"),
-                     max_new_tokens=128, dtype="float32")
+@pytest.mark.parametrize("closed_form", [False, True], ids=["walk", "closed-form"])
+def test_hybrid_with_the_fused_gated_delta_kernels_equals_transformers(hybrid_reference, closed_form):
+    """fp32 on the GPU, Triton kernels (auto: the walking gated-DeltaNet step; or the closed form),
+    the hybrid fixture: the tree recipe's greedy tokens are transformers' on 16 prompts x 128 tokens."""
+    from specgraph.kernels.gated_delta.invariant import gated_delta_step_invariant
     from specgraph.kernels.gated_delta.triton import gated_delta_step
-    assert program.stages["target"].model.layers[0].linear_attn.kernels.gated_delta_step is gated_delta_step
+    lowering = {"kernels": {"gated_delta_step": "triton"}} if closed_form else {}
+    program = on_gpu({"shape": "dynamic", "width": 4, "depth": 5, "nodes": 24}, shared_fixture("hybrid"),
+                     max_new_tokens=128, dtype="float32", lowering=lowering)
+    step = program.stages["target"].model.layers[0].linear_attn.kernels.gated_delta_step
+    assert step is (gated_delta_step if closed_form else gated_delta_step_invariant)
     for ids, expected in hybrid_reference:
         assert program.generate(ids).output_ids == expected
 

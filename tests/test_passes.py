@@ -252,11 +252,20 @@ def test_three_stage_hierarchy_needs_the_pipeline_executor():
 def test_select_kernels_picks_triton_where_it_pays():
     cpu = run_pipeline(graph())
     assert set(cpu.node("target")["kernels"].values()) == {"reference"}
-    gpu = place(validate(graph()))
-    for name in gpu.stages():
-        gpu.node(name)["device"] = torch.device("cuda:0")
-    on_gpu = select_kernels(gpu).node("target")["kernels"]
-    assert on_gpu.pop("rmsnorm") == "reference" and set(on_gpu.values()) == {"triton"}  # the norms left to Inductor
+
+    def on_gpu(**lowering) -> dict[str, str]:
+        placed = place(validate(graph(lowering=lowering)))
+        for name in placed.stages():
+            placed.node(name)["device"] = torch.device("cuda:0")
+        return select_kernels(placed).node("target")["kernels"]
+
+    auto = on_gpu()
+    assert auto.pop("rmsnorm") == "reference"  # the norms left to Inductor
+    assert auto.pop("gated_delta_step") == auto.pop("gated_delta_commit") == "invariant"  # the walk
+    assert set(auto.values()) == {"triton"}
+    for named in ("gated_delta_step", "gated_delta_commit"):  # naming one of the pair names both
+        chosen = on_gpu(kernels={named: "triton"})
+        assert chosen["gated_delta_step"] == chosen["gated_delta_commit"] == "triton"
     reference = run_pipeline(graph(lowering={"kernels": "reference"}))
     assert set(reference.node("target")["kernels"].values()) == {"reference"}
     forced = run_pipeline(graph(lowering={"kernels": "triton"}))

@@ -33,6 +33,7 @@ class BenchSpec:
     repeats: int = 3
     baselines: tuple[str, ...] = ("hf", "hf-assisted", "ar")
     widen: str | None = None  # target shape; the drafter widens to the small shape with its head dim
+    warmup: int | None = None  # prompts in the untimed first pass (None: all of them)
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, copies: int = 10) -> float:
@@ -133,11 +134,13 @@ def progress_bars(console: Console | None = None, transient: bool = False) -> Pr
 
 
 def measure_system(system, spec: BenchSpec, encoded: list[list[int]], progress: Progress) -> dict:
-    """`system` decoding the prompts: an untimed pass (compilation and graph capture happen there),
-    then `spec.repeats` timed ones; decode tokens/s per repeat, and the last repeat's steps."""
+    """`system` decoding the prompts: an untimed pass over the first `spec.warmup` (compilation and
+    graph capture happen there), then `spec.repeats` timed ones over all; decode tokens/s per
+    repeat, and the last repeat's steps."""
     device = system.device
-    task = progress.add_task(system.name, total=(spec.repeats + 1) * len(encoded))
-    for ids in encoded:  # an untimed pass first: graph capture and compilation happen here, per shape
+    warmup = encoded[: spec.warmup]
+    task = progress.add_task(system.name, total=len(warmup) + spec.repeats * len(encoded))
+    for ids in warmup:  # an untimed pass first: graph capture and compilation happen here, per shape
         system.run(ids, spec.max_new_tokens)
         progress.advance(task)
     if device.type == "cuda":
@@ -217,7 +220,7 @@ def bench_on(program, spec: BenchSpec) -> dict:
     report = {
         "recipe": spec.recipe.name, "widen": spec.widen, "device": device_name(device),
         "date": time.strftime("%Y-%m-%d"), "prompts": len(encoded), "max_new_tokens": spec.max_new_tokens,
-        "repeats": spec.repeats, "systems": results, "skipped": skipped,
+        "repeats": spec.repeats, "warmup_prompts": len(spec.prompts[: spec.warmup]), "systems": results, "skipped": skipped,
         "speedup": {name: results["specgraph"]["tokens_per_second"]["median"] / r["tokens_per_second"]["median"]
                     for name, r in results.items() if name != "specgraph"},
     }

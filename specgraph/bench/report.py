@@ -19,7 +19,9 @@ def print_table(report: dict, console: Console | None = None) -> None:
     console = console or Console()
     title = (f"{report['recipe']} on {report['device']}"
              + (f", widened to {report['widen']}" if report["widen"] else "")
-             + f": {report['prompts']} prompts x {report['max_new_tokens']} tokens, {report['repeats']} repeats")
+             + f": {report['prompts']} prompts x {report['max_new_tokens']} tokens, {report['repeats']} repeats"
+             + (f" (warm-up pass on {report['warmup_prompts']})" if report.get("warmup_prompts", report["prompts"])
+                < report["prompts"] else ""))
     table = Table(title=title)
     for column in ("system", "tok/s", "min-max", "specgraph ÷", "TTFT ms", "accepted", "draft ms", "verify ms",
                    "peak GiB", "= ar"):

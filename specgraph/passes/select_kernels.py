@@ -8,8 +8,9 @@ After:  + `kernels` {op: "triton" | "invariant" | "reference"} for attention, ro
         picks Triton for every op on a GPU — attention reads only the slots a step can see,
         rope_write is one kernel where Inductor makes three, linear projects one token without
         cuBLAS's split-K reduction, swiglu projects one token on the gate and up rows and stores
-        only silu(gate) * up, gated_delta_step does a whole gated-DeltaNet layer step in two kernels
-        where PyTorch takes dozens (faster up to 64 nodes; at 128, PyTorch's closed form is: run 43), and our add_rmsnorm beats Inductor's inside compiled layers too
+        only silu(gate) * up, the gated-DeltaNet step and commit are the walk of invariant.py (one
+        token 8.2 µs against the closed form's 14.6 at the Qwen3.5-9B layer shape, faster at every
+        tree size measured: run 53; "triton" names the closed form), and our add_rmsnorm beats Inductor's inside compiled layers too
         (docs/benchmarks.md; on Hopper our kernels also launch dependently) — but for rmsnorm,
         left to Inductor — and the references on the CPU. `lowering.row_invariant` gives the
         target the kernels of ROW_INVARIANT (linear, swiglu, attention and the gated-DeltaNet step
@@ -26,6 +27,7 @@ from specgraph.passes.base import graph_pass
 
 
 LEFT_TO_INDUCTOR = ("rmsnorm",)  # "auto" keeps the reference, which Inductor fuses with the ops around it
+GATED_DELTA = ("gated_delta_step", "gated_delta_commit")  # a pair: the walk's step_decay is g, the closed form's G
 
 
 @graph_pass(requires=("device",), provides=("kernels",))
@@ -36,6 +38,9 @@ def select_kernels(graph: SpecGraph) -> SpecGraph:
         node = graph.node(name)
         gpu = node["device"].type == "cuda"
         node["kernels"] = {op: _kind(per_op.get(op, "auto"), op, gpu) for op in TRITON}
+        asked = {per_op.get(op, "auto") for op in GATED_DELTA} - {"auto"}
+        if len(asked) == 1:  # one of the pair named: the other follows it
+            node["kernels"].update(dict.fromkeys(GATED_DELTA, asked.pop()))
         if graph.recipe.lowering.row_invariant and name == graph.target:
             node["kernels"].update(ROW_INVARIANT)
         if node["device"].type == "cpu" and set(node["kernels"].values()) != {"reference"} and not interpreted():
@@ -46,7 +51,10 @@ def select_kernels(graph: SpecGraph) -> SpecGraph:
 
 
 def _kind(asked: str, op: str, gpu: bool) -> str:
-    """An op's kernel kind: as asked; for "auto", Triton on a GPU (but LEFT_TO_INDUCTOR) and the reference elsewhere."""
+    """An op's kernel kind: as asked; for "auto", Triton on a GPU (but LEFT_TO_INDUCTOR; the walk for
+    GATED_DELTA) and the reference elsewhere."""
     if asked != "auto":
         return asked
-    return "triton" if gpu and op not in LEFT_TO_INDUCTOR else "reference"
+    if not gpu or op in LEFT_TO_INDUCTOR:
+        return "reference"
+    return "invariant" if op in GATED_DELTA else "triton"
