@@ -1,8 +1,8 @@
 """Tensor parallelism on the CPU (gloo): `specgraph run` and `bench` start one process per device,
 and stages split over two ranks decode the single-device tokens.
 
-The fixtures have 3 query heads and 1 KV head, which do not split in two, so draft and target are
-first widened (same function) to 6 query heads over 2 KV heads and saved as checkpoints."""
+Most tests widen draft and target (same function) to 6 query heads over 2 KV heads, which split
+evenly; the fixtures themselves (3 query heads over 1 KV head) split unevenly over two and three."""
 
 import json
 from dataclasses import replace
@@ -14,8 +14,9 @@ from helpers import PROMPT, save_checkpoint, splittable_recipe, two_stage
 
 from specgraph.bench.widen import widen
 from specgraph.cli import main
-from specgraph.errors import SpecgraphError
+from specgraph.errors import RecipeError, SpecgraphError
 from specgraph.models.loader import load_model
+from specgraph.parallel import split_heads
 from specgraph.program import Program
 from specgraph.recipe import Recipe
 
@@ -105,11 +106,65 @@ def test_a_hybrid_target_split_over_two_processes_decodes_the_tokens_of_transfor
     assert generation.output_ids == expected[:24] and max(generation.accepted_lengths) > 1
 
 
-def test_heads_that_do_not_split_are_a_one_line_error(capfd):
+def test_a_hybrid_target_split_unevenly_over_three_processes_decodes_the_tokens_of_transformers(hybrid_reference,
+                                                                                                  tmp_path):
+    """The Qwen3.5 fixture, widened (same function) to 3 attention heads and 3 DeltaNet key heads over 6
+    value heads, over three ranks: an attention head each (the one KV head on all), a key head each
+    with its two value heads, and 342 + 341 + 341 MLP units."""
+    small = load_model(shared_models() / "hybrid", torch.float32, "cpu")
+    wide = widen(small, replace(small.shape, num_heads=3, linear_key_heads=3, linear_value_heads=6), "cpu",
+                 torch.float32, tied=True)
+    hybrid = save_checkpoint(wide, shared_models() / "hybrid", tmp_path / "hybrid", num_attention_heads=3,
+                             linear_num_key_heads=3, linear_num_value_heads=6)
+    recipe = two_stage(hybrid, EMBEDDED / "draft", {"shape": "static", "branching": [3, 2, 1]}, max_new_tokens=16)
+    ids, expected = hybrid_reference[0]
+    with Program.from_recipe(Recipe.from_dict(recipe.model_dump(mode="json") | {"stages": [
+            recipe.stages[0].model_dump(mode="json"),
+            recipe.stages[1].model_dump(mode="json") | {"devices": ["cpu", "cpu", "cpu"]}]})) as split:
+        assert len(split.cluster.pids) == 3
+        generation = split.generate(ids)
+    assert generation.output_ids == expected[:16] and max(generation.accepted_lengths) > 1
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stages_split_unevenly_decode_the_single_device_tokens(world, tmp_path):
+    """The demo's fixtures (3 query heads reading 1 KV head; MLPs of 512 and 1024 units) over 2 ranks
+    (2 + 1 heads, the KV head on both) and over 3 (a head each; 342 + 341 + 341 units)."""
     demo = EMBEDDED.parent / "demo.yaml"
-    assert main(["run", str(demo), "--set", "stages.1.devices=[cpu,cpu]", "--max-new-tokens", "4"]) == 2
+    single = Program.from_recipe(Recipe.from_yaml(demo))
+    expected = single.generate(single.encode(PROMPT), 32)
+    devices = "[" + ",".join(["cpu"] * world) + "]"
+    out = tmp_path / "tp.json"
+    assert main(["run", str(demo), "--set", f"stages.0.devices={devices}", "--set", f"stages.1.devices={devices}",
+                 "--prompt", PROMPT, "--max-new-tokens", "32", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())["results"][0]
+    assert result["output_ids"] == expected.output_ids and result["accepted_lengths"] == expected.accepted_lengths
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(3, 1), (8, 8), (64, 8), (6, 2), (12, 3), (40, 8), (2, 1), (32, 16)])
+def test_every_query_head_is_on_exactly_one_rank_with_the_kv_head_it_reads(heads, kv_heads):
+    group = heads // kv_heads
+    for world in range(1, 9):
+        try:
+            splits = [split_heads(heads, kv_heads, world, rank) for rank in range(world)]
+        except RecipeError as exc:
+            assert world > heads or (kv_heads < world and "give some of" in str(exc))
+            continue
+        owners = [r for r, s in enumerate(splits) for _ in range(s.q)]
+        assert len(owners) == heads and [s.q0 for s in splits] == [owners.index(r) for r in range(world)]
+        for s in splits:
+            assert all(s.kv0 <= i // group < s.kv0 + s.kv for i in range(s.q0, s.q0 + s.q))  # the heads it reads
+            assert s.q == s.kv * group or s.kv == 1  # whole groups, or part of one replicated KV head
+        assert max(s.q for s in splits) - min(s.q for s in splits) <= group  # as even as whole groups allow
+
+
+def test_a_split_that_leaves_a_device_no_head_is_a_one_line_error(capfd):
+    demo = EMBEDDED.parent / "demo.yaml"
+    assert main(["run", str(demo), "--set", "stages.1.devices=[cpu,cpu,cpu,cpu]", "--set",
+                 "stages.0.devices=[cpu,cpu,cpu,cpu]", "--max-new-tokens", "4"]) == 2
     err = capfd.readouterr().err
-    assert "specgraph: error: stage target: num_heads 3 does not split over 2 devices" in err
+    assert "specgraph: error: stage draft: num_heads 3 over 1 KV heads give some of 4 devices no head; use at most 3 " \
+           "devices" in err
     assert "Traceback" not in err
 
 

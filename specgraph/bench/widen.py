@@ -167,7 +167,7 @@ def widen(small: LlamaModel | HybridModel, name: str | LlamaShape | HybridShape,
     big, tied = widened_shape(s, name, tied)
     where = f"--widen {name if isinstance(name, str) else 'shape'}"
     if shard is not None:
-        sharded_shape(big, shard[1], where)  # fail before building
+        sharded_shape(big, shard[1], shard[0], where)  # fail before building
     with torch.device("meta"):
         wide = HybridModel(big) if isinstance(big, HybridShape) else LlamaModel(big)
     fill = _Filler(s.hidden_size, big.hidden_size, device, dtype)
@@ -183,7 +183,7 @@ def widen(small: LlamaModel | HybridModel, name: str | LlamaShape | HybridShape,
         if shard is not None:
             shard_layer(b, big, *shard)
     if shard is not None:
-        wide.shape = sharded_shape(big, shard[1])
+        wide.shape = sharded_shape(big, shard[1], shard[0])
     return wide.eval().requires_grad_(False)
 
 
