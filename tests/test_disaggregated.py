@@ -82,6 +82,30 @@ def test_a_tensor_parallel_target_with_a_one_process_drafter(tmp_path, target_re
             assert program.generate(ids).output_ids == expected
 
 
+def test_the_swiftspec_layouts_plan_on_eight_gpus_and_the_four_gpu_one_decodes_on_cpu_ranks(monkeypatch,
+                                                                                             target_reference):
+    """recipes/swiftspec-{4,8}gpu.yaml: the target over 3 (6) GPUs, the drafter over the rest, each
+    stage its own group; the 4-GPU layout on four CPU processes (the fixture's 3 query heads a rank
+    each, the drafter alone) decodes transformers' greedy tokens."""
+    import sys as _sys
+
+    from specgraph.program import plan
+
+    monkeypatch.setattr(_sys.modules["specgraph.passes.place"], "present_devices",
+                        lambda: ["cpu"] + [f"cuda:{i}" for i in range(8)])
+    for name, target, draft in (("swiftspec-4gpu", 3, 1), ("swiftspec-8gpu", 6, 2)):
+        graph = plan(Recipe.from_yaml(REPO / "recipes" / f"{name}.yaml"))
+        assert (graph.node("target")["tp"], graph.node("draft")["tp"]) == (target, draft)
+    monkeypatch.undo()
+    recipe = Recipe.from_yaml(REPO / "recipes" / "swiftspec-4gpu.yaml", [
+        "stages.0.devices=[cpu]", "stages.1.devices=[cpu,cpu,cpu]", "max_new_tokens=32",
+        "models.target.dtype=float32", "models.draft.dtype=float32"])
+    with Program.from_recipe(recipe) as program:
+        assert len(program.cluster.pids) == 4
+        for ids, expected in target_reference[:2]:
+            assert program.generate(ids).output_ids == expected[:32]
+
+
 def test_a_row_invariant_tensor_parallel_target_decodes_the_target_alone(tmp_path):
     """lowering.row_invariant with the target over two ranks (the invariant kernels, interpreted,
     in its worker processes; a short prompt): the target's own greedy tokens (ar, reference kernels)."""
