@@ -2,8 +2,9 @@
 
 A forward's tokens form a tree (a prompt chunk is a chain): attention layers write K/V at their
 slots and attend under the mask, like the Llama module; gated-DeltaNet layers read the committed
-recurrent state and give every node its output in closed form (the gated_delta_step kernel),
-leaving the nodes' factors in the cache until `HybridCache.commit` folds the accepted path's in.
+recurrent state and give every node its output from it (the gated_delta_step kernel: in closed
+form, or walking the tree node by node, kernels/gated_delta), leaving the nodes' factors in the
+cache until `HybridCache.commit` folds the accepted path's in.
 
 Parameter names follow the Hugging Face checkpoint (minus `model.`), with projections fused by
 rows (q/gate+k+v, the DeltaNet's qkv+z+b+a, gate+up). Zero-centred RMSNorm weights (the
