@@ -149,14 +149,14 @@ def test_a_hybrid_drafter_grows_its_own_models_trees_after_any_verdicts(small_hy
 
 
 @pytest.mark.parametrize("target, lowering, chars, tokens", [
-    ("hybrid", {"kernels": {"gated_delta_step": "triton", "gated_delta_commit": "triton"}}, 120, 12),
-    ("small_hybrid", {"kernels": "reference", "row_invariant": True}, 80, 8),  # more kernels interpreted: smaller
+    ("small_hybrid", {"kernels": {"gated_delta_step": "triton"}}, 120, 12),
+    ("small_hybrid", {"kernels": "reference", "row_invariant": True}, 80, 8),  # more kernels interpreted: shorter
 ], ids=["closed-form", "row-invariant"])
 def test_fused_gated_delta_kernels_decode_the_tokens_of_transformers(target, code_prompts, lowering, chars, tokens,
                                                                      request):
     """The Triton gated-DeltaNet step and commit — the closed form chosen per op, or with
     lowering.row_invariant the target's node-by-node walk, its per-head norms, projections and
-    attention (on the fixture's first four layers; the other ops stay the references; interpreted
+    attention (the other ops stay the references; on the fixture's first four layers, interpreted
     on the CPU, hence one short prompt): a tree recipe's greedy tokens are transformers'."""
     hybrid = request.getfixturevalue(target)
     from specgraph.kernels.gated_delta import invariant, triton

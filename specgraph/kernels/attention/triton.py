@@ -100,7 +100,11 @@ def _merge(part_o, part_m, part_l, o, i_b, i_kv, i_bk, rows, m_rows, T, ROWS, s_
     tl.store(p_o, out.to(o.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
 
 
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}  # per device and size; zero between calls
+# Tickets of the split programs (the last of a row block's splits merges them), zero between calls:
+# one table per device, size and stream, as launches on one stream run one after the other and
+# launches on different streams may overlap. (A CUDA graph keeps the table of the stream it was
+# captured on: replay graphs captured on one stream on one stream at a time.)
+_TICKETS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
 
 
 @torch.library.custom_op("specgraph::attention", mutates_args=())
@@ -120,12 +124,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mas
     part_l = torch.empty_like(part_m)
     out = torch.empty_like(q)
     row_blocks = triton.cdiv(rows, block_m)
-    key = (q.device, b * h_kv * row_blocks)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(key[1], dtype=torch.int32, device=q.device)
+    stream = torch.cuda.current_stream(q.device).stream_id if q.is_cuda else 0
+    key = (q.device, b * h_kv * row_blocks, stream)
+    if key not in _TICKETS:
+        _TICKETS[key] = torch.zeros(key[1], dtype=torch.int32, device=q.device)
     block_d = max(16, triton.next_power_of_2(d))
     _step_attention[(b * h_kv, row_blocks, splits)](
-        q, k_cache, v_cache, mask.view(torch.uint8), slots, part_o, part_m, part_l, _COUNTERS[key], out,
+        q, k_cache, v_cache, mask.view(torch.uint8), slots, part_o, part_m, part_l, _TICKETS[key], out,
         t, h_kv, rows, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), mask.stride(0), out.stride(0), out.stride(1), out.stride(2),
