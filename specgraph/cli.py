@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     _prompt_args(bench)
     bench.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (default 3)")
     bench.add_argument("--warmup", type=int, metavar="N", help="decode only the first N prompts in the untimed first "
-                       "pass, where compilation and graph capture happen (default: all); decoding after the first "
-                       "token is timed apart from prefill, so shapes first met later add only to TTFT")
+                       "pass, where compilation and graph capture happen (default: all); specgraph's decoding after "
+                       "the first token is timed apart from prefill, so shapes it first meets later add only to TTFT "
+                       "(transformers' compiled baselines may recompile inside their timed decoding)")
     bench.add_argument("--baselines", default="hf,hf-assisted,ar",
                        help="comma-separated: hf, hf-assisted, ar, serial (default hf,hf-assisted,ar)")
     bench.add_argument("--widen", **WIDEN)

@@ -72,6 +72,17 @@ class _StepModule(nn.Module):
         return self.model(tokens, positions, self.cache_type.wrap(*cache), slots, mask)
 
 
+def closed_form_commits(graph):
+    """A package's gated-DeltaNet step is the closed form (the reference, traced), so its cache's
+    commit must be the closed form's too: where the plan chose the walk (auto on a GPU), the
+    closed-form Triton kernels instead (the pair's step_decay means G, not g)."""
+    for name in graph.stages():
+        kernels = graph.node(name)["kernels"]
+        if kernels["gated_delta_commit"] == "invariant":
+            kernels.update(gated_delta_step="triton", gated_delta_commit="triton")
+    return graph
+
+
 class ExportedModel:
     """A loaded package with the model interface a Stage uses."""
 
@@ -230,7 +241,7 @@ def load_program(folder: Path):
                                for name, spec in data["models"].items()}}
     recipe = Recipe.from_dict(data)
     recipe = recipe.model_copy(update={"lowering": recipe.lowering.model_copy(update={"compile": False})})
-    graph = plan(recipe)
+    graph = closed_form_commits(plan(recipe))
     models = {}
     for name, entry in manifest["stages"].items():
         shape = {k: tuple(v) if isinstance(v, list) else v for k, v in entry["shape"].items()}  # (JSON has no tuples)

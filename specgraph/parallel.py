@@ -48,7 +48,8 @@ class HeadSplit:
     kv: int
 
 
-def split_heads(heads: int, kv_heads: int, world: int, rank: int, what: str = "num_heads") -> HeadSplit:
+def split_heads(heads: int, kv_heads: int, world: int, rank: int,
+                what: tuple[str, str] = ("num_heads", "KV heads")) -> HeadSplit:
     """Rank's query heads by whole KV groups (query head i reads KV head i // (heads / kv_heads));
     with fewer KV heads than ranks, KV head g is kept by ranks `share(world, kv_heads, g)`, which
     share its query heads."""
@@ -61,7 +62,7 @@ def split_heads(heads: int, kv_heads: int, world: int, rank: int, what: str = "n
         if first <= rank < first + ranks:
             q0, q = share(group, ranks, rank - first)
             if q == 0:
-                raise RecipeError(f"{what} {heads} over {kv_heads} KV heads give some of {world} devices no "
+                raise RecipeError(f"{what[0]} {heads} over {kv_heads} {what[1]} give some of {world} devices no "
                                   f"head; use at most {heads} devices")
             return HeadSplit(g * group + q0, q, g, 1)
     raise AssertionError("rank outside the group")
@@ -69,18 +70,20 @@ def split_heads(heads: int, kv_heads: int, world: int, rank: int, what: str = "n
 
 def sharded_shape(shape: LlamaShape | HybridShape, world: int, rank: int, where: str = "model") -> LlamaShape | HybridShape:
     """The shape rank `rank` of `world` holds (see the module doc); refuses output-projection biases
-    (they would be added W times) and splits that leave a rank no head."""
+    (they would be added W times) and splits that leave any rank no head (every rank says so)."""
     if getattr(shape, "o_bias", False) or shape.mlp_bias:
         raise RecipeError(f"{where}: output-projection biases are not supported with tensor parallelism")
     try:
-        heads = split_heads(shape.num_heads, shape.num_kv_heads, world, rank)
-        fields = {"num_heads": heads.q, "num_kv_heads": heads.kv,
-                  "intermediate_size": share(shape.intermediate_size, world, rank)[1]}
-        if isinstance(shape, HybridShape):
-            values = split_heads(shape.linear_value_heads, shape.linear_key_heads, world, rank, "linear_value_heads")
-            fields |= {"linear_value_heads": values.q, "linear_key_heads": values.kv}
+        heads, values = ([split_heads(shape.num_heads, shape.num_kv_heads, world, r) for r in range(world)],
+                         [split_heads(shape.linear_value_heads, shape.linear_key_heads, world, r,
+                                      ("linear_value_heads", "key heads")) for r in range(world)]
+                         if isinstance(shape, HybridShape) else None)
     except RecipeError as exc:
         raise RecipeError(f"{where}: {exc}") from None
+    fields = {"num_heads": heads[rank].q, "num_kv_heads": heads[rank].kv,
+              "intermediate_size": share(shape.intermediate_size, world, rank)[1]}
+    if values is not None:
+        fields |= {"linear_value_heads": values[rank].q, "linear_key_heads": values[rank].kv}
     return replace(shape, **fields)
 
 

@@ -209,8 +209,12 @@ def test_hybrid_with_the_fused_gated_delta_kernels_equals_transformers(hybrid_re
     lowering = {"kernels": {"gated_delta_step": "triton"}} if closed_form else {}
     program = on_gpu({"shape": "dynamic", "width": 4, "depth": 5, "nodes": 24}, shared_fixture("hybrid"),
                      max_new_tokens=128, dtype="float32", lowering=lowering)
-    step = program.stages["target"].model.layers[0].linear_attn.kernels.gated_delta_step
-    assert step is (gated_delta_step if closed_form else gated_delta_step_invariant)
+    from specgraph.kernels.gated_delta.invariant import gated_delta_commit_invariant
+    from specgraph.kernels.gated_delta.triton import gated_delta_commit
+    target = program.stages["target"]
+    assert target.model.layers[0].linear_attn.kernels.gated_delta_step is (
+        gated_delta_step if closed_form else gated_delta_step_invariant)
+    assert target.cache.kernels.gated_delta_commit is (gated_delta_commit if closed_form else gated_delta_commit_invariant)
     for ids, expected in hybrid_reference:
         assert program.generate(ids).output_ids == expected
 

@@ -264,8 +264,12 @@ def test_select_kernels_picks_triton_where_it_pays():
     assert auto.pop("gated_delta_step") == auto.pop("gated_delta_commit") == "invariant"  # the walk
     assert set(auto.values()) == {"triton"}
     for named in ("gated_delta_step", "gated_delta_commit"):  # naming one of the pair names both
-        chosen = on_gpu(kernels={named: "triton"})
-        assert chosen["gated_delta_step"] == chosen["gated_delta_commit"] == "triton"
+        for kind in ("triton", "reference"):
+            chosen = on_gpu(kernels={named: kind})
+            assert chosen["gated_delta_step"] == chosen["gated_delta_commit"] == kind
+    mixed = on_gpu(kernels={"gated_delta_step": "triton", "gated_delta_commit": "reference"})  # both closed forms
+    assert (mixed["gated_delta_step"], mixed["gated_delta_commit"]) == ("triton", "reference")
+    assert on_gpu(row_invariant=True)["gated_delta_commit"] == "invariant"
     reference = run_pipeline(graph(lowering={"kernels": "reference"}))
     assert set(reference.node("target")["kernels"].values()) == {"reference"}
     forced = run_pipeline(graph(lowering={"kernels": "triton"}))
@@ -276,6 +280,19 @@ def test_select_kernels_picks_triton_where_it_pays():
                                                    "gated_delta_step": "invariant", "gated_delta_commit": "invariant",
                                                    "add_rmsnorm": "triton", "rmsnorm": "triton", "rope_write": "triton"}
     assert invariant.node("draft")["kernels"] == cpu.node("draft")["kernels"]
+
+
+def test_an_exported_programs_caches_commit_in_closed_form_like_its_traced_step():
+    """A package's gated-DeltaNet step is the traced reference (closed form): where the plan would
+    give its cache the walk's commit (auto on a GPU), load_program gives the closed form's."""
+    from specgraph.export import closed_form_commits
+
+    placed = place(validate(graph()))
+    for name in placed.stages():
+        placed.node(name)["device"] = torch.device("cuda:0")
+    kernels = closed_form_commits(select_kernels(placed)).node("target")["kernels"]
+    assert kernels["gated_delta_step"] == kernels["gated_delta_commit"] == "triton"
+    assert set(closed_form_commits(run_pipeline(graph())).node("target")["kernels"].values()) == {"reference"}  # CPU
 
 
 def test_triton_kernels_on_the_cpu_outside_the_interpreter_are_refused(monkeypatch):

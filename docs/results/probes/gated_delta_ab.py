@@ -1,5 +1,6 @@
 # One-off probe, kept for the record: run 56 in docs/benchmarks.md (python3 docs/results/probes/gated_delta_ab.py NAME
-# [--set ...], from the repository root, with .fixtures/; one process per variant).
+# [KEY=VALUE ...] (recipe overrides, as --set takes them), from the repository root, with .fixtures/; one process per
+# variant; output: docs/results/run56-gated-delta-ab.txt).
 """The widened Qwen3.5-9B hybrid target with the recipe's tree and alone (ar): ms per decoded token
 and the tree's verify ms per step, over 8 prompts of prompts_code.jsonl x 128 tokens, 3 repeats."""
 import json

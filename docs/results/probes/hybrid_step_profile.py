@@ -1,5 +1,5 @@
 # One-off probe, kept for the record: run 54 in docs/benchmarks.md (python3 docs/results/probes/hybrid_step_profile.py
-# SHAPE [--set ...], from the repository root, with .fixtures/).
+# SHAPE [KEY=VALUE ...] (recipe overrides, as --set takes them), from the repository root, with .fixtures/).
 """Every CUDA kernel of one replayed autoregressive step of the widened hybrid target, with gaps,
 and the kernels' time summed by name."""
 import collections
