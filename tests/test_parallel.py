@@ -88,42 +88,27 @@ def test_widening_builds_each_ranks_shard_directly(model):
             assert torch.equal(a, b), name
 
 
-def test_a_hybrid_target_split_over_two_processes_decodes_the_tokens_of_transformers(hybrid_reference, tmp_path):
-    """The Qwen3.5 fixture, widened (same function) to 4 DeltaNet key heads over 8 value heads, over two
-    ranks: each keeps one of the two attention heads (the one KV head replicated), two key heads, each
-    read by two of its value heads, and half the MLP."""
+@pytest.mark.parametrize("heads, key_heads, value_heads, world, tokens", [(2, 4, 8, 2, 24), (3, 3, 6, 3, 16)],
+                         ids=["even-over-2", "uneven-over-3"])
+def test_a_hybrid_target_split_over_processes_decodes_the_tokens_of_transformers(hybrid_reference, tmp_path, heads,
+                                                                                 key_heads, value_heads, world, tokens):
+    """The Qwen3.5 fixture, widened (same function) to `heads` attention heads and `key_heads` DeltaNet
+    key heads over `value_heads` value heads, over `world` ranks. Over 2: an attention head each (the
+    one KV head replicated), two key heads each, each read by two of its value heads, half the MLP.
+    Over 3: an attention head each, a key head each with its two value heads, 342 + 341 + 341 MLP units."""
     small = load_model(shared_models() / "hybrid", torch.float32, "cpu")
-    wide = widen(small, replace(small.shape, linear_key_heads=4, linear_value_heads=8), "cpu", torch.float32, tied=True)
-    hybrid = save_checkpoint(wide, shared_models() / "hybrid", tmp_path / "hybrid", linear_num_key_heads=4,
-                             linear_num_value_heads=8)
-    recipe = two_stage(hybrid, EMBEDDED / "draft", {"shape": "static", "branching": [3, 2, 1]}, max_new_tokens=24)
+    wide = widen(small, replace(small.shape, num_heads=heads, linear_key_heads=key_heads,
+                                linear_value_heads=value_heads), "cpu", torch.float32, tied=True)
+    hybrid = save_checkpoint(wide, shared_models() / "hybrid", tmp_path / "hybrid", num_attention_heads=heads,
+                             linear_num_key_heads=key_heads, linear_num_value_heads=value_heads)
+    recipe = two_stage(hybrid, EMBEDDED / "draft", {"shape": "static", "branching": [3, 2, 1]}, max_new_tokens=tokens)
     ids, expected = hybrid_reference[0]
     with Program.from_recipe(Recipe.from_dict(recipe.model_dump(mode="json") | {"stages": [
             recipe.stages[0].model_dump(mode="json"),
-            recipe.stages[1].model_dump(mode="json") | {"devices": ["cpu", "cpu"]}]})) as split:
-        assert len(split.cluster.pids) == 2
+            recipe.stages[1].model_dump(mode="json") | {"devices": ["cpu"] * world}]})) as split:
+        assert len(split.cluster.pids) == world
         generation = split.generate(ids)
-    assert generation.output_ids == expected[:24] and max(generation.accepted_lengths) > 1
-
-
-def test_a_hybrid_target_split_unevenly_over_three_processes_decodes_the_tokens_of_transformers(hybrid_reference,
-                                                                                                  tmp_path):
-    """The Qwen3.5 fixture, widened (same function) to 3 attention heads and 3 DeltaNet key heads over 6
-    value heads, over three ranks: an attention head each (the one KV head on all), a key head each
-    with its two value heads, and 342 + 341 + 341 MLP units."""
-    small = load_model(shared_models() / "hybrid", torch.float32, "cpu")
-    wide = widen(small, replace(small.shape, num_heads=3, linear_key_heads=3, linear_value_heads=6), "cpu",
-                 torch.float32, tied=True)
-    hybrid = save_checkpoint(wide, shared_models() / "hybrid", tmp_path / "hybrid", num_attention_heads=3,
-                             linear_num_key_heads=3, linear_num_value_heads=6)
-    recipe = two_stage(hybrid, EMBEDDED / "draft", {"shape": "static", "branching": [3, 2, 1]}, max_new_tokens=16)
-    ids, expected = hybrid_reference[0]
-    with Program.from_recipe(Recipe.from_dict(recipe.model_dump(mode="json") | {"stages": [
-            recipe.stages[0].model_dump(mode="json"),
-            recipe.stages[1].model_dump(mode="json") | {"devices": ["cpu", "cpu", "cpu"]}]})) as split:
-        assert len(split.cluster.pids) == 3
-        generation = split.generate(ids)
-    assert generation.output_ids == expected[:16] and max(generation.accepted_lengths) > 1
+    assert generation.output_ids == expected[:tokens] and max(generation.accepted_lengths) > 1
 
 
 @pytest.mark.parametrize("world", [2, 3])
