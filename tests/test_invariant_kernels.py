@@ -99,14 +99,18 @@ def test_invariant_attention_of_a_prefill_chunk_and_of_a_drafters_level():
     assert (got - attention_reference(q[:, :, :3], k, v, level, slots)).abs().max() < 1e-5
 
 
-def test_rmsnorm_kernel_matches_reference_row_by_row():
-    """The per-head norms (any strides: a chunk of a projection) — one program a row."""
+@pytest.mark.parametrize("gated", [False, True])
+def test_rmsnorm_kernel_matches_reference_row_by_row(gated):
+    """Per-head norms (any strides: a chunk of a projection), plain or times silu(gate) — one program a row."""
     g = torch.Generator().manual_seed(0)
     q_gate = torch.randn(3, 5, 2, 2 * 24, generator=g)
     q, weight = q_gate.chunk(2, dim=-1)[0], torch.rand(24, generator=g) + 0.5  # q [3, 5, 2, 24], strided
-    got = rmsnorm(q, weight, 1e-6)
-    assert got.shape == q.shape and (got - rmsnorm_reference(q, weight, 1e-6)).abs().max() < 1e-5
-    assert torch.equal(got[1, 3], rmsnorm(q[1, 3], weight, 1e-6))
+    gate = (q_gate.chunk(2, dim=-1)[1] * 3,) if gated else ()
+    got = rmsnorm(q, weight, 1e-6, *gate)
+    assert got.shape == q.shape and (got - rmsnorm_reference(q, weight, 1e-6, *gate)).abs().max() < 1e-5
+    assert torch.equal(got[1, 3], rmsnorm(q[1, 3], weight, 1e-6, *(x[1, 3] for x in gate)))
+    if gated:  # the gate matters
+        assert (got - rmsnorm_reference(q, weight, 1e-6)).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("b, t, h, hk, dk, dv, depth", [

@@ -260,7 +260,6 @@ def test_select_kernels_picks_triton_where_it_pays():
         return select_kernels(placed).node("target")["kernels"]
 
     auto = on_gpu()
-    assert auto.pop("rmsnorm") == "reference"  # the norms left to Inductor
     assert auto.pop("gated_delta_step") == auto.pop("gated_delta_commit") == "invariant"  # the walk
     assert set(auto.values()) == {"triton"}
     for named in ("gated_delta_step", "gated_delta_commit"):  # naming one of the pair names both

@@ -17,12 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specgraph.cache import HybridCache
 from specgraph.kernels import Kernels
-from specgraph.kernels.rope.reference import apply_rotary
 from specgraph.models.llama import MLP, FUSED as LLAMA_FUSED, DecoderModel, RMSNorm, qkv_sizes, unsharded
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -120,8 +118,12 @@ def conv_windows(visible: torch.Tensor, kernel: int) -> torch.Tensor:
 class GatedRMSNorm(RMSNorm):
     """RMSNorm over each value head, then times silu(gate) (plain weight, not zero-centred)."""
 
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps)
+        self.kernels = Kernels()
+
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return (super().forward(x) * F.silu(gate.float())).to(x.dtype)
+        return self.kernels.rmsnorm(x, self.weight, self.eps, gate)
 
 
 class GatedDeltaNet(nn.Module):
@@ -154,7 +156,7 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    """Full attention with per-head q/k norms, partial rotary and a sigmoid gate on the output."""
+    """Full attention with per-head q/k norms, partial rotary (both in rope_write) and a sigmoid gate on the output."""
 
     def __init__(self, shape: HybridShape):
         super().__init__()
@@ -174,12 +176,8 @@ class GatedAttention(nn.Module):
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_gate, k, v = self.qkv_proj(x).split(qkv_sizes(2 * h, kv, d), dim=-1)
         q, gate = q_gate.view(b, t, h, 2 * d).chunk(2, dim=-1)  # [B, T, H, K] each
-        q = self.q_norm(q).transpose(1, 2)  # [B, H, T, K]
-        k = self.k_norm(k.view(b, t, kv, d)).transpose(1, 2)
-        rot = cos.shape[-1]
-        q, k = (torch.cat([apply_rotary(y[..., :rot], cos, sin), y[..., rot:]], dim=-1) for y in (q, k))
-        keys.index_copy_(2, slots, k)
-        values.index_copy_(2, slots, v.view(b, t, kv, d).transpose(1, 2))
+        q = self.kernels.rope_write(q, k.view(b, t, kv, d), v.view(b, t, kv, d), cos, sin, keys, values, slots,
+                                    self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)  # [B, H, T, K]; k, v cached
         out = self.kernels.attention(q, keys, values, mask, slots).transpose(1, 2).reshape(b, t, h * d)
         out = out * torch.sigmoid(gate.reshape(b, t, h * d))
         return self.reduce(self.kernels.linear(out, self.o_proj.weight, None))

@@ -95,14 +95,12 @@ def hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class RMSNorm(nn.Module):
+    """An RMSNorm's weight and eps, read by the kernel that applies it (add_rmsnorm, rope_write's per-head norms)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernels = Kernels()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.rmsnorm(x, self.weight, self.eps)
 
 
 def unsharded(x: torch.Tensor) -> torch.Tensor:
@@ -131,9 +129,8 @@ class Attention(nn.Module):
         q = q.view(b, t, self.num_heads, self.head_dim)  # [B, T, H, K]
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = self.kernels.rope_write(q, k, v, cos, sin, keys, values, slots)  # [B, H, T, K]; k, v cached
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else ()
+        q = self.kernels.rope_write(q, k, v, cos, sin, keys, values, slots, *norms)  # [B, H, T, K]; k, v cached
         out = self.kernels.attention(q, keys, values, mask, slots).transpose(1, 2).reshape(b, t, -1)  # [B, T, H K]
         return self.reduce(self.kernels.linear(out, self.o_proj.weight, self.o_proj.bias))
 
