@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specgraph.kernels.gated_delta.triton import fold_conv, gates, step_outputs, value_tile
+from specgraph.kernels.gated_delta.triton import (_beta_decay, _conv_silu, _qk, ROW_BLOCK, fold_conv, gates, key_heads,
+                                                  step_outputs, value_tile)
 from specgraph.kernels.pdl import launch
 
 
@@ -73,6 +74,44 @@ def _walk(q_in, v_in, beta_in, visible, state, states, out, step_k, step_u, step
         tl.debug_barrier()  # a stored state slice is visible to every thread before a later node reads it
 
 
+@triton.jit
+def _decode(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, state, out, step_k, step_u, step_decay,
+            H, HK, scale, s_in_b, s_w_b, s_a_b, s_conv_b, s_conv_t, s_sk_b, s_su_b, s_sd_b, K: tl.constexpr,
+            DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, RB: tl.constexpr,
+            PDL: tl.constexpr):
+    """A one-token step in one kernel, one program per (batch, value head, value tile of BV columns):
+    _gates' q, k, v (this tile's columns), beta and g of the token, in _gates' shapes (a block of
+    RB rows, one live), then _walk's node — the same arithmetic in the same shapes as _gates and
+    _walk at T = 1, so the same bits, with no scratch between them and one launch fewer."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    b, h, tile = tl.program_id(0) // H, tl.program_id(0) % H, tl.program_id(1)
+    keys, vals, rows = tl.arange(0, BK), tile * BV + tl.arange(0, BV), tl.arange(0, RB)
+    kmask, vmask, live = keys < DK, vals < DV, rows < 1
+    tile_mask = kmask[:, None] & vmask[None, :]
+    g_scale, g_bias = -tl.exp(tl.load(a_log + h).to(tl.float32)), tl.load(dt_bias + h).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    s = tl.load(state + (b * H + h) * DK * DV + keys[:, None] * DV + vals[None, :], mask=tile_mask, other=0.0)
+    q, k = _qk(inputs, conv, conv_w, windows, b, h // (H // HK), s_in_b, 0, s_conv_b, s_conv_t, rows, live, scale, HK,
+               K, DK, RB, BK)  # [RB, BK]
+    v = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, 0, s_conv_b, s_conv_t, rows, live,
+                   2 * HK * DK + h * DV + vals, vmask, K, RB, BV)  # [RB, BV]
+    beta, g = _beta_decay(write, decay_input, b, h, s_w_b, 0, s_a_b, 0, rows, live, g_scale, g_bias,
+                          inputs.dtype.element_ty)  # [RB]
+    first = rows == 0  # the token's row: a sum with zeros, exact
+    q, k = tl.sum(tl.where(first[:, None], q, 0.0), axis=0), tl.sum(tl.where(first[:, None], k, 0.0), axis=0)  # [BK]
+    v = tl.sum(tl.where(first[:, None], v, 0.0), axis=0)  # [BV]
+    beta, g = tl.sum(tl.where(first, beta, 0.0)), tl.sum(tl.where(first, g, 0.0))
+    u = beta * (v - tl.exp(g) * tl.sum(s * k[:, None], axis=0))  # [BV]
+    s = _advance(s, g, k, u)
+    tl.store(step_u + b * s_su_b + h * DV + vals, u, mask=vmask)
+    tl.store(out + (b * H + h) * DV + vals, tl.sum(s * q[:, None], axis=0).to(out.dtype.element_ty), mask=vmask)
+    if tile == 0:
+        tl.store(step_k + b * s_sk_b + h * DK + keys, k, mask=kmask)
+        tl.store(step_decay + b * s_sd_b + h, g)
+
+
 @torch.library.custom_op("specgraph::gated_delta_step_invariant", mutates_args=("step_k", "step_u", "step_decay"))
 def gated_delta_step_invariant(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor,
                                conv: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
@@ -82,15 +121,24 @@ def gated_delta_step_invariant(inputs: torch.Tensor, write: torch.Tensor, decay_
     """Signature and outputs as gated_delta_step_reference; step_decay gets each node's g (see the module doc)."""
     (b, t, _), (h, dk, dv) = inputs.shape, state.shape[1:]
     assert step_u.stride(2) == dv and step_u.stride(3) == 1, "step_u rows [H, dv] contiguous"
+    out, bv, bk = inputs.new_empty(b, t, h, dv), value_tile(dv), max(16, triton.next_power_of_2(dk))
+    if t == 1:
+        hk = key_heads(inputs, write, decay_input, conv, conv_weight, windows, state, step_k, step_decay)
+        _decode[(b * h, triton.cdiv(dv, bv))](inputs, write, decay_input, conv, conv_weight.contiguous(), A_log, dt_bias,
+                                              windows.contiguous(), state.contiguous(), out, step_k, step_u, step_decay,
+                                              h, hk, dk ** -0.5, inputs.stride(0), write.stride(0),
+                                              decay_input.stride(0), conv.stride(0), conv.stride(1), step_k.stride(0),
+                                              step_u.stride(0), step_decay.stride(0), K=conv_weight.shape[-1], DK=dk,
+                                              DV=dv, BK=bk, BV=bv, RB=ROW_BLOCK, **launch(inputs.device))
+        return out
     visible = visible.contiguous()
     q, v, beta = gates(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible, state, step_k,
                        step_decay, path=False)
     states = torch.empty(b, t, h, dk, dv, dtype=torch.float32, device=inputs.device)  # the stored nodes' S_i
-    out, bv = inputs.new_empty(b, t, h, dv), value_tile(dv)
     _walk[(b * h, triton.cdiv(dv, bv))](q, v, beta, visible, state.contiguous(), states, out, step_k, step_u,
                                         step_decay, t, h, step_k.stride(0), step_k.stride(1), step_u.stride(0),
                                         step_u.stride(1), step_decay.stride(0), step_decay.stride(1), DK=dk, DV=dv,
-                                        BK=max(16, triton.next_power_of_2(dk)), BV=bv,
+                                        BK=bk, BV=bv,
                                         BT=max(16, triton.next_power_of_2(t)), **launch(inputs.device))
     return out
 

@@ -49,6 +49,27 @@ def _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_con
     return (acc * tl.sigmoid(acc)).to(inputs.dtype.element_ty).to(tl.float32)
 
 
+@triton.jit
+def _qk(inputs, conv, conv_w, windows, b, hk, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live, scale, HK,
+        K: tl.constexpr, DK: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
+    """Rows' q and k [RB, BK] of key head hk: convolved, silu, L2-normalised, q scaled."""
+    keys = tl.arange(0, BK)
+    kmask = keys < DK
+    q = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live,
+                   hk * DK + keys, kmask, K, RB, BK)
+    k = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live,
+                   (HK + hk) * DK + keys, kmask, K, RB, BK)
+    return q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale, k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _beta_decay(write, decay_input, b, h, s_w_b, s_w_t, s_a_b, s_a_t, rows, live, g_scale, g_bias, dtype):
+    """Rows' write strength beta (rounded to the activations' dtype, like the reference) and own log-decay g [RB]."""
+    beta = tl.sigmoid(tl.load(write + b * s_w_b + rows * s_w_t + h, mask=live, other=0.0).to(tl.float32))
+    a = tl.load(decay_input + b * s_a_b + rows * s_a_t + h, mask=live, other=0.0).to(tl.float32)
+    return beta.to(dtype).to(tl.float32), g_scale * _softplus(a + g_bias)
+
+
 @triton.jit(do_not_specialize=["T"])  # (T = 1 compiles no other kernel: kernels/gated_delta/invariant.py)
 def _gates(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, visible, q_out, v_out, beta_out, step_k,
            step_decay, T, H, HK, scale, s_in_b, s_in_t, s_w_b, s_w_t, s_a_b, s_a_t, s_conv_b, s_conv_t, s_sk_b, s_sk_t,
@@ -70,23 +91,16 @@ def _gates(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, vi
     for r0 in range(0, T, RB):  # blocks of RB nodes
         rows = r0 + tl.arange(0, RB)
         live = rows < T
-        q = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live,
-                       hk * DK + keys, kmask, K, RB, BK)  # [RB, BK]
-        k = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live,
-                       (HK + hk) * DK + keys, kmask, K, RB, BK)
+        q, k = _qk(inputs, conv, conv_w, windows, b, hk, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live, scale, HK,
+                   K, DK, RB, BK)  # [RB, BK]
         v = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live,
                        2 * HK * DK + h * DV + vals, vmask, K, RB, BDV)  # [RB, BDV]
-        q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale
-        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-        beta = tl.sigmoid(tl.load(write + b * s_w_b + rows * s_w_t + h, mask=live, other=0.0).to(tl.float32))
-        beta = beta.to(inputs.dtype.element_ty).to(tl.float32)  # rounded like the reference
+        beta, decay = _beta_decay(write, decay_input, b, h, s_w_b, s_w_t, s_a_b, s_a_t, rows, live, g_scale, g_bias,
+                                  inputs.dtype.element_ty)  # [RB]: beta, g
         if PATH:
             seen = tl.load(visible + rows[:, None] * T + nodes[None, :], mask=live[:, None] & (nodes < T)[None, :],
                            other=0) != 0  # [RB, BT]: ancestors or self
             decay = tl.sum(tl.where(seen, g[None, :], 0.0), axis=1)  # [RB]: G
-        else:
-            a_rows = tl.load(decay_input + b * s_a_b + rows * s_a_t + h, mask=live, other=0.0).to(tl.float32)
-            decay = g_scale * _softplus(a_rows + g_bias)  # [RB]: g
         at = (b * T + rows[:, None]) * H + h  # row of [B, T, H, ...] scratch
         tl.store(q_out + at * DK + keys[None, :], q, mask=live[:, None] & kmask[None, :])
         tl.store(v_out + at * DV + vals[None, :], v, mask=live[:, None] & vmask[None, :])
@@ -160,6 +174,19 @@ def value_tile(dv: int) -> int:
     return min(triton.next_power_of_2(dv), 32)
 
 
+def key_heads(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor, conv: torch.Tensor,
+              conv_weight: torch.Tensor, windows: torch.Tensor, state: torch.Tensor, step_k: torch.Tensor,
+              step_decay: torch.Tensor) -> int:
+    """The step's key head count, once its tensors are checked to be what the kernels take."""
+    (_, t, c), (h, dk, dv), kernel = inputs.shape, state.shape[1:], conv_weight.shape[-1]
+    assert t <= step_k.shape[1] and windows.shape == (t, kernel), "step shapes disagree"
+    hk = (c - h * dv) // (2 * dk)
+    assert c == 2 * hk * dk + h * dv and h % hk == 0 and dv >= 16, "heads or head dims the kernels do not take"
+    assert all(x.stride(-1) == 1 for x in (inputs, write, decay_input, conv)), "needs unit-stride last dimensions"
+    assert (step_k.stride(2), step_k.stride(3), step_decay.stride(2)) == (dk, 1, 1), "step rows [H, dk], [H] contiguous"
+    return hk
+
+
 def gates(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor, conv: torch.Tensor,
           conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, windows: torch.Tensor,
           visible: torch.Tensor, state: torch.Tensor, step_k: torch.Tensor, step_decay: torch.Tensor,
@@ -167,12 +194,9 @@ def gates(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor, 
     """The _gates kernel (arguments as gated_delta_step's; visible contiguous): writes each node's k
     and log-decay (its path's sum G, or its own g) to step_k and step_decay and returns its q
     [B, T, H, dk], v [B, T, H, dv] and beta [B, T, H], fp32."""
-    (b, t, c), (h, dk, dv), kernel = inputs.shape, state.shape[1:], conv_weight.shape[-1]
-    assert t <= step_k.shape[1] and windows.shape == (t, kernel) and visible.shape == (t, t), "step shapes disagree"
-    hk = (c - h * dv) // (2 * dk)
-    assert c == 2 * hk * dk + h * dv and h % hk == 0 and dv >= 16, "heads or head dims the kernels do not take"
-    assert all(x.stride(-1) == 1 for x in (inputs, write, decay_input, conv)), "needs unit-stride last dimensions"
-    assert (step_k.stride(2), step_k.stride(3), step_decay.stride(2)) == (dk, 1, 1), "step rows [H, dk], [H] contiguous"
+    (b, t, _), (h, dk, dv), kernel = inputs.shape, state.shape[1:], conv_weight.shape[-1]
+    assert visible.shape == (t, t), "step shapes disagree"
+    hk = key_heads(inputs, write, decay_input, conv, conv_weight, windows, state, step_k, step_decay)
     q, v, beta = (torch.empty(b, t, h, *d, dtype=torch.float32, device=inputs.device) for d in ((dk,), (dv,), ()))
     _gates[(b * h,)](inputs, write, decay_input, conv, conv_weight.contiguous(), A_log, dt_bias, windows.contiguous(),
                      visible, q, v, beta, step_k, step_decay, t, h, hk, dk ** -0.5, inputs.stride(0), inputs.stride(1),
