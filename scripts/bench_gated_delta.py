@@ -69,7 +69,7 @@ def layer_inputs(shape, t: int, tree: Tree, generator: torch.Generator, device: 
             state)
     f32 = dict(dtype=torch.float32, device=device)
     steps = (torch.zeros(batch, step_tokens, h, dk, **f32), torch.zeros(batch, step_tokens, h, dv, **f32),
-             torch.zeros(batch, step_tokens, h, **f32))
+             torch.zeros(batch, step_tokens, h, **f32), torch.zeros(batch, step_tokens, c, **act))
     return args, steps
 
 

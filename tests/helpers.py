@@ -279,6 +279,5 @@ def one_token_steps(args: tuple, steps: tuple, path: list[int]) -> tuple[list[to
         token = (x[:, node : node + 1] for x in (inputs, write, decay_input))
         outs.append(gated_delta_step_invariant(*token, conv[0], conv_weight, a_log, dt_bias,
                                                conv_windows(alone, conv_weight.shape[-1]), alone, state[0], *steps)[:, 0])
-        gated_delta_commit_invariant(state, conv, *(x[None] for x in steps), inputs[None, :, node : node + 1].contiguous(),
-                                     torch.tensor([0], device=inputs.device))
+        gated_delta_commit_invariant(state, conv, *(x[None] for x in steps), torch.tensor([0], device=inputs.device))
     return outs, state[0], conv[0]

@@ -135,6 +135,5 @@ def test_invariant_gated_delta_gives_each_node_and_commit_the_bits_of_one_token_
         assert torch.equal(got[:, node], outs[-1]), node
         if node == t - 1:  # committing the path after the tree step leaves the one-token steps' state
             committed, window = args[9][None].clone(), args[3][None].clone()
-            gated_delta_commit_invariant(committed, window, *(x[None] for x in steps), args[0][None].contiguous(),
-                                         torch.tensor([*path, -1]))
+            gated_delta_commit_invariant(committed, window, *(x[None] for x in steps), torch.tensor([*path, -1]))
             assert torch.equal(committed[0], state) and torch.equal(window[0], conv)

@@ -265,6 +265,7 @@ def test_gated_delta_step_matches_reference(b, t, h, hk, dk, dv, depth, dtype):
     assert got.dtype == dtype and (got.float() - expected.float()).abs().max() <= tol * expected.float().abs().max()
     for name, x, y in zip(("k", "u", "G"), got_steps, expected_steps):
         assert (x - y).abs().max() <= tol * y.abs().max(), name
+    assert torch.equal(got_steps[3][:, :t], args[0]) and torch.equal(got_steps[3], expected_steps[3])  # the inputs kept
 
 
 @pytest.mark.parametrize("layers, b, h, dk, dv, kernel, path", [

@@ -145,12 +145,12 @@ class GatedDeltaNet(nn.Module):
                 step_inputs: torch.Tensor) -> torch.Tensor:
         """h [B, T, hidden]; windows [T, K] (see conv_windows); visible [T, T]; this layer's committed
         state [B, H, dk, dv] and conv inputs [B, K - 1, C], read only; step_* [B, STEP_TOKENS, ...]:
-        where the tokens' factors are left for the commit."""
+        where the step leaves the tokens' factors and inputs for the commit."""
         s, (b, t, _) = self.shape, h.shape
         inputs, z, write, a = self.in_proj(h).split(s.linear_sizes(), dim=-1)
-        step_inputs[:, :t] = inputs
         out = self.kernels.gated_delta_step(inputs, write, a, conv, self.conv1d.weight, self.A_log, self.dt_bias,
-                                            windows, visible, state, step_k, step_u, step_decay)  # [B, T, H, dv]
+                                            windows, visible, state, step_k, step_u, step_decay,
+                                            step_inputs)  # [B, T, H, dv]
         out = self.norm(out, z.reshape(out.shape)).reshape(b, t, -1)
         return self.reduce(self.kernels.linear(out, self.out_proj.weight, None))
 

@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specgraph.kernels.gated_delta.triton import (_beta_decay, _conv_silu, _qk, ROW_BLOCK, fold_conv, gates, key_heads,
-                                                  step_outputs, value_tile)
+from specgraph.kernels.gated_delta.triton import (_beta_decay, _conv_silu, _keep_inputs, _qk, ROW_BLOCK, fold_conv, gates,
+                                                  key_heads, step_outputs, value_tile)
 from specgraph.kernels.pdl import launch
 
 
@@ -76,7 +76,8 @@ def _walk(q_in, v_in, beta_in, visible, state, states, out, step_k, step_u, step
 
 @triton.jit
 def _decode(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, state, out, step_k, step_u, step_decay,
-            H, HK, scale, s_in_b, s_w_b, s_a_b, s_conv_b, s_conv_t, s_sk_b, s_su_b, s_sd_b, K: tl.constexpr,
+            step_inputs, H, HK, scale, s_in_b, s_w_b, s_a_b, s_conv_b, s_conv_t, s_sk_b, s_su_b, s_sd_b, s_si_b,
+            K: tl.constexpr,
             DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, RB: tl.constexpr,
             PDL: tl.constexpr):
     """A one-token step in one kernel, one program per (batch, value head, value tile of BV columns):
@@ -107,33 +108,36 @@ def _decode(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, s
     s = _advance(s, g, k, u)
     tl.store(step_u + b * s_su_b + h * DV + vals, u, mask=vmask)
     tl.store(out + (b * H + h) * DV + vals, tl.sum(s * q[:, None], axis=0).to(out.dtype.element_ty), mask=vmask)
+    _keep_inputs(inputs, step_inputs, b, h, h // (H // HK), s_in_b, 0, s_si_b, 0, rows, live, keys, kmask,
+                 vals, vmask, (tile == 0) & (h % (H // HK) == 0), HK, DK, DV)
     if tile == 0:
         tl.store(step_k + b * s_sk_b + h * DK + keys, k, mask=kmask)
         tl.store(step_decay + b * s_sd_b + h, g)
 
 
-@torch.library.custom_op("specgraph::gated_delta_step_invariant", mutates_args=("step_k", "step_u", "step_decay"))
+@torch.library.custom_op("specgraph::gated_delta_step_invariant",
+                         mutates_args=("step_k", "step_u", "step_decay", "step_inputs"))
 def gated_delta_step_invariant(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor,
                                conv: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
                                dt_bias: torch.Tensor, windows: torch.Tensor, visible: torch.Tensor,
                                state: torch.Tensor, step_k: torch.Tensor, step_u: torch.Tensor,
-                               step_decay: torch.Tensor) -> torch.Tensor:
+                               step_decay: torch.Tensor, step_inputs: torch.Tensor) -> torch.Tensor:
     """Signature and outputs as gated_delta_step_reference; step_decay gets each node's g (see the module doc)."""
     (b, t, _), (h, dk, dv) = inputs.shape, state.shape[1:]
     assert step_u.stride(2) == dv and step_u.stride(3) == 1, "step_u rows [H, dv] contiguous"
     out, bv, bk = inputs.new_empty(b, t, h, dv), value_tile(dv), max(16, triton.next_power_of_2(dk))
     if t == 1:
-        hk = key_heads(inputs, write, decay_input, conv, conv_weight, windows, state, step_k, step_decay)
+        hk = key_heads(inputs, write, decay_input, conv, conv_weight, windows, state, step_k, step_decay, step_inputs)
         _decode[(b * h, triton.cdiv(dv, bv))](inputs, write, decay_input, conv, conv_weight.contiguous(), A_log, dt_bias,
                                               windows.contiguous(), state.contiguous(), out, step_k, step_u, step_decay,
-                                              h, hk, dk ** -0.5, inputs.stride(0), write.stride(0),
+                                              step_inputs, h, hk, dk ** -0.5, inputs.stride(0), write.stride(0),
                                               decay_input.stride(0), conv.stride(0), conv.stride(1), step_k.stride(0),
-                                              step_u.stride(0), step_decay.stride(0), K=conv_weight.shape[-1], DK=dk,
+                                              step_u.stride(0), step_decay.stride(0), step_inputs.stride(0), K=conv_weight.shape[-1], DK=dk,
                                               DV=dv, BK=bk, BV=bv, RB=ROW_BLOCK, **launch(inputs.device))
         return out
     visible = visible.contiguous()
     q, v, beta = gates(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible, state, step_k,
-                       step_decay, path=False)
+                       step_decay, step_inputs, path=False)
     states = torch.empty(b, t, h, dk, dv, dtype=torch.float32, device=inputs.device)  # the stored nodes' S_i
     _walk[(b * h, triton.cdiv(dv, bv))](q, v, beta, visible, state.contiguous(), states, out, step_k, step_u,
                                         step_decay, t, h, step_k.stride(0), step_k.stride(1), step_u.stride(0),

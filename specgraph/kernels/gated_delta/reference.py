@@ -60,19 +60,20 @@ def gated_delta_step_reference(inputs: torch.Tensor, write: torch.Tensor, decay_
                                conv: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
                                dt_bias: torch.Tensor, windows: torch.Tensor, visible: torch.Tensor,
                                state: torch.Tensor, step_k: torch.Tensor, step_u: torch.Tensor,
-                               step_decay: torch.Tensor) -> torch.Tensor:
+                               step_decay: torch.Tensor, step_inputs: torch.Tensor) -> torch.Tensor:
     """One gated-DeltaNet layer over a tree of T tokens, from its input projections to its outputs.
     inputs [B, T, C] (the q, k, v channels, C = 2 Hk dk + H dv), write, decay_input [B, T, H] (the
     b and a rows); conv [B, K - 1, C], the committed conv inputs, and conv_weight [C, 1, K];
     A_log, dt_bias [H]; windows [T, K] (each node's conv inputs, indices into conv then inputs:
     models/hybrid.conv_windows); visible [T, T]; state [B, H, dk, dv] fp32, read only.
-    Writes the tokens' factors k, u and G to step_k [B, S, H, dk], step_u [B, S, H, dv],
-    step_decay [B, S, H] (rows [0, T)). Returns the outputs [B, T, H, dv] in the inputs' dtype."""
+    Leaves what the commit needs in rows [0, T) of the step buffers: the tokens' factors k, u and G
+    in step_k [B, S, H, dk], step_u [B, S, H, dv], step_decay [B, S, H], and their inputs in
+    step_inputs [B, S, C]. Returns the outputs [B, T, H, dv] in the inputs' dtype."""
     t = inputs.shape[1]
     q, k, v, g, beta = gated_delta_gates(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows,
                                          *state.shape[1:])
     out, u, decay = gated_delta_tree_reference(q, k, v, g, beta, state, visible)
-    step_k[:, :t], step_u[:, :t], step_decay[:, :t] = k, u, decay
+    step_k[:, :t], step_u[:, :t], step_decay[:, :t], step_inputs[:, :t] = k, u, decay, inputs
     return out.to(inputs.dtype)
 
 

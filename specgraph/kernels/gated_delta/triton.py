@@ -72,11 +72,12 @@ def _beta_decay(write, decay_input, b, h, s_w_b, s_w_t, s_a_b, s_a_t, rows, live
 
 @triton.jit(do_not_specialize=["T"])  # (T = 1 compiles no other kernel: kernels/gated_delta/invariant.py)
 def _gates(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, visible, q_out, v_out, beta_out, step_k,
-           step_decay, T, H, HK, scale, s_in_b, s_in_t, s_w_b, s_w_t, s_a_b, s_a_t, s_conv_b, s_conv_t, s_sk_b, s_sk_t,
-           s_sd_b, s_sd_t, K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+           step_decay, step_inputs, T, H, HK, scale, s_in_b, s_in_t, s_w_b, s_w_t, s_a_b, s_a_t, s_conv_b, s_conv_t,
+           s_sk_b, s_sk_t, s_sd_b, s_sd_t, s_si_b, s_si_t, K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
            BDV: tl.constexpr, RB: tl.constexpr, PATH: tl.constexpr, PDL: tl.constexpr):
     """One program per (batch, value head): each node's q, k (its key head's), v, beta, and into
-    step_decay its path log-decay G (PATH) or its own log-decay g (not PATH; `visible` unused)."""
+    step_decay its path log-decay G (PATH) or its own log-decay g (not PATH; `visible` unused);
+    copies the nodes' inputs to step_inputs (_keep_inputs)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     b, h = tl.program_id(0) // H, tl.program_id(0) % H
@@ -108,6 +109,26 @@ def _gates(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, vi
         tl.store(step_k + b * s_sk_b + rows[:, None] * s_sk_t + h * DK + keys[None, :], k,
                  mask=live[:, None] & kmask[None, :])
         tl.store(step_decay + b * s_sd_b + rows * s_sd_t + h, decay, mask=live)
+        _keep_inputs(inputs, step_inputs, b, h, hk, s_in_b, s_in_t, s_si_b, s_si_t, rows, live, keys, kmask,
+                     vals, vmask, h % (H // HK) == 0, HK, DK, DV)
+
+
+@triton.jit
+def _keep_inputs(inputs, step_inputs, b, h, hk, s_in_b, s_in_t, s_si_b, s_si_t, rows, live, keys, kmask, vals, vmask,
+                 QK, HK, DK: tl.constexpr, DV: tl.constexpr):
+    """Rows' inputs copied to step_inputs for the commit: value head h's `vals` channels, and with QK
+    its key head's q and k channels (QK true in one program of those reading key head hk)."""
+    rows_in, rows_out = b * s_in_b + rows[:, None] * s_in_t, b * s_si_b + rows[:, None] * s_si_t
+    channels = 2 * HK * DK + h * DV + vals
+    tl.store(step_inputs + rows_out + channels[None, :],
+             tl.load(inputs + rows_in + channels[None, :], mask=live[:, None] & vmask[None, :]),
+             mask=live[:, None] & vmask[None, :])
+    if QK:
+        for part in tl.static_range(2):
+            channels = (part * HK + hk) * DK + keys
+            tl.store(step_inputs + rows_out + channels[None, :],
+                     tl.load(inputs + rows_in + channels[None, :], mask=live[:, None] & kmask[None, :]),
+                     mask=live[:, None] & kmask[None, :])
 
 
 @triton.jit
@@ -176,13 +197,14 @@ def value_tile(dv: int) -> int:
 
 def key_heads(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor, conv: torch.Tensor,
               conv_weight: torch.Tensor, windows: torch.Tensor, state: torch.Tensor, step_k: torch.Tensor,
-              step_decay: torch.Tensor) -> int:
+              step_decay: torch.Tensor, step_inputs: torch.Tensor) -> int:
     """The step's key head count, once its tensors are checked to be what the kernels take."""
     (_, t, c), (h, dk, dv), kernel = inputs.shape, state.shape[1:], conv_weight.shape[-1]
     assert t <= step_k.shape[1] and windows.shape == (t, kernel), "step shapes disagree"
     hk = (c - h * dv) // (2 * dk)
     assert c == 2 * hk * dk + h * dv and h % hk == 0 and dv >= 16, "heads or head dims the kernels do not take"
-    assert all(x.stride(-1) == 1 for x in (inputs, write, decay_input, conv)), "needs unit-stride last dimensions"
+    assert all(x.stride(-1) == 1 for x in (inputs, write, decay_input, conv, step_inputs)), \
+        "needs unit-stride last dimensions"
     assert (step_k.stride(2), step_k.stride(3), step_decay.stride(2)) == (dk, 1, 1), "step rows [H, dk], [H] contiguous"
     return hk
 
@@ -190,35 +212,37 @@ def key_heads(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tens
 def gates(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor, conv: torch.Tensor,
           conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, windows: torch.Tensor,
           visible: torch.Tensor, state: torch.Tensor, step_k: torch.Tensor, step_decay: torch.Tensor,
-          path: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          step_inputs: torch.Tensor, path: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The _gates kernel (arguments as gated_delta_step's; visible contiguous): writes each node's k
-    and log-decay (its path's sum G, or its own g) to step_k and step_decay and returns its q
+    and log-decay (its path's sum G, or its own g) to step_k and step_decay, its inputs to
+    step_inputs, and returns its q
     [B, T, H, dk], v [B, T, H, dv] and beta [B, T, H], fp32."""
     (b, t, _), (h, dk, dv), kernel = inputs.shape, state.shape[1:], conv_weight.shape[-1]
     assert visible.shape == (t, t), "step shapes disagree"
-    hk = key_heads(inputs, write, decay_input, conv, conv_weight, windows, state, step_k, step_decay)
+    hk = key_heads(inputs, write, decay_input, conv, conv_weight, windows, state, step_k, step_decay, step_inputs)
     q, v, beta = (torch.empty(b, t, h, *d, dtype=torch.float32, device=inputs.device) for d in ((dk,), (dv,), ()))
     _gates[(b * h,)](inputs, write, decay_input, conv, conv_weight.contiguous(), A_log, dt_bias, windows.contiguous(),
-                     visible, q, v, beta, step_k, step_decay, t, h, hk, dk ** -0.5, inputs.stride(0), inputs.stride(1),
-                     write.stride(0), write.stride(1), decay_input.stride(0), decay_input.stride(1), conv.stride(0),
-                     conv.stride(1), step_k.stride(0), step_k.stride(1), step_decay.stride(0), step_decay.stride(1),
+                     visible, q, v, beta, step_k, step_decay, step_inputs, t, h, hk, dk ** -0.5, inputs.stride(0),
+                     inputs.stride(1), write.stride(0), write.stride(1), decay_input.stride(0), decay_input.stride(1),
+                     conv.stride(0), conv.stride(1), step_k.stride(0), step_k.stride(1), step_decay.stride(0),
+                     step_decay.stride(1), step_inputs.stride(0), step_inputs.stride(1),
                      K=kernel, DK=dk, DV=dv, BT=max(16, triton.next_power_of_2(t)), BK=max(16, triton.next_power_of_2(dk)),
                      BDV=max(16, triton.next_power_of_2(dv)), RB=ROW_BLOCK, PATH=path, **launch(inputs.device))
     return q, v, beta
 
 
-@torch.library.custom_op("specgraph::gated_delta_step", mutates_args=("step_k", "step_u", "step_decay"))
+@torch.library.custom_op("specgraph::gated_delta_step", mutates_args=("step_k", "step_u", "step_decay", "step_inputs"))
 def gated_delta_step(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor, conv: torch.Tensor,
                      conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, windows: torch.Tensor,
                      visible: torch.Tensor, state: torch.Tensor, step_k: torch.Tensor, step_u: torch.Tensor,
-                     step_decay: torch.Tensor) -> torch.Tensor:
+                     step_decay: torch.Tensor, step_inputs: torch.Tensor) -> torch.Tensor:
     """Same signature and result as gated_delta_step_reference (last dimensions contiguous; conv
     window, state and step tensors contiguous per batch row)."""
     (b, t, _), (h, dk, dv) = inputs.shape, state.shape[1:]
     assert step_u.stride(2) == dv and step_u.stride(3) == 1, "step_u rows [H, dv] contiguous"
     visible = visible.contiguous()
     q, v, beta = gates(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible, state, step_k,
-                       step_decay, path=True)
+                       step_decay, step_inputs, path=True)
     out, bk, bv = inputs.new_empty(b, t, h, dv), max(16, triton.next_power_of_2(dk)), value_tile(dv)
     _tree[(b * h, triton.cdiv(dv, bv))](q, v, beta, visible, state.contiguous(), out, step_k, step_u, step_decay, t, h,
                                         step_k.stride(0), step_k.stride(1), step_u.stride(0), step_u.stride(1),
@@ -229,7 +253,7 @@ def gated_delta_step(inputs: torch.Tensor, write: torch.Tensor, decay_input: tor
 
 @gated_delta_step.register_fake
 def step_outputs(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible, state, step_k, step_u,
-                 step_decay):
+                 step_decay, step_inputs):
     """A gated-DeltaNet step's outputs [B, T, H, dv], unfilled (the fake of every step op)."""
     (b, t, _), (h, _, dv) = inputs.shape, state.shape[1:]
     return inputs.new_empty(b, t, h, dv)
