@@ -95,9 +95,9 @@ def _decode(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, s
         tl.extra.cuda.gdc_wait()
     s = tl.load(state + (b * H + h) * DK * DV + keys[:, None] * DV + vals[None, :], mask=tile_mask, other=0.0)
     q, k = _qk(inputs, conv, conv_w, windows, b, h // (H // HK), s_in_b, 0, s_conv_b, s_conv_t, rows, live, scale, HK,
-               K, DK, RB, BK)  # [RB, BK]
+               K, DK, RB, BK, True)  # [RB, BK]
     v = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, 0, s_conv_b, s_conv_t, rows, live,
-                   2 * HK * DK + h * DV + vals, vmask, K, RB, BV)  # [RB, BV]
+                   2 * HK * DK + h * DV + vals, vmask, K, RB, BV, True)  # [RB, BV]
     beta, g = _beta_decay(write, decay_input, b, h, s_w_b, 0, s_a_b, 0, rows, live, g_scale, g_bias,
                           inputs.dtype.element_ty)  # [RB]
     first = rows == 0  # the token's row: a sum with zeros, exact

@@ -33,12 +33,16 @@ def _softplus(x):
 
 @triton.jit
 def _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live, channels, cmask,
-               K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+               K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, ONE: tl.constexpr):
     """silu of each node's convolution over its window, for `channels` [BC] -> [BT, BC] fp32, rounded
-    to the activations' dtype like the reference."""
+    to the activations' dtype like the reference. ONE: a one-token step, whose window is known (the
+    committed inputs, then the token: windows unread, one load fewer before the arithmetic)."""
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(K):
-        idx = tl.load(windows + rows * K + j, mask=live, other=K - 1)  # [BT]: < K - 1 in the committed window
+        if ONE:
+            idx = tl.full([BT], j, tl.int32)
+        else:
+            idx = tl.load(windows + rows * K + j, mask=live, other=K - 1)  # [BT]: < K - 1 in the committed window
         old, new = live & (idx < K - 1), live & (idx >= K - 1)
         x = tl.load(conv + b * s_conv_b + idx[:, None] * s_conv_t + channels[None, :],
                     mask=old[:, None] & cmask[None, :], other=0.0).to(tl.float32)
@@ -51,14 +55,14 @@ def _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_con
 
 @triton.jit
 def _qk(inputs, conv, conv_w, windows, b, hk, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live, scale, HK,
-        K: tl.constexpr, DK: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
+        K: tl.constexpr, DK: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr):
     """Rows' q and k [RB, BK] of key head hk: convolved, silu, L2-normalised, q scaled."""
     keys = tl.arange(0, BK)
     kmask = keys < DK
     q = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live,
-                   hk * DK + keys, kmask, K, RB, BK)
+                   hk * DK + keys, kmask, K, RB, BK, ONE)
     k = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live,
-                   (HK + hk) * DK + keys, kmask, K, RB, BK)
+                   (HK + hk) * DK + keys, kmask, K, RB, BK, ONE)
     return q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale, k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
 
 
@@ -93,9 +97,9 @@ def _gates(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, vi
         rows = r0 + tl.arange(0, RB)
         live = rows < T
         q, k = _qk(inputs, conv, conv_w, windows, b, hk, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live, scale, HK,
-                   K, DK, RB, BK)  # [RB, BK]
+                   K, DK, RB, BK, False)  # [RB, BK]
         v = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live,
-                       2 * HK * DK + h * DV + vals, vmask, K, RB, BDV)  # [RB, BDV]
+                       2 * HK * DK + h * DV + vals, vmask, K, RB, BDV, False)  # [RB, BDV]
         beta, decay = _beta_decay(write, decay_input, b, h, s_w_b, s_w_t, s_a_b, s_a_t, rows, live, g_scale, g_bias,
                                   inputs.dtype.element_ty)  # [RB]: beta, g
         if PATH:
