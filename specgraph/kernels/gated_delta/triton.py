@@ -123,15 +123,15 @@ def _keep_inputs(inputs, step_inputs, b, h, hk, s_in_b, s_in_t, s_si_b, s_si_t, 
     """Rows' inputs copied to step_inputs for the commit: value head h's `vals` channels, and with QK
     its key head's q and k channels (QK true in one program of those reading key head hk)."""
     rows_in, rows_out = b * s_in_b + rows[:, None] * s_in_t, b * s_si_b + rows[:, None] * s_si_t
-    channels = 2 * HK * DK + h * DV + vals
-    tl.store(step_inputs + rows_out + channels[None, :],
-             tl.load(inputs + rows_in + channels[None, :], mask=live[:, None] & vmask[None, :]),
+    v_channels = 2 * HK * DK + h * DV + vals
+    tl.store(step_inputs + rows_out + v_channels[None, :],
+             tl.load(inputs + rows_in + v_channels[None, :], mask=live[:, None] & vmask[None, :]),
              mask=live[:, None] & vmask[None, :])
     if QK:
         for part in tl.static_range(2):
-            channels = (part * HK + hk) * DK + keys
-            tl.store(step_inputs + rows_out + channels[None, :],
-                     tl.load(inputs + rows_in + channels[None, :], mask=live[:, None] & kmask[None, :]),
+            qk_channels = (part * HK + hk) * DK + keys
+            tl.store(step_inputs + rows_out + qk_channels[None, :],
+                     tl.load(inputs + rows_in + qk_channels[None, :], mask=live[:, None] & kmask[None, :]),
                      mask=live[:, None] & kmask[None, :])
 
 
