@@ -67,3 +67,9 @@ def small_hybrid(tmp_path_factory) -> Path:
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
+
+
+if os.environ.get("SPECGRAPH_RECORD_LAUNCHES"):  # tests/test_kernels_compile.py: what the kernel tests launch
+    from kernel_launches import record_to  # noqa: E402
+
+    record_to(os.environ["SPECGRAPH_RECORD_LAUNCHES"])

@@ -1,0 +1,93 @@
+"""Triton kernels as a GPU compiles them, checked on the CPU.
+
+Triton's interpreter (TRITON_INTERPRET=1, how the CPU tests run our kernels) executes a kernel as
+Python, so a kernel that Triton's compiler refuses — a variable given another shape inside an
+`if`, say — passes every interpreted test and fails only on a GPU. `record_to` makes interpreted
+launches append what the compiler needs (argument types, constexpr values) to a file; run as
+`python tests/kernel_launches.py FILE` (without the interpreter) this module compiles each recorded
+launch to PTX for a Hopper GPU (sm_90), dependent launch on, and prints the kernels Triton refuses."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import sys
+
+import torch
+
+POINTEE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
+           torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+
+
+def _type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + POINTEE[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"a kernel argument of type {type(value).__name__}")
+
+
+def record_to(path: str) -> None:
+    """From now on, every interpreted kernel launch appends one JSON line to `path`."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        params = inspect.signature(self.fn).parameters
+        bound = dict(zip(params, args)) | {k: v for k, v in kwargs.items() if k in params}
+        constexprs = {n: v for n, v in bound.items() if "constexpr" in str(params[n].annotation)}
+        launch = {"module": self.fn.__module__, "kernel": self.fn.__name__, "constexprs": constexprs,
+                  "signature": {n: _type(v) for n, v in bound.items() if n not in constexprs}}
+        with open(path, "a") as out:
+            out.write(json.dumps(launch, sort_keys=True) + "\n")
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording
+
+
+def launched_kernels(package: str = "specgraph.kernels") -> set[tuple[str, str]]:
+    """(module, kernel) of every @triton.jit function that its module launches (`name[grid](...)`)."""
+    import pkgutil
+
+    found = set()
+    for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
+        module = importlib.import_module(info.name)
+        source = inspect.getsource(module)
+        found |= {(info.name, name) for name, obj in vars(module).items()
+                  if type(obj).__name__ in ("JITFunction", "InterpretedFunction") and obj.fn.__module__ == info.name
+                  and f"{name}[" in source}
+    return found
+
+
+def compile_all(path: str) -> list[str]:
+    """Compile every distinct recorded launch for sm_90; returns one line per refused kernel."""
+    from triton import compile as compile_kernel
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    refused = []
+    for line in sorted(set(open(path).read().splitlines())):
+        launch = json.loads(line)
+        kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+        constexprs = launch["constexprs"] | ({"PDL": True} if "PDL" in launch["constexprs"] else {})
+        names = kernel.arg_names
+        signature = {n: "constexpr" if n in constexprs else launch["signature"][n] for n in names}
+        source = ASTSource(fn=kernel, signature=signature,
+                           constexprs={(names.index(n),): v for n, v in constexprs.items()})
+        try:
+            compile_kernel(source, target=GPUTarget("cuda", 90, 32))
+        except Exception as error:  # noqa: BLE001 (the compiler's errors have no common type)
+            refused.append(f"{launch['module']}.{launch['kernel']} {constexprs}: {str(error).splitlines()[0]}")
+    return refused
+
+
+if __name__ == "__main__":
+    failures = compile_all(sys.argv[1])
+    print("\n".join(failures) or "every recorded launch compiles for sm_90")
+    sys.exit(1 if failures else 0)
