@@ -9,9 +9,10 @@ i continues its parent's state S — still on chip when the parent is node i - 1
 from where the parent left it (the committed state for a root) — with the recurrence as it reads:
     u_i = beta_i (v_i - e^{g_i} S^T k_i),   S_i = e^{g_i} S + k_i u_i^T (`_advance`),   o_i = S_i^T q_i
 The commit re-runs `_advance` along the accepted path from the stored k, u and g, leaving the
-path's last S_i bit for bit. A one-token step is the same code with T = 1, so autoregressive
-decoding and every tree agree. The cost: a step's nodes are dependent updates (a prompt chunk of
-128 tokens is 128 of them), and a node whose children do not follow it stores its state slice.
+path's last S_i bit for bit. A one-token step (autoregressive decoding) is one kernel, `_decode`:
+the arithmetic of `_gates` and `_walk` at T = 1 in the same shapes, so decoding and every tree
+agree. The cost: a step's nodes are dependent updates (a prompt chunk of 128 tokens is 128 of
+them), and a node whose children do not follow it stores its state slice.
 
 step_decay holds each node's own log-decay g, not the closed form's path sums G: the step and
 the commit come as a pair (kernels.ROW_INVARIANT).
@@ -77,8 +78,7 @@ def _walk(q_in, v_in, beta_in, visible, state, states, out, step_k, step_u, step
 @triton.jit
 def _decode(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, state, out, step_k, step_u, step_decay,
             step_inputs, H, HK, scale, s_in_b, s_w_b, s_a_b, s_conv_b, s_conv_t, s_sk_b, s_su_b, s_sd_b, s_si_b,
-            K: tl.constexpr,
-            DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, RB: tl.constexpr,
+            K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, RB: tl.constexpr,
             PDL: tl.constexpr):
     """A one-token step in one kernel, one program per (batch, value head, value tile of BV columns):
     _gates' q, k, v (this tile's columns), beta and g of the token, in _gates' shapes (a block of
@@ -132,8 +132,9 @@ def gated_delta_step_invariant(inputs: torch.Tensor, write: torch.Tensor, decay_
                                               windows.contiguous(), state.contiguous(), out, step_k, step_u, step_decay,
                                               step_inputs, h, hk, dk ** -0.5, inputs.stride(0), write.stride(0),
                                               decay_input.stride(0), conv.stride(0), conv.stride(1), step_k.stride(0),
-                                              step_u.stride(0), step_decay.stride(0), step_inputs.stride(0), K=conv_weight.shape[-1], DK=dk,
-                                              DV=dv, BK=bk, BV=bv, RB=ROW_BLOCK, **launch(inputs.device))
+                                              step_u.stride(0), step_decay.stride(0), step_inputs.stride(0),
+                                              K=conv_weight.shape[-1], DK=dk, DV=dv, BK=bk, BV=bv, RB=ROW_BLOCK,
+                                              **launch(inputs.device))
         return out
     visible = visible.contiguous()
     q, v, beta = gates(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible, state, step_k,
