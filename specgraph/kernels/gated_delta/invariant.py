@@ -35,6 +35,15 @@ def _advance(s, g, k, u):
     return tl.fma(s, tl.exp(g), k[:, None] * u[None, :])
 
 
+@triton.jit
+def _node(s, q, k, v, beta, g):
+    """One node's recurrence from its parent's state slice s [BK, BV] (q, k [BK], v [BV]): its state,
+    u [BV] and output [BV] fp32 — the one arithmetic of _walk's nodes and _decode's token."""
+    u = beta * (v - tl.exp(g) * tl.sum(s * k[:, None], axis=0))
+    s = _advance(s, g, k, u)
+    return s, u, tl.sum(s * q[:, None], axis=0)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _walk(q_in, v_in, beta_in, visible, state, states, out, step_k, step_u, step_decay, T, H, s_sk_b, s_sk_t,
           s_su_b, s_su_t, s_sd_b, s_sd_t, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -66,10 +75,9 @@ def _walk(q_in, v_in, beta_in, visible, state, states, out, step_k, step_u, step
         k = tl.load(step_k + b * s_sk_b + i * s_sk_t + h * DK + keys, mask=kmask, other=0.0)
         v = tl.load(v_in + at * DV + vals, mask=vmask, other=0.0)
         beta, g = tl.load(beta_in + at), tl.load(step_decay + b * s_sd_b + i * s_sd_t + h)
-        u = beta * (v - tl.exp(g) * tl.sum(s * k[:, None], axis=0))  # [BV]
-        s = _advance(s, g, k, u)
+        s, u, o = _node(s, q, k, v, beta, g)
         tl.store(step_u + b * s_su_b + i * s_su_t + h * DV + vals, u, mask=vmask)
-        tl.store(out + at * DV + vals, tl.sum(s * q[:, None], axis=0).to(out.dtype.element_ty), mask=vmask)
+        tl.store(out + at * DV + vals, o.to(out.dtype.element_ty), mask=vmask)
         keep = tl.sum(tl.where(nodes == i, kept, 0)) != 0
         tl.store(states + ((b * T + i) * H + h) * DK * DV + slice_at, s, mask=tile_mask & keep)
         tl.debug_barrier()  # a stored state slice is visible to every thread before a later node reads it
@@ -87,6 +95,7 @@ def _decode(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, s
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     b, h, tile = tl.program_id(0) // H, tl.program_id(0) % H, tl.program_id(1)
+    group = H // HK  # value heads per key head
     keys, vals, rows = tl.arange(0, BK), tile * BV + tl.arange(0, BV), tl.arange(0, RB)
     kmask, vmask, live = keys < DK, vals < DV, rows < 1
     tile_mask = kmask[:, None] & vmask[None, :]
@@ -94,7 +103,7 @@ def _decode(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, s
     if PDL:
         tl.extra.cuda.gdc_wait()
     s = tl.load(state + (b * H + h) * DK * DV + keys[:, None] * DV + vals[None, :], mask=tile_mask, other=0.0)
-    q, k = _qk(inputs, conv, conv_w, windows, b, h // (H // HK), s_in_b, 0, s_conv_b, s_conv_t, rows, live, scale, HK,
+    q, k = _qk(inputs, conv, conv_w, windows, b, h // group, s_in_b, 0, s_conv_b, s_conv_t, rows, live, scale, HK,
                K, DK, RB, BK, True)  # [RB, BK]
     v = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, 0, s_conv_b, s_conv_t, rows, live,
                    2 * HK * DK + h * DV + vals, vmask, K, RB, BV, True)  # [RB, BV]
@@ -104,12 +113,11 @@ def _decode(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, s
     q, k = tl.sum(tl.where(first[:, None], q, 0.0), axis=0), tl.sum(tl.where(first[:, None], k, 0.0), axis=0)  # [BK]
     v = tl.sum(tl.where(first[:, None], v, 0.0), axis=0)  # [BV]
     beta, g = tl.sum(tl.where(first, beta, 0.0)), tl.sum(tl.where(first, g, 0.0))
-    u = beta * (v - tl.exp(g) * tl.sum(s * k[:, None], axis=0))  # [BV]
-    s = _advance(s, g, k, u)
+    _, u, o = _node(s, q, k, v, beta, g)
     tl.store(step_u + b * s_su_b + h * DV + vals, u, mask=vmask)
-    tl.store(out + (b * H + h) * DV + vals, tl.sum(s * q[:, None], axis=0).to(out.dtype.element_ty), mask=vmask)
-    _keep_inputs(inputs, step_inputs, b, h, h // (H // HK), s_in_b, 0, s_si_b, 0, rows, live, keys, kmask,
-                 vals, vmask, (tile == 0) & (h % (H // HK) == 0), HK, DK, DV)
+    tl.store(out + (b * H + h) * DV + vals, o.to(out.dtype.element_ty), mask=vmask)
+    _keep_inputs(inputs, step_inputs, b, h, h // group, s_in_b, 0, s_si_b, 0, rows, live, keys, kmask,
+                 vals, vmask, (tile == 0) & (h % group == 0), HK, DK, DV)
     if tile == 0:
         tl.store(step_k + b * s_sk_b + h * DK + keys, k, mask=kmask)
         tl.store(step_decay + b * s_sd_b + h, g)
