@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specgraph.kernels.attention import token_major_like
 from specgraph.kernels.pdl import launch
 
 SPLIT = 128  # positions per split (H200, 21-node trees over 300-1000 positions: 128 ran faster than 64)
@@ -201,7 +202,7 @@ def attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     part_m = torch.empty(b * h_kv * splits * rows, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     ends = torch.empty(rows, dtype=torch.int32, device=q.device)
-    out = torch.empty_like(q)
+    out = token_major_like(q)
     blocks = triton.cdiv(t, tokens)
     common = dict(GROUP=group, GROUP_P2=group_p2, TOKENS=tokens, SPLIT=SPLIT, D=d,
                   BLOCK_D=max(16, triton.next_power_of_2(d)), **launch(q.device))
@@ -217,4 +218,4 @@ def attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 @attention_invariant.register_fake
 def _(q, k_cache, v_cache, mask, slots):
-    return torch.empty_like(q)
+    return token_major_like(q)

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specgraph.kernels.attention import token_major_like
 from specgraph.kernels.pdl import launch
 
 
@@ -122,7 +123,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mas
     part_o = torch.empty(b * h_kv * splits * rows, d, dtype=torch.float32, device=q.device)
     part_m = torch.empty(b * h_kv * splits * rows, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
-    out = torch.empty_like(q)
+    out = token_major_like(q)
     row_blocks = triton.cdiv(rows, block_m)
     stream = torch.cuda.current_stream(q.device).stream_id if q.is_cuda else 0
     key = (q.device, b * h_kv * row_blocks, stream)
@@ -141,4 +142,4 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mas
 
 @attention.register_fake
 def _(q, k_cache, v_cache, mask, slots):
-    return torch.empty_like(q)
+    return token_major_like(q)

@@ -1,11 +1,15 @@
-"""Triton projection of one token (decoding's matrix-vector product).
+"""Triton projection of one token (decoding's matrix-vector product) or a few.
 
 For a single token, cuBLAS splits the long K of the output and down projections over programs and
 adds the parts in a second kernel. Here a program takes one weight row (BLOCK_N) and walks all of
 K, reading each weight once with fp32 accumulation: one kernel, which on an H200 ran 2 us (o_proj,
 4096 x 4096) and 1 us (down_proj, 4096 x 14336) faster than cuBLAS (docs/benchmarks.md). Launched
-dependently, its programs load their first weight tile before the activations exist. More than
-one token (tree verification, prefill) goes to cuBLAS.
+dependently, its programs load their first weight tile before the activations exist.
+
+Two to FEW_ROWS tokens (a drafter's tree levels, a catch-up) go to the tensor-core tiles of
+invariant.py (one read of the weights, launched dependently): on an H200 they ran 0.4-1.7 us faster than cuBLAS per o, down and logits projection of
+2-16 tokens at the Llama-3.2-1B, 3B and Llama-3-8B shapes (docs/benchmarks.md, run 63). More tokens
+(tree verification, prefill) go to cuBLAS.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specgraph.kernels.linear.invariant import project_rows
 from specgraph.kernels.pdl import launch
+
+FEW_ROWS = 16  # the most tokens projected by tensor-core tiles rather than cuBLAS
 
 
 @triton.jit
@@ -48,8 +55,10 @@ def _gemv(x, w, bias, out, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Same signature and result as linear_reference."""
     n, k = weight.shape
-    if x.numel() != k:  # several tokens
+    if x.numel() > FEW_ROWS * k:  # many tokens
         return F.linear(x, weight, bias)
+    if x.numel() != k:  # a few
+        return project_rows(x, weight, bias)
     if weight.stride() != (k, 1):
         raise ValueError("the one-token projection needs a contiguous [N, K] weight")
     out = torch.empty(n, dtype=x.dtype, device=x.device)
