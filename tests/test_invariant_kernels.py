@@ -77,6 +77,7 @@ def test_invariant_attention_matches_reference_and_gives_each_node_its_bits_alon
     got = attention_invariant(q, k, v, mask, slots)
     assert (got - attention_reference(q, k, v, mask, slots)).abs().max() < 1e-5
     assert got.transpose(1, 2).is_contiguous()  # token-major, as the split kernel's
+    torch.library.opcheck(attention_invariant, (q, k, v, mask, slots), test_utils=("test_faketensor",))
     for node in range(t):
         assert torch.equal(got[:, :, node], path_alone(k, v, q, mask, prefix, node))
 

@@ -22,6 +22,8 @@ from specgraph.kernels.gated_delta.reference import _fold_state
 from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.kernels.kv_move.triton import kv_move
 from specgraph.kernels.linear import linear_reference
+from specgraph.kernels.linear import triton as linear_triton
+from specgraph.kernels.linear.invariant import project_rows
 from specgraph.kernels.linear.triton import linear
 from specgraph.kernels.norm import add_rmsnorm_reference
 from specgraph.kernels.norm.triton import add_rmsnorm
@@ -59,6 +61,7 @@ def test_step_attention_matches_reference(b, h, hkv, t, d, prefix, width, dtype)
     got = attention(q, k, v, mask, slots)
     assert got.dtype == dtype and got.shape == q.shape
     assert got.transpose(1, 2).is_contiguous()  # token-major: the output projection reads it without a copy
+    torch.library.opcheck(attention, (q, k, v, mask, slots), test_utils=("test_faketensor",))  # compiled: the same layout
     assert (got.float() - expected).abs().max() < TOL[dtype]
 
 
@@ -201,16 +204,20 @@ def test_sampling_acceptance_by_hand(accept):
     (1, 300, 70, True, torch.float32),  # a bias; K under one step of 1024
     (1, 1100, 33, False, torch.bfloat16),  # K past one step of 1024
     (2, 37, 19, True, torch.float32),  # a few tokens: the tensor-core tiles of invariant.py
-    (16, 1100, 70, False, torch.float32),  # FEW_ROWS, K split (fp32: the interpreter's bf16 tl.dot is wrong)
+    (16, 1100, 70, True, torch.float32),  # FEW_ROWS; K split, bias added with the splits (fp32: the
+    #                                       interpreter's bf16 tl.dot is wrong; bf16 runs in tests/test_gpu.py)
     (17, 37, 19, True, torch.float32),  # more: cuBLAS
 ])
-def test_projection_matches_reference(rows, k, n, bias, dtype):
+def test_projection_matches_reference(rows, k, n, bias, dtype, monkeypatch):
     g = torch.Generator().manual_seed(k + n)
     x = torch.randn(1, rows, k, generator=g).to(dtype)
     weight = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
+    tiled = []
+    monkeypatch.setattr(linear_triton, "project_rows", lambda *args: tiled.append(args) or project_rows(*args))
     got = linear(x, weight, b)
     assert got.shape == (1, rows, n) and close(got, linear_reference(x, weight, b))
+    assert len(tiled) == (2 <= rows <= linear_triton.FEW_ROWS)  # the path its row count chooses
 
 
 def sequential_gated_delta(q, k, v, g, beta, state, parents):

@@ -1,22 +1,23 @@
 """select_kernels: choose the implementation of each fused op per stage.
 
 Before: stages carry `device`.
-After:  + `kernels` {op: "triton" | "invariant" | "reference"} for attention, rope_write, linear, add_rmsnorm,
-        rmsnorm (the gated norm of Qwen3.5's DeltaNet layers), swiglu, kv_move, accept_greedy, accept_sampling, gated_delta_step and gated_delta_commit.
-        `lowering.kernels`: "reference" or "triton" force one kind everywhere (Triton on the CPU
-        runs only under TRITON_INTERPRET=1, for tests), or per op where it maps ops to kinds; "auto"
-        picks Triton for every op on a GPU — attention reads only the slots a step can see,
-        rope_write is one kernel where Inductor makes three (eight with Qwen3.5's per-head norms and
-        partial rotary), rmsnorm (the gated norm) one where Inductor makes two, linear projects one
-        token without cuBLAS's split-K reduction and 2-16 (a drafter's tree levels) on tensor-core tiles, swiglu projects one token on the gate and up rows and stores
-        only silu(gate) * up, the gated-DeltaNet step and commit are the walk of invariant.py (one
-        token 8.2 µs against the closed form's 14.6 at the Qwen3.5-9B layer shape, faster at every
-        tree size measured: run 53; an autoregressive token 1.5% faster end to end: run 56; "triton"
-        names the closed form), and our add_rmsnorm beats Inductor's inside compiled layers too
-        (docs/benchmarks.md; on Hopper our kernels also launch dependently), and the references on
-        the CPU. `lowering.row_invariant` gives the target the kernels of ROW_INVARIANT (linear,
-        swiglu, attention and the gated-DeltaNet step and commit from kernels/*/invariant.py, the
-        rest row by row; Triton, so on a GPU or TRITON_INTERPRET=1).
+After:  + `kernels` {op: "triton" | "invariant" | "reference"} for attention, rope_write, linear,
+        add_rmsnorm, rmsnorm (the gated norm of Qwen3.5's DeltaNet layers), swiglu, kv_move,
+        accept_greedy, accept_sampling, gated_delta_step and gated_delta_commit.
+        `lowering.kernels`: "reference" or "triton" force one kind everywhere (Triton on the CPU runs
+        only under TRITON_INTERPRET=1, for tests), or per op where it maps ops to kinds; "auto" picks
+        Triton for every op on a GPU — attention reads only the slots a step can see, rope_write is one
+        kernel where Inductor makes three (eight with Qwen3.5's per-head norms and partial rotary),
+        rmsnorm (the gated norm) one where Inductor makes two, linear projects one token without
+        cuBLAS's split-K reduction and 2-16 (a drafter's tree levels) on tensor-core tiles, swiglu
+        projects one token on the gate and up rows and stores only silu(gate) * up, the gated-DeltaNet
+        step and commit are the walk of invariant.py (one token 8.2 µs against the closed form's 14.6 at
+        the Qwen3.5-9B layer shape, faster at every tree size measured: run 53; an autoregressive token
+        1.5% faster end to end: run 56; "triton" names the closed form), and our add_rmsnorm beats
+        Inductor's inside compiled layers too (docs/benchmarks.md; on Hopper our kernels also launch
+        dependently), and the references on the CPU. `lowering.row_invariant` gives the target the
+        kernels of ROW_INVARIANT (linear, swiglu, attention and the gated-DeltaNet step and commit from
+        kernels/*/invariant.py, the rest row by row; Triton, so on a GPU or TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations

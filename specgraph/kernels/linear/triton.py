@@ -7,9 +7,10 @@ K, reading each weight once with fp32 accumulation: one kernel, which on an H200
 dependently, its programs load their first weight tile before the activations exist.
 
 Two to FEW_ROWS tokens (a drafter's tree levels, a catch-up) go to the tensor-core tiles of
-invariant.py (one read of the weights, launched dependently): on an H200 they ran 0.4-1.7 us faster than cuBLAS per o, down and logits projection of
-2-16 tokens at the Llama-3.2-1B, 3B and Llama-3-8B shapes (docs/benchmarks.md, run 63). More tokens
-(tree verification, prefill) go to cuBLAS.
+invariant.py (one read of the weights, each program's launch overlapping the kernel before; its
+loads wait for it): on an H200 they ran 0.4-1.7 us faster than cuBLAS per o, down and logits
+projection of 2-16 tokens at the Llama-3.2-1B, 3B and Llama-3-8B shapes (docs/benchmarks.md, run
+63). More tokens (tree verification, prefill) go to cuBLAS.
 """
 
 from __future__ import annotations
