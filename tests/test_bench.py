@@ -69,7 +69,11 @@ def test_bench_reports_measured_ratios(tmp_path, capsys):
     assert bound["weight_bytes"] < bound["bytes_per_token"] < bound["weight_bytes"] * 1.5  # plus the context's KV
     assert 0 < bound["ar_fraction"] < 1  # (on this CPU ar is far below the copy bound)
     assert png.stat().st_size > 10_000
-    assert "specgraph ÷" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    table = printed.index("specgraph ÷")
+    for name, r in report["systems"].items():  # each system's line as it finished, before the table (kept if a time
+        line = f"{name}: {r['tokens_per_second']['median']:.1f} tok/s"  # limit stops the run later)
+        assert 0 <= printed.find(line) < table, name
 
 
 def test_a_failing_transformers_baseline_is_reported_not_fatal(tmp_path, monkeypatch):

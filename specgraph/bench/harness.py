@@ -208,6 +208,7 @@ def bench_on(program, spec: BenchSpec) -> dict:
         for system in systems:
             try:
                 results[system.name] = measure_system(system, spec, encoded, progress)
+                progress.console.print(_summary_line(system.name, results[system.name]), highlight=False)
             except Exception as exc:  # a transformers baseline failing here is reported; ours never are caught
                 if not isinstance(system, HFSystem):
                     raise
@@ -227,6 +228,15 @@ def bench_on(program, spec: BenchSpec) -> dict:
     if "ar" in results:
         report["bandwidth_bound"] = _bandwidth_bound(program, device, encoded, results["ar"])
     return report
+
+
+def _summary_line(name: str, result: dict) -> str:
+    """One system's figures as soon as it is measured (a run stopped before its table keeps them)."""
+    tps = result["tokens_per_second"]["median"]
+    steps = "" if result["mean_accepted_length"] is None else (
+        f", {result['mean_accepted_length']:.2f} accepted, draft / verify {result['draft_step_ms']:.2f} / "
+        f"{result['verify_step_ms']:.2f} ms per step")
+    return f"{name}: {tps:.1f} tok/s{steps}"
 
 
 def _bandwidth_bound(program: Program, device: torch.device, encoded: list[list[int]], ar: dict) -> dict:
