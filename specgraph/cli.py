@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "the first token is timed apart from prefill, so shapes it first meets later add only to TTFT "
                        "(transformers' compiled baselines may recompile inside their timed decoding)")
     bench.add_argument("--baselines", default="hf,hf-assisted,ar",
-                       help="comma-separated: hf, hf-assisted, ar, serial (default hf,hf-assisted,ar)")
+                       help="comma-separated: hf, hf-assisted, ar, serial, or a recipe file (.yaml) that differs "
+                       "from the recipe only in its stages' trees, run over the same loaded models (a tuned recipe "
+                       "against the hand-written one); default hf,hf-assisted,ar")
     bench.add_argument("--widen", **WIDEN)
     bench.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON")
     bench.add_argument("--plot", type=Path, metavar="OUT.png", help="plot tokens/s per system and accepted lengths")

@@ -18,7 +18,7 @@ from specgraph.models.llama import LlamaShape
 from specgraph.models.loader import load_model, read_config
 from specgraph.program import Program, plan
 from specgraph.graph import SpecGraph
-from specgraph.recipe import Recipe
+from specgraph.recipe import DynamicTree, Recipe
 
 
 def test_bench_reports_measured_ratios(tmp_path, capsys):
@@ -74,6 +74,52 @@ def test_bench_reports_measured_ratios(tmp_path, capsys):
     for name, r in report["systems"].items():  # each system's line as it finished, before the table (kept if a time
         line = f"{name}: {r['tokens_per_second']['median']:.1f} tok/s"  # limit stops the run later)
         assert 0 <= printed.find(line) < table, name
+
+
+def test_a_recipe_file_baseline_runs_its_trees_over_the_recipes_models(tmp_path):
+    """A tuned recipe against the hand-written one in one run: the file's trees decode as that recipe
+    does when loaded on its own (its steps' accepted lengths), the recipe's as the recipe does."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "import os\\nimport sys\\n"}\n{"prompt": "class Node:\\n    def __init__(self"}\n')
+    demo = Recipe.from_yaml(REPO / "recipes" / "demo.yaml")
+    tuned = tmp_path / "elsewhere" / "tuned.yaml"  # another folder: its model paths are written relative to it
+    tuned.parent.mkdir()
+    variant = demo.with_tree(0, DynamicTree(shape="dynamic", width=2, depth=3, nodes=6))
+    tuned.write_text(variant.to_yaml(tuned.parent))
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(REPO / "recipes" / "demo.yaml"), "--prompts", str(prompts), "--max-new-tokens", "12",
+                 "--repeats", "1", "--baselines", f"ar,{tuned}", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["systems"]) == ["specgraph", "ar", str(tuned)]
+    rows = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines()]
+    for name, recipe in (("specgraph", demo), (str(tuned), Recipe.from_yaml(tuned))):
+        program = Program.from_recipe(recipe)
+        steps = [n for prompt in rows for n in program.generate(program.encode(prompt), 12).accepted_lengths]
+        assert report["systems"][name]["accepted_lengths"] == steps, name
+        assert report["systems"][name]["same_tokens_as_ar"] == 1.0
+    assert report["systems"]["specgraph"]["accepted_lengths"] != report["systems"][str(tuned)]["accepted_lengths"]
+    assert report["speedup"][str(tuned)] > 0
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"stages.1.verify.rule": "typical"}, "differs from the recipe in stages.1.verify"),
+    ({"models.draft.path": str(EMBEDDED / "target")}, "differs from the recipe in models"),
+    ({"sampling.temperature": 0.5}, "differs from the recipe in sampling"),
+])
+def test_a_recipe_file_baseline_that_differs_in_more_than_trees_is_a_one_line_error(tmp_path, capsys, change, expected):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f():"}\n')
+    other = tmp_path / "other.yaml"
+    other.write_text(Recipe.from_yaml(REPO / "recipes" / "demo.yaml",
+                                      [f"{k}={v}" for k, v in change.items()]).to_yaml(tmp_path))
+    assert main(["bench", str(REPO / "recipes" / "demo.yaml"), "--prompts", str(prompts), "--baselines",
+                 f"ar,{other}"]) == 2
+    err = capsys.readouterr().err
+    assert f"specgraph: error: --baselines {other}: {expected}; a recipe baseline runs over the recipe's loaded " \
+           "models, so only its stages' trees may differ" in err and "Traceback" not in err
+    assert main(["bench", str(REPO / "recipes" / "demo.yaml"), "--prompts", str(prompts), "--baselines", "ar,fast"]) == 2
+    assert "--baselines: unknown 'fast'; valid: hf, hf-assisted, ar, serial, or a recipe file (.yaml)" in \
+           capsys.readouterr().err
 
 
 def test_a_failing_transformers_baseline_is_reported_not_fatal(tmp_path, monkeypatch):

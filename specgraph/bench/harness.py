@@ -17,9 +17,10 @@ from specgraph.bench.timing import best_seconds
 from specgraph.bench.systems import HFSystem, Run, SpecgraphSystem, hf_mirror
 from specgraph.errors import SpecgraphError
 from specgraph.models.loader import is_hybrid
-from specgraph.passes.place import resolve_device
-from specgraph.program import Program, plan
-from specgraph.recipe import Recipe
+from specgraph.graph import SpecGraph
+from specgraph.passes.place import resolve_device, world_size
+from specgraph.program import Program, make_executor, plan, stage_over
+from specgraph.recipe import Recipe, StageSpec
 from specgraph.runtime.executor import total_stats
 
 BASELINES = ("hf", "hf-assisted", "ar", "serial")
@@ -55,23 +56,68 @@ def unique_bytes(module: torch.nn.Module) -> int:
 def run_bench(spec: BenchSpec) -> dict:
     """Load the recipe's program (its processes, where it has several: the bench then runs in
     rank 0, beside the target) and measure it and the baselines."""
-    unknown = [b for b in spec.baselines if b not in BASELINES]
-    if unknown:
-        raise SpecgraphError(f"--baselines: unknown {unknown[0]!r}; valid: {', '.join(BASELINES)}")
     if spec.max_new_tokens < 2:
         raise SpecgraphError(f"--max-new-tokens: bench measures decoding after the first token; give at least 2 "
                              f"(got {spec.max_new_tokens})")
-    program = Program(plan(spec.recipe), systems=tuple(b for b in spec.baselines if b in ("ar", "serial")),
-                      widen=spec.widen)
+    graph = plan(spec.recipe)
+    variants = tree_variants(spec, graph)
+    program = Program(graph, systems=tuple(b for b in spec.baselines if b in ("ar", "serial")), widen=spec.widen)
     try:
-        return program.cluster.call(bench_on, spec) if program.cluster is not None else bench_on(program, spec)
+        if program.cluster is not None:
+            return program.cluster.call(bench_on, spec)
+        return bench_on(program, spec, variants)
     finally:
         program.close()
 
 
-def build_systems(program, spec: BenchSpec) -> tuple[list, dict[str, str]]:
+def tree_variants(spec: BenchSpec, graph: SpecGraph) -> dict[str, SpecGraph]:
+    """The plans of the recipe files among the baselines, checked before any model loads: each
+    differs from the recipe (planned as `graph`) only in its stages' trees (what `specgraph tune`
+    writes), so it runs over the recipe's loaded models, in the same process."""
+    variants = {}
+    for name in spec.baselines:
+        if name in BASELINES:
+            continue
+        if not name.endswith((".yaml", ".yml")):
+            raise SpecgraphError(f"--baselines: unknown {name!r}; valid: {', '.join(BASELINES)}, or a recipe file "
+                                 "(.yaml) that differs from the recipe only in its stages' trees")
+        if spec.recipe.execution != "serial" or world_size(graph) > 1:
+            raise SpecgraphError(f"--baselines {name}: a recipe file runs beside a serial recipe in one process; this "
+                                 f"one runs {spec.recipe.execution} over {world_size(graph)} processes")
+        other = Recipe.from_yaml(name)
+        field = _difference(spec.recipe, other)
+        if field is not None:
+            raise SpecgraphError(f"--baselines {name}: differs from the recipe in {field}; a recipe baseline runs "
+                                 "over the recipe's loaded models, so only its stages' trees may differ")
+        variants[name] = plan(other)
+    return variants
+
+
+def _difference(recipe: Recipe, other: Recipe) -> str | None:
+    """The first field where `other` differs from `recipe`, leaving out the name, the prompt,
+    max_new_tokens and the stages' trees (model paths compared resolved); None where none does."""
+    if [s.name for s in other.stages] != [s.name for s in recipe.stages]:
+        return f"its stages ({', '.join(s.name for s in other.stages)})"
+    for i, (ours, theirs) in enumerate(zip(recipe.stages, other.stages)):
+        for key in StageSpec.model_fields:
+            if key != "tree" and getattr(ours, key) != getattr(theirs, key):
+                return f"stages.{i}.{key}"
+    for key in Recipe.model_fields:
+        if key in ("name", "prompt", "max_new_tokens", "stages"):
+            continue
+        ours, theirs = getattr(recipe, key), getattr(other, key)
+        if key == "models":
+            ours, theirs = ({k: (m.path.resolve(), m.dtype) for k, m in models.items()} for models in (ours, theirs))
+        if ours != theirs:
+            return key
+    return None
+
+
+def build_systems(program, spec: BenchSpec,
+                  variants: dict[str, SpecGraph] | None = None) -> tuple[list, dict[str, str]]:
     """Every requested system that can run beside `program` (a one-process Program, or rank 0's
-    Worker of a multi-process one), and the reasons for those that cannot."""
+    Worker of a multi-process one), and the reasons for those that cannot; `variants`: the plans of
+    the recipe-file baselines (tree_variants)."""
     graph = program.graph
     target_node = graph.node(graph.target)
     drafter = graph.drafter_of(graph.target)
@@ -89,7 +135,13 @@ def build_systems(program, spec: BenchSpec) -> tuple[list, dict[str, str]]:
     target_model = program.stages[graph.target].model if graph.target in program.stages else None
     hf_target = None
     for name in spec.baselines:
-        if name == "ar":
+        if variants and name in variants:
+            variant = variants[name]
+            stages = {stage: stage_over(variant, stage, program.stages[stage].model) for stage in variant.stages()}
+            described = (f"its trees ({_trees(variant.recipe)}) over the recipe's models, serial executor, "
+                         f"{how(variant.node(variant.target)['step_graphs'])}, {_gpus(variant)}")
+            systems.append(SpecgraphSystem(name, make_executor(variant, stages), described, seed))
+        elif name == "ar":
             systems.append(SpecgraphSystem("ar", program.system("ar"), f"specgraph, target alone, serial, "
                                            f"{how(target_node['alone_step_graphs'])}, {_gpus(graph, alone=True)}", seed))
         elif name == "serial":
@@ -117,6 +169,13 @@ def build_systems(program, spec: BenchSpec) -> tuple[list, dict[str, str]]:
             systems.append(HFSystem(name, hf_target, target_node["eos_ids"], target_model.served_vocab, assistant,
                                     static_cache=name == "hf"))
     return systems, skipped
+
+
+def _trees(recipe: Recipe) -> str:
+    """The drafting stages' trees in a few words: `draft: dynamic width=4 depth=3 nodes=8`."""
+    return "; ".join(f"{stage.name}: " + " ".join(str(v) if k == "shape" else f"{k}={v}"
+                                                  for k, v in stage.tree.model_dump().items())
+                     for stage in recipe.stages if stage.tree is not None)
 
 
 def _gpus(graph, alone: bool = False) -> str:
@@ -198,9 +257,9 @@ def _overlap(stats: dict[str, float]) -> dict:
                                       "draft_critical_seconds", "draft_idle_seconds")}}}
 
 
-def bench_on(program, spec: BenchSpec) -> dict:
+def bench_on(program, spec: BenchSpec, variants: dict[str, SpecGraph] | None = None) -> dict:
     """The measurements of `spec` beside `program`'s target (see build_systems)."""
-    systems, skipped = build_systems(program, spec)
+    systems, skipped = build_systems(program, spec, variants)
     encoded = [program.encode(p["prompt"]) for p in spec.prompts]
     device = program.stages[program.graph.target].device
     results = {}
