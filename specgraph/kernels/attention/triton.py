@@ -21,6 +21,9 @@ from specgraph.kernels.attention import token_major_like
 from specgraph.kernels.pdl import launch
 
 
+MAX_BLOCK_M = 64  # the most (query head, token) rows a program takes
+
+
 @triton.jit
 def _step_attention(q, k, v, mask, slots, part_o, part_m, part_l, counters, o, T, H_KV, ROWS, scale,
              s_qb, s_qh, s_qt, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_mt, s_ob, s_oh, s_ot,
@@ -118,7 +121,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mas
         raise ValueError("step attention needs the head dimension and the mask's slots contiguous")
     group = h // h_kv
     rows = group * t
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
     splits = max(1, min(16, width // 256))  # the keys actually read are fewer: [0, max(slots)]
     part_o = torch.empty(b * h_kv * splits * rows, d, dtype=torch.float32, device=q.device)
     part_m = torch.empty(b * h_kv * splits * rows, dtype=torch.float32, device=q.device)
