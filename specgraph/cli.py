@@ -123,12 +123,16 @@ def read_prompts(args: argparse.Namespace, default: str | None) -> list[dict]:
     return prompts
 
 
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The command's --set and its lowering flags, as recipe overrides."""
+    lowering = [f"lowering.compile={str(args.compile).lower()}"] if args.compile is not None else []
+    return [*args.overrides, *lowering, *([] if args.cuda_graphs else ["lowering.cuda_graphs=false"])]
+
+
 def _load_recipe(args: argparse.Namespace):
     from specgraph.recipe import Recipe
 
-    lowering = [f"lowering.compile={str(args.compile).lower()}"] if args.compile is not None else []
-    lowering += [] if args.cuda_graphs else ["lowering.cuda_graphs=false"]
-    recipe = Recipe.from_yaml(args.recipe, [*args.overrides, *lowering])
+    recipe = Recipe.from_yaml(args.recipe, _overrides(args))
     return recipe, read_prompts(args, recipe.prompt)
 
 
@@ -232,7 +236,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.warmup is not None and args.warmup < 1:
         raise SpecgraphError(f"--warmup: must be at least 1 prompt (got {args.warmup}); leave it out to warm up on all")
     spec = BenchSpec(recipe, prompts, args.max_new_tokens or recipe.max_new_tokens, args.repeats,
-                     tuple(b.strip() for b in args.baselines.split(",") if b.strip()), args.widen, args.warmup)
+                     tuple(b.strip() for b in args.baselines.split(",") if b.strip()), args.widen, args.warmup,
+                     tuple(_overrides(args)))
     report = run_bench(spec)
     print_table(report)
     if args.json is not None:

@@ -3,10 +3,13 @@ process run, with the ratios computed from the times measured here."""
 
 from __future__ import annotations
 
+import gc
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from rich.console import Console
@@ -15,12 +18,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from specgraph.bench.pipespec import stage_table
 from specgraph.bench.timing import best_seconds
 from specgraph.bench.systems import HFSystem, Run, SpecgraphSystem, hf_mirror
-from specgraph.errors import SpecgraphError
+from specgraph.errors import RecipeError, SpecgraphError
 from specgraph.models.loader import is_hybrid
 from specgraph.graph import SpecGraph
 from specgraph.passes.place import resolve_device, world_size
 from specgraph.program import Program, make_executor, plan, stage_over
-from specgraph.recipe import Recipe, StageSpec
+from specgraph.recipe import ChainTree, Recipe, StageSpec
 from specgraph.runtime.executor import total_stats
 
 BASELINES = ("hf", "hf-assisted", "ar", "serial")
@@ -35,6 +38,7 @@ class BenchSpec:
     baselines: tuple[str, ...] = ("hf", "hf-assisted", "ar")
     widen: str | None = None  # target shape; the drafter widens to the small shape with its head dim
     warmup: int | None = None  # prompts in the untimed first pass (None: all of them)
+    overrides: tuple[str, ...] = ()  # the command's --set (and lowering flags): recipe-file baselines load with them
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, copies: int = 10) -> float:
@@ -59,6 +63,9 @@ def run_bench(spec: BenchSpec) -> dict:
     if spec.max_new_tokens < 2:
         raise SpecgraphError(f"--max-new-tokens: bench measures decoding after the first token; give at least 2 "
                              f"(got {spec.max_new_tokens})")
+    repeated = next((b for i, b in enumerate(spec.baselines) if b in spec.baselines[:i]), None)
+    if repeated is not None:
+        raise SpecgraphError(f"--baselines: {repeated} is given twice; name each system once")
     graph = plan(spec.recipe)
     variants = tree_variants(spec, graph)
     program = Program(graph, systems=tuple(b for b in spec.baselines if b in ("ar", "serial")), widen=spec.widen)
@@ -71,46 +78,59 @@ def run_bench(spec: BenchSpec) -> dict:
 
 
 def tree_variants(spec: BenchSpec, graph: SpecGraph) -> dict[str, SpecGraph]:
-    """The plans of the recipe files among the baselines, checked before any model loads: each
-    differs from the recipe (planned as `graph`) only in its stages' trees (what `specgraph tune`
-    writes), so it runs over the recipe's loaded models, in the same process."""
+    """The plans of the recipe files among the baselines (loaded with the command's overrides),
+    checked before any model loads: each differs from the recipe (planned as `graph`) only in its
+    stages' trees (what `specgraph tune` writes), so it runs over the recipe's loaded models."""
     variants = {}
     for name in spec.baselines:
         if name in BASELINES:
             continue
-        if not name.endswith((".yaml", ".yml")):
+        if not name.lower().endswith((".yaml", ".yml")):
             raise SpecgraphError(f"--baselines: unknown {name!r}; valid: {', '.join(BASELINES)}, or a recipe file "
                                  "(.yaml) that differs from the recipe only in its stages' trees")
         if spec.recipe.execution != "serial" or world_size(graph) > 1:
-            raise SpecgraphError(f"--baselines {name}: a recipe file runs beside a serial recipe in one process; this "
-                                 f"one runs {spec.recipe.execution} over {world_size(graph)} processes")
-        other = Recipe.from_yaml(name)
-        field = _difference(spec.recipe, other)
-        if field is not None:
-            raise SpecgraphError(f"--baselines {name}: differs from the recipe in {field}; a recipe baseline runs "
-                                 "over the recipe's loaded models, so only its stages' trees may differ")
-        variants[name] = plan(other)
+            raise SpecgraphError(f"--baselines {name}: a recipe file runs beside a serial recipe in one process; "
+                                 f"recipe {spec.recipe.name} runs {spec.recipe.execution} over {world_size(graph)} "
+                                 "processes")
+        try:
+            other = Recipe.from_yaml(name, spec.overrides)
+            difference = _difference(spec.recipe, other)
+            if difference is not None:
+                raise SpecgraphError(f"--baselines {name}: differs from the recipe in {difference}; a recipe baseline "
+                                     "runs over the recipe's loaded models (the command's --set applies to both), so "
+                                     "only its stages' trees may differ")
+            variants[name] = plan(other)
+        except RecipeError as exc:
+            raise SpecgraphError(f"--baselines {name}: {exc}") from None
     return variants
 
 
 def _difference(recipe: Recipe, other: Recipe) -> str | None:
-    """The first field where `other` differs from `recipe`, leaving out the name, the prompt,
-    max_new_tokens and the stages' trees (model paths compared resolved); None where none does."""
-    if [s.name for s in other.stages] != [s.name for s in recipe.stages]:
-        return f"its stages ({', '.join(s.name for s in other.stages)})"
-    for i, (ours, theirs) in enumerate(zip(recipe.stages, other.stages)):
-        for key in StageSpec.model_fields:
-            if key != "tree" and getattr(ours, key) != getattr(theirs, key):
-                return f"stages.{i}.{key}"
+    """Where `other` differs from `recipe` ("field (its value; the recipe's: value)"), leaving out
+    the name, the prompt, max_new_tokens and the stages' trees (model paths compared resolved);
+    None where it does not."""
+    def shown(value, other_value) -> str:  # (of a recipe section, the keys where the two differ)
+        if hasattr(value, "model_dump"):
+            value, other_value = value.model_dump(), other_value.model_dump()
+        if isinstance(value, dict):
+            value = {k: v for k, v in value.items() if v != other_value.get(k)}
+        return str(value) if len(str(value)) <= 80 else str(value)[:77] + "..."
+
+    names = [[stage.name for stage in r.stages] for r in (other, recipe)]
+    if names[0] != names[1]:
+        return f"its stages ({', '.join(names[0])}; the recipe's: {', '.join(names[1])})"
+    pairs = [(f"stages.{i}.{key}", getattr(ours, key), getattr(theirs, key))
+             for i, (ours, theirs) in enumerate(zip(recipe.stages, other.stages))
+             for key in StageSpec.model_fields if key != "tree"]
     for key in Recipe.model_fields:
-        if key in ("name", "prompt", "max_new_tokens", "stages"):
-            continue
-        ours, theirs = getattr(recipe, key), getattr(other, key)
-        if key == "models":
-            ours, theirs = ({k: (m.path.resolve(), m.dtype) for k, m in models.items()} for models in (ours, theirs))
-        if ours != theirs:
-            return key
-    return None
+        if key not in ("name", "prompt", "max_new_tokens", "stages"):
+            ours, theirs = getattr(recipe, key), getattr(other, key)
+            if key == "models":
+                ours, theirs = ({k: f"{m.path.resolve()} ({m.dtype})" for k, m in models.items()}
+                                for models in (ours, theirs))
+            pairs.append((key, ours, theirs))
+    return next((f"{field} ({shown(theirs, ours)}; the recipe's: {shown(ours, theirs)})"
+                 for field, ours, theirs in pairs if ours != theirs), None)
 
 
 def build_systems(program, spec: BenchSpec,
@@ -123,10 +143,10 @@ def build_systems(program, spec: BenchSpec,
     drafter = graph.drafter_of(graph.target)
     execution, seed = spec.recipe.execution, spec.recipe.sampling.seed
 
-    def how(step_graphs: bool) -> str:
+    def how(step_graphs: bool, node: dict = target_node) -> str:
         steps = "CUDA graphs per step" if step_graphs else (
-            "CUDA graphs per forward" if target_node["graph_buckets"] else "eager forwards")
-        return ", ".join((["compiled layers"] if target_node["compile"] else []) + [steps])
+            "CUDA graphs per forward" if node["graph_buckets"] else "eager forwards")
+        return ", ".join((["compiled layers"] if node["compile"] else []) + [steps])
 
     systems = [SpecgraphSystem("specgraph", program.system("specgraph"),
                                f"recipe {spec.recipe.name}, {execution} executor, "
@@ -135,12 +155,12 @@ def build_systems(program, spec: BenchSpec,
     target_model = program.stages[graph.target].model if graph.target in program.stages else None
     hf_target = None
     for name in spec.baselines:
-        if variants and name in variants:
+        if name.lower().endswith((".yaml", ".yml")):  # (tree_variants checked it)
             variant = variants[name]
-            stages = {stage: stage_over(variant, stage, program.stages[stage].model) for stage in variant.stages()}
-            described = (f"its trees ({_trees(variant.recipe)}) over the recipe's models, serial executor, "
-                         f"{how(variant.node(variant.target)['step_graphs'])}, {_gpus(variant)}")
-            systems.append(SpecgraphSystem(name, make_executor(variant, stages), described, seed))
+            node = variant.node(variant.target)
+            described = (f"trees {_trees(variant)} over the recipe's models, serial executor, "
+                         f"{how(node['step_graphs'], node)}, {_gpus(variant)}")
+            systems.append(Deferred(name, partial(_variant_system, name, variant, program, described, seed)))
         elif name == "ar":
             systems.append(SpecgraphSystem("ar", program.system("ar"), f"specgraph, target alone, serial, "
                                            f"{how(target_node['alone_step_graphs'])}, {_gpus(graph, alone=True)}", seed))
@@ -171,11 +191,30 @@ def build_systems(program, spec: BenchSpec,
     return systems, skipped
 
 
-def _trees(recipe: Recipe) -> str:
-    """The drafting stages' trees in a few words: `draft: dynamic width=4 depth=3 nodes=8`."""
-    return "; ".join(f"{stage.name}: " + " ".join(str(v) if k == "shape" else f"{k}={v}"
-                                                  for k, v in stage.tree.model_dump().items())
-                     for stage in recipe.stages if stage.tree is not None)
+@dataclass
+class Deferred:
+    """A system built when it is measured and freed after it: a recipe file's caches and captured
+    graphs stay out of the other systems' memory."""
+    name: str
+    build: Callable[[], SpecgraphSystem]
+
+
+def _variant_system(name: str, variant: SpecGraph, program, description: str, seed: int) -> SpecgraphSystem:
+    """The recipe file `name`, planned as `variant`, over `program`'s loaded models (as `specgraph
+    tune` runs its candidates): fresh caches of its plan's sizes."""
+    stages = {stage: stage_over(variant, stage, program.stages[stage].model) for stage in variant.stages()}
+    return SpecgraphSystem(name, make_executor(variant, stages), description, seed)
+
+
+def _trees(graph: SpecGraph) -> str:
+    """The planned drafting stages' trees in a few words: `(draft: dynamic width=4 depth=3 nodes=8)`."""
+    described = []
+    for name in graph.stages():
+        node = graph.node(name)
+        if node["tree"] is not None:
+            tree = (node["spec"].tree or ChainTree()).model_dump(exclude_none=True)
+            described.append(f"{name}: {tree.pop('shape')} " + " ".join(f"{k}={v}" for k, v in tree.items()))
+    return f"({'; '.join(described)})"
 
 
 def _gpus(graph, alone: bool = False) -> str:
@@ -265,14 +304,20 @@ def bench_on(program, spec: BenchSpec, variants: dict[str, SpecGraph] | None = N
     results = {}
     with progress_bars() as progress:
         for system in systems:
+            deferred = isinstance(system, Deferred)
+            system = system.build() if deferred else system
             try:
                 results[system.name] = measure_system(system, spec, encoded, progress)
-                progress.console.print(_summary_line(system.name, results[system.name]), highlight=False)
+                progress.console.print(_summary_line(system.name, results[system.name]), highlight=False,
+                                       markup=False, soft_wrap=True)
             except Exception as exc:  # a transformers baseline failing here is reported; ours never are caught
                 if not isinstance(system, HFSystem):
                     raise
                 first_line = (str(exc).splitlines() or [""])[0][:200]
                 skipped[system.name] = f"transformers failed in this run: {type(exc).__name__}: {first_line}"
+            if deferred:
+                del system
+                gc.collect()  # (compiled methods tie an executor to itself: free its caches before the next system)
     reference = results["ar"]["outputs"] if "ar" in results else None
     for result in results.values():  # (None where ar did not run)
         outputs = result.pop("outputs")

@@ -21,7 +21,7 @@ from specgraph.kernels.attention import token_major_like
 from specgraph.kernels.pdl import launch
 
 
-MAX_BLOCK_M = 64  # the most (query head, token) rows a program takes
+MAX_BLOCK_M = 64  # the most (query head, token) rows a program takes: a power of two, at least 16
 
 
 @triton.jit
