@@ -129,6 +129,19 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     return [*args.overrides, *lowering, *([] if args.cuda_graphs else ["lowering.cuda_graphs=false"])]
 
 
+def _anchored(overrides: list[str], folder: Path) -> list[str]:
+    """`overrides` with relative model paths (`models.NAME.path=...`) joined to `folder`, so that
+    they name the same checkpoint in a recipe file elsewhere."""
+    anchored = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        parts = key.strip().split(".")
+        if len(parts) == 3 and parts[0] == "models" and parts[2] == "path" and value and not Path(value).is_absolute():
+            override = f"{key}{sep}{folder / value}"
+        anchored.append(override)
+    return anchored
+
+
 def _load_recipe(args: argparse.Namespace):
     from specgraph.recipe import Recipe
 
@@ -237,7 +250,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise SpecgraphError(f"--warmup: must be at least 1 prompt (got {args.warmup}); leave it out to warm up on all")
     spec = BenchSpec(recipe, prompts, args.max_new_tokens or recipe.max_new_tokens, args.repeats,
                      tuple(b.strip() for b in args.baselines.split(",") if b.strip()), args.widen, args.warmup,
-                     tuple(_overrides(args)))
+                     tuple(_anchored(_overrides(args), args.recipe.parent)))
     report = run_bench(spec)
     print_table(report)
     if args.json is not None:

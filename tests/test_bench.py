@@ -93,8 +93,10 @@ def test_a_recipe_file_baseline_runs_its_trees_over_the_recipes_models(tmp_path,
     load_model = specgraph.program.load_model
     monkeypatch.setattr(specgraph.program, "load_model", lambda path, *a: loads.append(path) or load_model(path, *a))
     out = tmp_path / "bench.json"
+    # --set applies to the file too, a relative model path as the recipe's folder resolves it (the file is elsewhere)
     assert main(["bench", str(REPO / "recipes" / "demo.yaml"), "--prompts", str(prompts), "--max-new-tokens", "12",
-                 "--repeats", "1", "--baselines", f"ar,{tuned}", "--json", str(out)]) == 0
+                 "--repeats", "1", "--baselines", f"ar,{tuned}", "--json", str(out),
+                 "--set", "models.draft.path=models/draft"]) == 0
     assert sorted(p.name for p in loads) == ["draft", "target"]  # the recipe's models, once each
     report = json.loads(out.read_text())
     assert list(report["systems"]) == ["specgraph", "ar", str(tuned)]

@@ -38,7 +38,8 @@ class BenchSpec:
     baselines: tuple[str, ...] = ("hf", "hf-assisted", "ar")
     widen: str | None = None  # target shape; the drafter widens to the small shape with its head dim
     warmup: int | None = None  # prompts in the untimed first pass (None: all of them)
-    overrides: tuple[str, ...] = ()  # the command's --set (and lowering flags): recipe-file baselines load with them
+    overrides: tuple[str, ...] = ()  # the command's --set (and lowering flags; model paths relative to the recipe's
+    # folder made whole): recipe-file baselines load with them
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, copies: int = 10) -> float:
