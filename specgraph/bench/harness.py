@@ -156,7 +156,7 @@ def build_systems(program, spec: BenchSpec,
     target_model = program.stages[graph.target].model if graph.target in program.stages else None
     hf_target = None
     for name in spec.baselines:
-        if name.lower().endswith((".yaml", ".yml")):  # (tree_variants checked it)
+        if name not in BASELINES:  # a recipe file (tree_variants refused any other name)
             variant = variants[name]
             node = variant.node(variant.target)
             described = (f"trees {_trees(variant)} over the recipe's models, serial executor, "
