@@ -47,7 +47,7 @@ def close(got: torch.Tensor, expected: torch.Tensor, slack: float = 1.0) -> bool
     (1, 6, 2, 13, 60, 37, 64, torch.float32),  # odd head dim, GQA 3:1, prefix not a tile multiple
     (2, 4, 4, 1, 64, 70, 600, torch.float32),  # one query (autoregressive), batch 2, several splits
     (1, 3, 1, 7, 128, 0, 7, torch.float32),  # empty prefix: the tree alone, width exactly the tree
-    (1, 8, 2, 33, 32, 5, 300, torch.bfloat16),  # rows past one 64-row block, more nodes than a key tile
+    (1, 8, 2, 33, 32, 5, 300, torch.bfloat16),  # rows past one row block (MAX_BLOCK_M), more nodes than a key tile
 ])
 def test_step_attention_matches_reference(b, h, hkv, t, d, prefix, width, dtype):
     g = torch.Generator().manual_seed(t * 131 + d)

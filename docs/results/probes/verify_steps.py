@@ -37,6 +37,7 @@ with Program(graph, widen=shape) as program:
         timed = {target: stage_over(graph, target, program.stages[target].model)}
         times[name] = verification_seconds(verifier_of(graph, timed), sizes, context, position)
         del timed
+        print(f"{name}: " + " ".join(f"{times[name][t] * 1e3:.3f}" for t in sizes), flush=True)  # kept if cut short
 print(f"{shape}: verification ms at position {position}, T tokens")
 print(f"{'T':>3} " + " ".join(f"{name:>8}" for name in variants))
 for t in sizes:
