@@ -23,7 +23,7 @@ from specgraph.kernels.pdl import launch
 
 # The most (query head, token) rows a program takes: a power of two, at least 16. 32, not 64: more
 # programs over the keys of a tree's rows (run 71: verifying 9-31 tokens at the Llama-3-8B shape
-# 0.27-0.31 ms faster a step, at the Qwen3.5-27B shape 0.1-0.15 ms).
+# 0.26-0.33 ms faster a step, at the Qwen3.5-27B shape 0.11-0.18 ms).
 MAX_BLOCK_M = 32
 
 
