@@ -1,4 +1,4 @@
-"""specgraph command line: run | bench | compile | export | inspect | tune."""
+"""specgraph command line: run | bench | compile | export | inspect | tune | report."""
 
 from __future__ import annotations
 
@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--nodes", default="4,8,16,32,64",
                       help="candidate node counts, each cut to what the width and depth grow (default 4,8,16,32,64)")
     tune.add_argument("--widen", **WIDEN)
+
+    report = sub.add_parser("report", help="print bench reports (--json) of the same systems on parts of a prompt "
+                                           "file, merged into one")
+    report.add_argument("parts", type=Path, nargs="+", metavar="PART.json", help="`specgraph bench --json` reports")
+    report.add_argument("--json", type=Path, metavar="OUT", help="write the merged report as JSON")
+    report.add_argument("--plot", type=Path, metavar="OUT.png", help="plot tokens/s per system and accepted lengths")
     return parser
 
 
@@ -259,6 +265,26 @@ def cmd_bench(args: argparse.Namespace) -> None:
         plot(report, args.plot)
 
 
+def cmd_report(args: argparse.Namespace) -> None:
+    from specgraph.bench.merge import merge_reports
+    from specgraph.bench.report import plot, print_table
+    from specgraph.files import check_output, read_json, write_atomically
+
+    for path, flag in ((args.json, "--json"), (args.plot, "--plot")):
+        if path is not None:
+            check_output(path, flag)
+    parts = [(str(path), read_json(path, "report")) for path in args.parts]
+    for name, part in parts:
+        if not isinstance(part, dict) or "systems" not in part:
+            raise SpecgraphError(f"report: {name} is not a `specgraph bench --json` report (it has no systems)")
+    report = merge_reports(parts) if len(parts) > 1 else parts[0][1]
+    print_table(report)
+    if args.json is not None:
+        write_atomically(args.json, json.dumps(report, indent=1))
+    if args.plot is not None:
+        plot(report, args.plot)
+
+
 def _serial_in_one_process(graph, command: str, cannot: str) -> None:
     """Refuse, for `command`, a plan other than serial execution in one process (`cannot`: e.g.
     "cannot be exported yet")."""
@@ -392,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "max_new_tokens", None) is not None and args.max_new_tokens < 1:
             raise SpecgraphError(f"--max-new-tokens: must be at least 1 (got {args.max_new_tokens})")
         commands = {"run": cmd_run, "bench": cmd_bench, "compile": cmd_compile, "export": cmd_compile,
-                    "inspect": cmd_inspect, "tune": cmd_tune}
+                    "inspect": cmd_inspect, "tune": cmd_tune, "report": cmd_report}
         return commands[args.command](args) or 0
     except SpecgraphError as exc:
         if debug:

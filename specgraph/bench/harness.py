@@ -255,15 +255,19 @@ def measure_system(system, spec: BenchSpec, encoded: list[list[int]], progress: 
     if not sum(r.decode_tokens for r in repeats[0]):
         raise SpecgraphError(f"{system.name}: every prompt ended at its first token (end of sequence): there is no "
                              "decoding to measure; give other prompts")
-    tps = [sum(r.decode_tokens for r in runs) / sum(r.decode_seconds for r in runs) for runs in repeats]
+    decode_tokens = [sum(r.decode_tokens for r in runs) for runs in repeats]
+    decode_seconds = [sum(r.decode_seconds for r in runs) for runs in repeats]
+    tps = [tokens / seconds for tokens, seconds in zip(decode_tokens, decode_seconds)]
     last = repeats[-1]
     steps = [n for r in last for n in r.accepted_lengths]
     n_steps = len(steps) or None
     return {
         "description": system.description,
         "tokens_per_second": {"median": statistics.median(tps), "min": min(tps), "max": max(tps), "runs": tps},
+        "decode_tokens": decode_tokens, "decode_seconds": decode_seconds,  # per repeat (what `specgraph report` merges)
         "new_tokens": sum(len(r.output_ids) for r in last),
         "ttft_seconds": statistics.median(r.first_token_seconds for r in last),
+        "first_token_seconds": [r.first_token_seconds for r in last],  # per prompt
         "mean_accepted_length": sum(steps) / n_steps if n_steps else None,
         "accepted_lengths": steps,
         "draft_step_ms": 1e3 * sum(r.draft_seconds for r in last) / n_steps if n_steps else None,
@@ -327,12 +331,17 @@ def bench_on(program, spec: BenchSpec, variants: dict[str, SpecGraph] | None = N
         "recipe": spec.recipe.name, "widen": spec.widen, "device": device_name(device),
         "date": time.strftime("%Y-%m-%d"), "prompts": len(encoded), "max_new_tokens": spec.max_new_tokens,
         "repeats": spec.repeats, "warmup_prompts": len(spec.prompts[: spec.warmup]), "systems": results, "skipped": skipped,
-        "speedup": {name: results["specgraph"]["tokens_per_second"]["median"] / r["tokens_per_second"]["median"]
-                    for name, r in results.items() if name != "specgraph"},
+        "speedup": speedups(results),
     }
     if "ar" in results:
         report["bandwidth_bound"] = _bandwidth_bound(program, device, encoded, results["ar"])
     return report
+
+
+def speedups(results: dict[str, dict]) -> dict[str, float]:
+    """specgraph's median decode tokens/s over each other system's."""
+    ours = results["specgraph"]["tokens_per_second"]["median"]
+    return {name: ours / r["tokens_per_second"]["median"] for name, r in results.items() if name != "specgraph"}
 
 
 def _summary_line(name: str, result: dict) -> str:
@@ -358,7 +367,11 @@ def _bandwidth_bound(program: Program, device: torch.device, encoded: list[list[
     mean_context = statistics.mean(len(ids) for ids in encoded) + ar["new_tokens"] / len(encoded) / 2
     state_bytes = shape.cache_bytes(0, itemsize)  # what a cache holds besides K/V (a hybrid's states)
     bytes_per_token = weight_bytes + kv_per_position * mean_context + 2 * state_bytes
-    bandwidth = measure_copy_bandwidth(device)
+    return bandwidth_bound(measure_copy_bandwidth(device), bytes_per_token, weight_bytes, ar)
+
+
+def bandwidth_bound(bandwidth: float, bytes_per_token: float, weight_bytes: int, ar: dict) -> dict:
+    """The bound's figures in a report: `bandwidth` bytes/s over `bytes_per_token`, and ar's share of it."""
     bound = bandwidth / bytes_per_token
     return {"copy_bandwidth_bytes_per_s": bandwidth, "bytes_per_token": bytes_per_token,
             "weight_bytes": weight_bytes, "tokens_per_second": bound,

@@ -21,7 +21,8 @@ def print_table(report: dict, console: Console | None = None) -> None:
              + (f", widened to {report['widen']}" if report["widen"] else "")
              + f": {report['prompts']} prompts x {report['max_new_tokens']} tokens, {report['repeats']} repeats"
              + (f" (warm-up pass on {report['warmup_prompts']})" if report.get("warmup_prompts", report["prompts"])
-                < report["prompts"] else ""))
+                < report["prompts"] else "")
+             + (f", merged from {len(report['merged_from'])} reports" if "merged_from" in report else ""))
     table = Table(title=title)
     for column in ("system", "tok/s", "min-max", "specgraph ÷", "TTFT ms", "accepted", "draft ms", "verify ms",
                    "peak GiB", "= ar"):

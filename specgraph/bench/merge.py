@@ -1,0 +1,91 @@
+"""`specgraph report`: bench reports of the same systems on different prompts, merged into one.
+
+A benchmark too long for one sitting (a time-limited GPU call) runs as several `specgraph bench`
+processes over parts of a prompt file, each measuring every system; merging their JSON reports
+gives what one run over all the prompts would have printed: each repeat's decode tokens/s is the
+parts' decode tokens over their summed decode seconds, TTFT the median over every prompt, the
+step figures over every step, `= ar` over every prompt. The parts must agree on what was measured
+(recipe, shape, device, new tokens, repeats, systems and their descriptions); the bandwidth
+bound's bytes per token is the prompt-weighted mean of the parts' (it is linear in the mean
+context), its copy bandwidth the mean of the parts' measurements.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from specgraph.bench.harness import bandwidth_bound, speedups
+from specgraph.errors import SpecgraphError
+
+AGREE = ("recipe", "widen", "device", "max_new_tokens", "repeats")  # what every part must have measured alike
+PER_REPEAT = ("decode_tokens", "decode_seconds", "first_token_seconds")  # written by bench since 2026-12-02
+
+
+def merge_reports(parts: list[tuple[str, dict]]) -> dict:
+    """(name, report) of each part -> one report over all their prompts."""
+    (first_name, first), rest = parts[0], parts[1:]
+    for name, report in parts:
+        for system, result in report["systems"].items():
+            missing = [key for key in PER_REPEAT if key not in result]
+            if missing:
+                raise SpecgraphError(f"report: {name}: system {system!r} has no {', '.join(missing)} (a report "
+                                     "written before `specgraph report` existed); rerun its bench to merge it")
+            if "overlap" in result or "pipeline" in result:
+                raise SpecgraphError(f"report: {name}: system {system!r} has executor statistics (disaggregated or "
+                                     "pipeline), which cannot be merged yet; merge serial systems only")
+    for name, report in rest:
+        for key in AGREE:
+            if report[key] != first[key]:
+                raise SpecgraphError(f"report: {name} differs from {first_name} in {key}: {report[key]!r} "
+                                     f"against {first[key]!r}; merge only parts of one benchmark")
+        if list(report["systems"]) != list(first["systems"]):
+            raise SpecgraphError(f"report: {name} measured {', '.join(report['systems'])}, {first_name} "
+                                 f"{', '.join(first['systems'])}; merge only parts with the same systems")
+        for system, result in report["systems"].items():
+            if result["description"] != first["systems"][system]["description"]:
+                raise SpecgraphError(f"report: {name} ran {system!r} as {result['description']!r}, {first_name} as "
+                                     f"{first['systems'][system]['description']!r}; merge only parts of one benchmark")
+    reports = [report for _, report in parts]
+    systems = {system: _merge_system([r["systems"][system] for r in reports], [r["prompts"] for r in reports])
+               for system in first["systems"]}
+    merged = {**{key: first[key] for key in AGREE}, "date": first["date"],
+              "prompts": sum(r["prompts"] for r in reports),
+              "warmup_prompts": sum(r.get("warmup_prompts", r["prompts"]) for r in reports),
+              "systems": systems, "skipped": {k: v for r in reports for k, v in r["skipped"].items()},
+              "speedup": speedups(systems), "merged_from": [name for name, _ in parts]}
+    if "ar" in systems and all("bandwidth_bound" in r for r in reports):
+        bounds = [r["bandwidth_bound"] for r in reports]
+        weights = [r["prompts"] for r in reports]
+        merged["bandwidth_bound"] = bandwidth_bound(
+            statistics.mean(b["copy_bandwidth_bytes_per_s"] for b in bounds),
+            sum(w * b["bytes_per_token"] for w, b in zip(weights, bounds)) / sum(weights),
+            bounds[0]["weight_bytes"], systems["ar"])
+    return merged
+
+
+def _merge_system(results: list[dict], prompts: list[int]) -> dict:
+    """One system's figures over every part (`prompts`: each part's prompt count)."""
+    decode_tokens = [sum(repeat) for repeat in zip(*(r["decode_tokens"] for r in results))]
+    decode_seconds = [sum(repeat) for repeat in zip(*(r["decode_seconds"] for r in results))]
+    tps = [tokens / seconds for tokens, seconds in zip(decode_tokens, decode_seconds)]
+    first_token_seconds = [s for r in results for s in r["first_token_seconds"]]
+    steps = [n for r in results for n in r["accepted_lengths"]]
+
+    def per_step(key: str) -> float | None:  # a mean over each part's steps, over all of them
+        counts = [len(r["accepted_lengths"]) for r in results]
+        return sum(r[key] * n for r, n in zip(results, counts)) / sum(counts) if steps else None
+
+    peaks = [r["peak_memory_bytes"] for r in results]
+    same = [r["same_tokens_as_ar"] for r in results]
+    return {
+        "description": results[0]["description"],
+        "tokens_per_second": {"median": statistics.median(tps), "min": min(tps), "max": max(tps), "runs": tps},
+        "decode_tokens": decode_tokens, "decode_seconds": decode_seconds,
+        "new_tokens": sum(r["new_tokens"] for r in results),
+        "ttft_seconds": statistics.median(first_token_seconds), "first_token_seconds": first_token_seconds,
+        "mean_accepted_length": sum(steps) / len(steps) if steps else None,
+        "accepted_lengths": steps,
+        "draft_step_ms": per_step("draft_step_ms"), "verify_step_ms": per_step("verify_step_ms"),
+        "peak_memory_bytes": None if None in peaks else max(peaks),
+        "same_tokens_as_ar": None if None in same else sum(s * n for s, n in zip(same, prompts)) / sum(prompts),
+    }

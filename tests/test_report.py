@@ -1,0 +1,103 @@
+"""specgraph report: bench reports of parts of a prompt file merged into one."""
+
+import json
+
+import pytest
+from conftest import REPO
+
+from specgraph.cli import main
+
+PROMPTS = ["import os\nimport sys\n", "class Node:\n    def __init__(self", "def fib(n):", "for i in range(10):"]
+
+
+def bench(tmp_path, name: str, prompts: list[str]) -> dict:
+    file, out = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
+    file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    assert main(["bench", str(REPO / "recipes" / "tree.yaml"), "--prompts", str(file), "--max-new-tokens", "12",
+                 "--repeats", "2", "--baselines", "ar", "--json", str(out)]) == 0
+    return out
+
+
+def test_merged_halves_report_what_one_run_over_all_prompts_decodes(tmp_path, capsys):
+    halves = [bench(tmp_path, "first", PROMPTS[:2]), bench(tmp_path, "last", PROMPTS[2:])]
+    whole = json.loads(bench(tmp_path, "whole", PROMPTS).read_text())
+    out = tmp_path / "merged.json"
+    capsys.readouterr()
+    assert main(["report", *map(str, halves), "--json", str(out)]) == 0
+    assert "4 prompts x 12 tokens, 2 repeats, merged from 2 reports" in " ".join(capsys.readouterr().out.split())
+    merged = json.loads(out.read_text())
+    assert merged["prompts"] == 4 and list(merged["systems"]) == ["specgraph", "ar"]
+    for name, result in merged["systems"].items():  # greedy decoding: the same steps as the whole run's
+        alone = whole["systems"][name]
+        for key in ("accepted_lengths", "mean_accepted_length", "new_tokens", "decode_tokens", "same_tokens_as_ar"):
+            assert result[key] == alone[key], (name, key)
+        assert len(result["first_token_seconds"]) == 4 and len(result["tokens_per_second"]["runs"]) == 2
+    assert merged["speedup"]["ar"] == pytest.approx(merged["systems"]["specgraph"]["tokens_per_second"]["median"]
+                                                    / merged["systems"]["ar"]["tokens_per_second"]["median"])
+
+
+def part(device: str = "cpu", tokens=(100, 100), seconds=(1.0, 1.0), ttft=(0.5,), steps=(2, 3), draft=1.0,
+         same=1.0, bytes_per_token=1e9, bandwidth=2e9) -> dict:
+    """A report as bench writes it, with the figures a merge reads chosen by hand."""
+    tps = [t / s for t, s in zip(tokens, seconds)]
+    system = {"description": "d", "tokens_per_second": {"median": 0, "min": 0, "max": 0, "runs": tps},
+              "decode_tokens": list(tokens), "decode_seconds": list(seconds), "new_tokens": tokens[-1] + len(ttft),
+              "ttft_seconds": 0, "first_token_seconds": list(ttft), "mean_accepted_length": 0,
+              "accepted_lengths": list(steps), "draft_step_ms": draft, "verify_step_ms": 2 * draft,
+              "peak_memory_bytes": None, "same_tokens_as_ar": same}
+    return {"recipe": "r", "widen": None, "device": device, "date": "2026-12-02", "prompts": len(ttft),
+            "max_new_tokens": 8, "repeats": len(tokens), "warmup_prompts": len(ttft), "skipped": {},
+            "systems": {"specgraph": system, "ar": {**system, "accepted_lengths": [1] * 4}}, "speedup": {},
+            "bandwidth_bound": {"copy_bandwidth_bytes_per_s": bandwidth, "bytes_per_token": bytes_per_token,
+                                "weight_bytes": 7, "tokens_per_second": 0, "ar_fraction": 0}}
+
+
+def test_a_merge_adds_tokens_and_seconds_not_rates(tmp_path, capsys):
+    a = part(tokens=(100, 100), seconds=(1.0, 2.0), ttft=(0.1,), steps=(2, 2), draft=1.0, same=1.0,
+             bytes_per_token=1e9, bandwidth=2e9)
+    b = part(tokens=(300, 300), seconds=(6.0, 2.0), ttft=(0.2, 0.3, 0.9), steps=(4, 4, 4, 4, 4, 4), draft=4.0,
+             same=0.0, bytes_per_token=2e9, bandwidth=4e9)
+    files = []
+    for name, report in (("a", a), ("b", b)):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(report))
+    out = tmp_path / "m.json"
+    assert main(["report", *map(str, files), "--json", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    ours = merged["systems"]["specgraph"]
+    assert ours["tokens_per_second"]["runs"] == pytest.approx([400 / 7, 400 / 4])  # not 75 (their mean), not 66.7
+    assert ours["tokens_per_second"]["median"] == pytest.approx((400 / 7 + 100) / 2)
+    assert ours["ttft_seconds"] == pytest.approx(0.25)  # the median of 0.1, 0.2, 0.3, 0.9
+    assert ours["mean_accepted_length"] == pytest.approx(28 / 8)
+    assert ours["draft_step_ms"] == pytest.approx((2 * 1.0 + 6 * 4.0) / 8)  # per step, over every step
+    assert ours["same_tokens_as_ar"] == pytest.approx(1 / 4)  # one prompt of four
+    bound = merged["bandwidth_bound"]
+    assert bound["bytes_per_token"] == pytest.approx((1 * 1e9 + 3 * 2e9) / 4)  # prompt-weighted
+    assert bound["tokens_per_second"] == pytest.approx(3e9 / 1.75e9)
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda r: r.update(device="cuda"), "report: {b} differs from {a} in device: 'cuda' against 'cpu'"),
+    (lambda r: r["systems"].pop("ar"), "report: {b} measured specgraph, {a} specgraph, ar"),
+    (lambda r: r["systems"]["ar"].pop("decode_seconds"), "report: {b}: system 'ar' has no decode_seconds"),
+    (lambda r: r["systems"]["ar"].update(overlap={}), "report: {b}: system 'ar' has executor statistics"),
+    (lambda r: r.pop("systems"), "report: {b} is not a `specgraph bench --json` report"),
+])
+def test_parts_that_cannot_merge_are_one_line_errors(tmp_path, capsys, change, expected):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(part()))
+    other = part()
+    change(other)
+    b.write_text(json.dumps(other))
+    assert main(["report", str(a), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"specgraph: error: {expected.format(a=a, b=b)}") and err.count("\n") == 1
+
+
+def test_a_missing_or_broken_part_is_a_one_line_error(tmp_path, capsys):
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    for path, expected in ((tmp_path / "none.json", "does not exist"), (broken, "is not JSON")):
+        assert main(["report", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and err.count("\n") == 1
