@@ -273,11 +273,12 @@ def cmd_report(args: argparse.Namespace) -> None:
     for path, flag in ((args.json, "--json"), (args.plot, "--plot")):
         if path is not None:
             check_output(path, flag)
-    parts = [(str(path), read_json(path, "report")) for path in args.parts]
-    for name, part in parts:
-        if not isinstance(part, dict) or "systems" not in part:
-            raise SpecgraphError(f"report: {name} is not a `specgraph bench --json` report (it has no systems)")
-    report = merge_reports(parts) if len(parts) > 1 else parts[0][1]
+    seen = set()
+    for path in args.parts:
+        if path.resolve() in seen:
+            raise SpecgraphError(f"report: {path} is given twice; give each part once")
+        seen.add(path.resolve())
+    report = merge_reports([(str(path), read_json(path, "report")) for path in args.parts])
     print_table(report)
     if args.json is not None:
         write_atomically(args.json, json.dumps(report, indent=1))

@@ -37,67 +37,88 @@ def test_merged_halves_report_what_one_run_over_all_prompts_decodes(tmp_path, ca
 
 
 def part(device: str = "cpu", tokens=(100, 100), seconds=(1.0, 1.0), ttft=(0.5,), steps=(2, 3), draft=1.0,
-         same=1.0, bytes_per_token=1e9, bandwidth=2e9) -> dict:
-    """A report as bench writes it, with the figures a merge reads chosen by hand."""
-    tps = [t / s for t, s in zip(tokens, seconds)]
-    system = {"description": "d", "tokens_per_second": {"median": 0, "min": 0, "max": 0, "runs": tps},
-              "decode_tokens": list(tokens), "decode_seconds": list(seconds), "new_tokens": tokens[-1] + len(ttft),
-              "ttft_seconds": 0, "first_token_seconds": list(ttft), "mean_accepted_length": 0,
-              "accepted_lengths": list(steps), "draft_step_ms": draft, "verify_step_ms": 2 * draft,
-              "peak_memory_bytes": None, "same_tokens_as_ar": same}
-    return {"recipe": "r", "widen": None, "device": device, "date": "2026-12-02", "prompts": len(ttft),
-            "max_new_tokens": 8, "repeats": len(tokens), "warmup_prompts": len(ttft), "skipped": {},
-            "systems": {"specgraph": system, "ar": {**system, "accepted_lengths": [1] * 4}}, "speedup": {},
+         same=1.0, bytes_per_token=1e9, bandwidth=2e9, ar_seconds=(2.0, 2.0)) -> dict:
+    """A report as bench writes it, with the figures a merge reads chosen by hand (ar decodes the
+    same tokens in `ar_seconds`)."""
+    def system(seconds, lengths, ms, description):
+        return {"description": description, "tokens_per_second": {"median": 0, "min": 0, "max": 0, "runs": []},
+                "decode_tokens": list(tokens), "decode_seconds": list(seconds), "new_tokens": tokens[-1] + len(ttft),
+                "ttft_seconds": 0, "first_token_seconds": list(ttft), "mean_accepted_length": 0,
+                "accepted_lengths": list(lengths), "draft_step_ms": ms, "verify_step_ms": 2 * ms,
+                "peak_memory_bytes": 10 * len(ttft), "same_tokens_as_ar": same}
+    return {"recipe": "r", "settings": {"name": "r"}, "widen": None, "device": device, "date": "2026-12-02",
+            "prompts": len(ttft), "max_new_tokens": 8, "repeats": len(tokens), "warmup_prompts": len(ttft),
+            "skipped": {}, "speedup": {},
+            "systems": {"specgraph": system(seconds, steps, draft, "tree"),
+                        "ar": system(ar_seconds, [1] * (tokens[-1] + len(ttft)), 0.0, "target alone")},
             "bandwidth_bound": {"copy_bandwidth_bytes_per_s": bandwidth, "bytes_per_token": bytes_per_token,
                                 "weight_bytes": 7, "tokens_per_second": 0, "ar_fraction": 0}}
 
 
-def test_a_merge_adds_tokens_and_seconds_not_rates(tmp_path, capsys):
-    a = part(tokens=(100, 100), seconds=(1.0, 2.0), ttft=(0.1,), steps=(2, 2), draft=1.0, same=1.0,
-             bytes_per_token=1e9, bandwidth=2e9)
-    b = part(tokens=(300, 300), seconds=(6.0, 2.0), ttft=(0.2, 0.3, 0.9), steps=(4, 4, 4, 4, 4, 4), draft=4.0,
-             same=0.0, bytes_per_token=2e9, bandwidth=4e9)
+def write(tmp_path, **reports) -> list:
     files = []
-    for name, report in (("a", a), ("b", b)):
+    for name, report in reports.items():
         files.append(tmp_path / f"{name}.json")
         files[-1].write_text(json.dumps(report))
+    return files
+
+
+def test_a_merge_adds_tokens_and_seconds_not_rates(tmp_path, capsys):
+    a = part(tokens=(100, 100), seconds=(1.0, 2.0), ttft=(0.1,), steps=(2, 2), draft=1.0, same=1.0,
+             bytes_per_token=1e9, bandwidth=2e9, ar_seconds=(4.0, 4.0))
+    b = part(tokens=(300, 300), seconds=(6.0, 2.0), ttft=(0.2, 0.3, 0.9), steps=(4, 4, 4, 4, 4, 4), draft=4.0,
+             same=0.0, bytes_per_token=2e9, bandwidth=4e9, ar_seconds=(4.0, 4.0))
     out = tmp_path / "m.json"
-    assert main(["report", *map(str, files), "--json", str(out)]) == 0
+    assert main(["report", *map(str, write(tmp_path, a=a, b=b)), "--json", str(out)]) == 0
     merged = json.loads(out.read_text())
-    ours = merged["systems"]["specgraph"]
+    ours, ar = merged["systems"]["specgraph"], merged["systems"]["ar"]
     assert ours["tokens_per_second"]["runs"] == pytest.approx([400 / 7, 400 / 4])  # not 75 (their mean), not 66.7
+    assert (ours["tokens_per_second"]["min"], ours["tokens_per_second"]["max"]) == pytest.approx((400 / 7, 100))
     assert ours["tokens_per_second"]["median"] == pytest.approx((400 / 7 + 100) / 2)
+    assert ar["tokens_per_second"]["median"] == pytest.approx(50)  # 400 tokens in 8 s, both repeats
+    assert merged["speedup"]["ar"] == pytest.approx((400 / 7 + 100) / 2 / 50)
     assert ours["ttft_seconds"] == pytest.approx(0.25)  # the median of 0.1, 0.2, 0.3, 0.9
     assert ours["mean_accepted_length"] == pytest.approx(28 / 8)
     assert ours["draft_step_ms"] == pytest.approx((2 * 1.0 + 6 * 4.0) / 8)  # per step, over every step
+    assert ours["verify_step_ms"] == pytest.approx((2 * 2.0 + 6 * 8.0) / 8)
     assert ours["same_tokens_as_ar"] == pytest.approx(1 / 4)  # one prompt of four
+    assert (ours["new_tokens"], ours["peak_memory_bytes"], merged["prompts"]) == (101 + 303, 30, 4)
     bound = merged["bandwidth_bound"]
     assert bound["bytes_per_token"] == pytest.approx((1 * 1e9 + 3 * 2e9) / 4)  # prompt-weighted
     assert bound["tokens_per_second"] == pytest.approx(3e9 / 1.75e9)
+    assert bound["ar_fraction"] == pytest.approx(50 / (3e9 / 1.75e9))
+    assert merged["merged_from"] == [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
 
 
 @pytest.mark.parametrize("change, expected", [
     (lambda r: r.update(device="cuda"), "report: {b} differs from {a} in device: 'cuda' against 'cpu'"),
+    (lambda r: r.update(repeats=3), "report: {b}: system 'specgraph' has 2 decode_tokens, not 3"),
+    (lambda r: r["settings"].update(max_new_tokens=9), "report: {b} differs from {a} in its recipe's fields"),
+    (lambda r: r["systems"]["ar"].update(description="x"), "report: {b} ran 'ar' as 'x', {a} as 'target alone'"),
     (lambda r: r["systems"].pop("ar"), "report: {b} measured specgraph, {a} specgraph, ar"),
     (lambda r: r["systems"]["ar"].pop("decode_seconds"), "report: {b}: system 'ar' has no decode_seconds"),
+    (lambda r: r["systems"]["ar"]["decode_tokens"].pop(), "report: {b}: system 'ar' has 1 decode_tokens, not 2"),
     (lambda r: r["systems"]["ar"].update(overlap={}), "report: {b}: system 'ar' has executor statistics"),
-    (lambda r: r.pop("systems"), "report: {b} is not a `specgraph bench --json` report"),
+    (lambda r: r.pop("prompts"), "report: {b} has no prompts (int)"),
+    (lambda r: r.pop("settings"), "report: {b} has no settings (dict)"),
+    (lambda r: r["systems"].pop("specgraph"), "report: {b} has no 'specgraph' system"),
+    (lambda r: r.update(systems=[]), "report: {b} is not a `specgraph bench --json` report"),
 ])
 def test_parts_that_cannot_merge_are_one_line_errors(tmp_path, capsys, change, expected):
-    a, b = tmp_path / "a.json", tmp_path / "b.json"
-    a.write_text(json.dumps(part()))
     other = part()
     change(other)
-    b.write_text(json.dumps(other))
+    a, b = write(tmp_path, a=part(), b=other)
     assert main(["report", str(a), str(b)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"specgraph: error: {expected.format(a=a, b=b)}") and err.count("\n") == 1
 
 
-def test_a_missing_or_broken_part_is_a_one_line_error(tmp_path, capsys):
-    broken = tmp_path / "broken.json"
+def test_a_missing_broken_or_repeated_part_is_a_one_line_error(tmp_path, capsys):
+    broken, listed, a = tmp_path / "broken.json", tmp_path / "list.json", *write(tmp_path, a=part())
     broken.write_text("{")
-    for path, expected in ((tmp_path / "none.json", "does not exist"), (broken, "is not JSON")):
-        assert main(["report", str(path)]) == 2
+    listed.write_text("[]")
+    for paths, expected in (([tmp_path / "none.json"], "does not exist"), ([broken], "is not JSON"),
+                            ([listed], "is not a `specgraph bench --json` report"), ([a, a], "is given twice")):
+        assert main(["report", *map(str, paths)]) == 2
         err = capsys.readouterr().err
         assert expected in err and err.count("\n") == 1

@@ -328,7 +328,8 @@ def bench_on(program, spec: BenchSpec, variants: dict[str, SpecGraph] | None = N
         outputs = result.pop("outputs")
         result["same_tokens_as_ar"] = None if reference is None else sum(map(list.__eq__, outputs, reference)) / len(reference)
     report = {
-        "recipe": spec.recipe.name, "widen": spec.widen, "device": device_name(device),
+        "recipe": spec.recipe.name, "settings": recipe_settings(spec.recipe), "widen": spec.widen,
+        "device": device_name(device),
         "date": time.strftime("%Y-%m-%d"), "prompts": len(encoded), "max_new_tokens": spec.max_new_tokens,
         "repeats": spec.repeats, "warmup_prompts": len(spec.prompts[: spec.warmup]), "systems": results, "skipped": skipped,
         "speedup": speedups(results),
@@ -336,6 +337,15 @@ def bench_on(program, spec: BenchSpec, variants: dict[str, SpecGraph] | None = N
     if "ar" in results:
         report["bandwidth_bound"] = _bandwidth_bound(program, device, encoded, results["ar"])
     return report
+
+
+def recipe_settings(recipe: Recipe) -> dict:
+    """Every field of the recipe as measured (the command's --set applied, defaults filled in, model
+    paths resolved): what parts of one benchmark must share (`specgraph report`)."""
+    settings = recipe.model_dump(mode="json")
+    for name, model in recipe.models.items():
+        settings["models"][name]["path"] = str(model.path.resolve())
+    return settings
 
 
 def speedups(results: dict[str, dict]) -> dict[str, float]:

@@ -5,7 +5,8 @@ processes over parts of a prompt file, each measuring every system; merging thei
 gives what one run over all the prompts would have printed: each repeat's decode tokens/s is the
 parts' decode tokens over their summed decode seconds, TTFT the median over every prompt, the
 step figures over every step, `= ar` over every prompt. The parts must agree on what was measured
-(recipe, shape, device, new tokens, repeats, systems and their descriptions); the bandwidth
+(the recipe's every field with the command's --set, shape, device, new tokens, repeats, systems
+and their descriptions); a single part is checked and printed as it is. The bandwidth
 bound's bytes per token is the prompt-weighted mean of the parts' (it is linear in the mean
 context), its copy bandwidth the mean of the parts' measurements.
 """
@@ -17,27 +18,53 @@ import statistics
 from specgraph.bench.harness import bandwidth_bound, speedups
 from specgraph.errors import SpecgraphError
 
-AGREE = ("recipe", "widen", "device", "max_new_tokens", "repeats")  # what every part must have measured alike
-PER_REPEAT = ("decode_tokens", "decode_seconds", "first_token_seconds")  # written by bench since 2026-12-02
+AGREE = ("recipe", "settings", "widen", "device", "max_new_tokens", "repeats")  # what every part measured alike
+PART = {"date": str, "prompts": int, "repeats": int, "max_new_tokens": int, "systems": dict, "skipped": dict,
+        "settings": dict}  # a report's keys that a merge reads, with their types
+SYSTEM = {"description": str, "decode_tokens": list, "decode_seconds": list, "first_token_seconds": list,
+          "new_tokens": int, "accepted_lengths": list}  # each system's (per repeat and per prompt: since 2026-12-02)
+
+
+def check_part(name: str, report) -> None:
+    """A one-line error unless `report` is a bench report that a merge can read."""
+    if not isinstance(report, dict) or not isinstance(report.get("systems"), dict):
+        raise SpecgraphError(f"report: {name} is not a `specgraph bench --json` report (it has no systems)")
+    for key, kind in PART.items():
+        if not isinstance(report.get(key), kind):
+            raise SpecgraphError(f"report: {name} has no {key} ({kind.__name__}): written by an older specgraph or "
+                                 "not by bench; rerun its bench to merge it")
+    if "specgraph" not in report["systems"]:
+        raise SpecgraphError(f"report: {name} has no 'specgraph' system")
+    for system, result in report["systems"].items():
+        missing = [key for key, kind in SYSTEM.items() if not isinstance(result, dict) or not isinstance(result.get(key), kind)]
+        if missing:
+            raise SpecgraphError(f"report: {name}: system {system!r} has no {', '.join(missing)} (a report written "
+                                 "before `specgraph report` existed, or not by bench); rerun its bench to merge it")
+        if "overlap" in result or "pipeline" in result:
+            raise SpecgraphError(f"report: {name}: system {system!r} has executor statistics (disaggregated or "
+                                 "pipeline), which cannot be merged yet; merge serial systems only")
+        counts = {"decode_tokens": report["repeats"], "decode_seconds": report["repeats"],
+                  "first_token_seconds": report["prompts"]}
+        for key, count in counts.items():
+            if len(result[key]) != count:
+                raise SpecgraphError(f"report: {name}: system {system!r} has {len(result[key])} {key}, not "
+                                     f"{count}; the report is damaged")
 
 
 def merge_reports(parts: list[tuple[str, dict]]) -> dict:
     """(name, report) of each part -> one report over all their prompts."""
-    (first_name, first), rest = parts[0], parts[1:]
     for name, report in parts:
-        for system, result in report["systems"].items():
-            missing = [key for key in PER_REPEAT if key not in result]
-            if missing:
-                raise SpecgraphError(f"report: {name}: system {system!r} has no {', '.join(missing)} (a report "
-                                     "written before `specgraph report` existed); rerun its bench to merge it")
-            if "overlap" in result or "pipeline" in result:
-                raise SpecgraphError(f"report: {name}: system {system!r} has executor statistics (disaggregated or "
-                                     "pipeline), which cannot be merged yet; merge serial systems only")
+        check_part(name, report)
+    if len(parts) == 1:
+        return parts[0][1]
+    (first_name, first), rest = parts[0], parts[1:]
     for name, report in rest:
         for key in AGREE:
-            if report[key] != first[key]:
-                raise SpecgraphError(f"report: {name} differs from {first_name} in {key}: {report[key]!r} "
-                                     f"against {first[key]!r}; merge only parts of one benchmark")
+            if report.get(key) != first.get(key):
+                shown = "its recipe's fields (--set, trees, paths)" if key == "settings" else (
+                    f"{key}: {report.get(key)!r} against {first.get(key)!r}")
+                raise SpecgraphError(f"report: {name} differs from {first_name} in {shown}; merge only parts of one "
+                                     "benchmark")
         if list(report["systems"]) != list(first["systems"]):
             raise SpecgraphError(f"report: {name} measured {', '.join(report['systems'])}, {first_name} "
                                  f"{', '.join(first['systems'])}; merge only parts with the same systems")
@@ -48,13 +75,15 @@ def merge_reports(parts: list[tuple[str, dict]]) -> dict:
     reports = [report for _, report in parts]
     systems = {system: _merge_system([r["systems"][system] for r in reports], [r["prompts"] for r in reports])
                for system in first["systems"]}
-    merged = {**{key: first[key] for key in AGREE}, "date": first["date"],
+    dates = sorted({r["date"] for r in reports})
+    merged = {**{key: first[key] for key in AGREE}, "date": dates[0] if len(dates) == 1 else f"{dates[0]}..{dates[-1]}",
               "prompts": sum(r["prompts"] for r in reports),
               "warmup_prompts": sum(r.get("warmup_prompts", r["prompts"]) for r in reports),
               "systems": systems, "skipped": {k: v for r in reports for k, v in r["skipped"].items()},
-              "speedup": speedups(systems), "merged_from": [name for name, _ in parts]}
-    if "ar" in systems and all("bandwidth_bound" in r for r in reports):
-        bounds = [r["bandwidth_bound"] for r in reports]
+              "speedup": speedups(systems),
+              "merged_from": [source for name, r in parts for source in r.get("merged_from", [name])]}
+    bounds = [r.get("bandwidth_bound") for r in reports]
+    if "ar" in systems and all(isinstance(b, dict) for b in bounds):
         weights = [r["prompts"] for r in reports]
         merged["bandwidth_bound"] = bandwidth_bound(
             statistics.mean(b["copy_bandwidth_bytes_per_s"] for b in bounds),
@@ -72,11 +101,13 @@ def _merge_system(results: list[dict], prompts: list[int]) -> dict:
     steps = [n for r in results for n in r["accepted_lengths"]]
 
     def per_step(key: str) -> float | None:  # a mean over each part's steps, over all of them
-        counts = [len(r["accepted_lengths"]) for r in results]
-        return sum(r[key] * n for r, n in zip(results, counts)) / sum(counts) if steps else None
+        weighted = [(r.get(key), len(r["accepted_lengths"])) for r in results if r["accepted_lengths"]]
+        if not weighted or any(ms is None for ms, _ in weighted):
+            return None
+        return sum(ms * n for ms, n in weighted) / len(steps)
 
-    peaks = [r["peak_memory_bytes"] for r in results]
-    same = [r["same_tokens_as_ar"] for r in results]
+    peaks = [r.get("peak_memory_bytes") for r in results]
+    same = [r.get("same_tokens_as_ar") for r in results]
     return {
         "description": results[0]["description"],
         "tokens_per_second": {"median": statistics.median(tps), "min": min(tps), "max": max(tps), "runs": tps},
