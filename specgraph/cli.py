@@ -240,15 +240,31 @@ def _report_run(args: argparse.Namespace, name: str, prompts: list[dict], result
         write_atomically(args.json, json.dumps(report, indent=1))
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
-    from specgraph.bench.harness import BenchSpec, run_bench
-    from specgraph.bench.report import plot, print_table
-
-    from specgraph.files import check_output, write_atomically
+def _check_report_outputs(args: argparse.Namespace) -> None:
+    """Before any work: the --json and --plot paths of bench and report can be written."""
+    from specgraph.files import check_output
 
     for path, flag in ((args.json, "--json"), (args.plot, "--plot")):
         if path is not None:
             check_output(path, flag)
+
+
+def _present_report(report: dict, args: argparse.Namespace) -> None:
+    """A bench report's table on the terminal, and its JSON and plot where asked."""
+    from specgraph.bench.report import plot, print_table
+    from specgraph.files import write_atomically
+
+    print_table(report)
+    if args.json is not None:
+        write_atomically(args.json, json.dumps(report, indent=1))
+    if args.plot is not None:
+        plot(report, args.plot)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from specgraph.bench.harness import BenchSpec, run_bench
+
+    _check_report_outputs(args)
     recipe, prompts = _load_recipe(args)
     if args.repeats < 1:
         raise SpecgraphError(f"--repeats: must be at least 1 (got {args.repeats})")
@@ -257,33 +273,20 @@ def cmd_bench(args: argparse.Namespace) -> None:
     spec = BenchSpec(recipe, prompts, args.max_new_tokens or recipe.max_new_tokens, args.repeats,
                      tuple(b.strip() for b in args.baselines.split(",") if b.strip()), args.widen, args.warmup,
                      tuple(_anchored(_overrides(args), args.recipe.parent)))
-    report = run_bench(spec)
-    print_table(report)
-    if args.json is not None:
-        write_atomically(args.json, json.dumps(report, indent=1))
-    if args.plot is not None:
-        plot(report, args.plot)
+    _present_report(run_bench(spec), args)
 
 
 def cmd_report(args: argparse.Namespace) -> None:
     from specgraph.bench.merge import merge_reports
-    from specgraph.bench.report import plot, print_table
-    from specgraph.files import check_output, read_json, write_atomically
+    from specgraph.files import read_json
 
-    for path, flag in ((args.json, "--json"), (args.plot, "--plot")):
-        if path is not None:
-            check_output(path, flag)
+    _check_report_outputs(args)
     seen = set()
     for path in args.parts:
         if path.resolve() in seen:
             raise SpecgraphError(f"report: {path} is given twice; give each part once")
         seen.add(path.resolve())
-    report = merge_reports([(str(path), read_json(path, "report")) for path in args.parts])
-    print_table(report)
-    if args.json is not None:
-        write_atomically(args.json, json.dumps(report, indent=1))
-    if args.plot is not None:
-        plot(report, args.plot)
+    _present_report(merge_reports([(str(path), read_json(path, "report")) for path in args.parts]), args)
 
 
 def _serial_in_one_process(graph, command: str, cannot: str) -> None:
