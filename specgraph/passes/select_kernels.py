@@ -11,9 +11,10 @@ After:  + `kernels` {op: "triton" | "invariant" | "reference"} for attention, ro
         rmsnorm (the gated norm) one where Inductor makes two, linear projects one token without
         cuBLAS's split-K reduction and 2-16 (a drafter's tree levels) on tensor-core tiles, swiglu
         projects one token on the gate and up rows and stores only silu(gate) * up, the gated-DeltaNet
-        step and commit are the walk of invariant.py (one token 8.2 µs against the closed form's 14.6 at
-        the Qwen3.5-9B layer shape, faster at every tree size measured: run 53; an autoregressive token
-        1.5% faster end to end: run 56; "triton" names the closed form), and our add_rmsnorm beats
+        step and commit are the walk of invariant.py (one token 6.1 µs against the closed form's 17.4 at
+        the Qwen3.5-9B layer shape; the closed form is faster alone from 16 nodes (run 82), the walk
+        end to end on the hybrid recipe's 17-token verify steps too (run 80); "triton" names the
+        closed form), and our add_rmsnorm beats
         Inductor's inside compiled layers too (docs/benchmarks.md; on Hopper our kernels also launch
         dependently), and the references on the CPU. `lowering.row_invariant` gives the target the
         kernels of ROW_INVARIANT (linear, swiglu, attention and the gated-DeltaNet step and commit from

@@ -73,7 +73,7 @@ def _walk(q_in, v_in, beta_in, visible, state, states, out, step_k, step_u, step
         at = (b * T + i) * H + h  # row of [B, T, H, ...]
         q = tl.load(q_in + at * DK + keys, mask=kmask, other=0.0)
         k = tl.load(step_k + b * s_sk_b + i * s_sk_t + h * DK + keys, mask=kmask, other=0.0)
-        v = tl.load(v_in + at * DV + vals, mask=vmask, other=0.0)
+        v = tl.load(v_in + at * DV + vals, mask=vmask, other=0.0).to(tl.float32)
         beta, g = tl.load(beta_in + at), tl.load(step_decay + b * s_sd_b + i * s_sd_t + h)
         s, u, o = _node(s, q, k, v, beta, g)
         tl.store(step_u + b * s_su_b + i * s_su_t + h * DV + vals, u, mask=vmask)

@@ -1,13 +1,15 @@
 """Triton gated-DeltaNet tree step and commit (Bole's closed form, fused).
 
-`gated_delta_step`: two kernels. The first, one program per (batch, value head), gives each node
-its inputs: the short convolution over its ancestor window, silu, the q/k L2 norms, the gates and
-the path log-decay G. The second, one program per (batch, value head, value tile of BV columns),
-keeps the committed state's [dk, BV] slice on chip and walks the tree in blocks of 16 nodes
-(parents first): the ancestor-masked system (I + A) U = R, block by block (matrix products against
-the blocks before, forward substitution within the block), and every node's output from the one
-state. No per-node state is formed. A one-token step (autoregressive decoding) is the same
-kernels with T = 1.
+`gated_delta_step`: three kernels, each over the tree in blocks of 16 nodes (parents first). The
+first, one program per (batch, value head, block), gives each node its inputs: the short
+convolution over its ancestor window, silu, the q/k L2 norms, the gates and the path log-decay G.
+The second, one program per (batch, value head, block r), forms the node-pair matrices of the block's
+rows — A (the ancestor-masked system (I + A) U = R) and P (the outputs' weights on U) — and
+inverts the block's diagonal (I + A_rr) by exact block formulas. The third, one program per
+(batch, value head, value tile of BV columns), keeps the committed state's [dk, BV] slice on chip
+and solves block by block (matrix products against the blocks before, then the diagonal block's
+inverse), giving every node its output from the one state. No per-node state is formed. A
+one-token step (autoregressive decoding) is the same kernels with T = 1.
 
 `gated_delta_commit`: one program per (layer, batch, value head, value tile) folds the accepted
 path's factors into its state slice; one per (layer, batch, channel block) shifts the conv window.
@@ -79,9 +81,9 @@ def _gates(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, vi
            step_decay, step_inputs, T, H, HK, scale, s_in_b, s_in_t, s_w_b, s_w_t, s_a_b, s_a_t, s_conv_b, s_conv_t,
            s_sk_b, s_sk_t, s_sd_b, s_sd_t, s_si_b, s_si_t, K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
            BDV: tl.constexpr, RB: tl.constexpr, PATH: tl.constexpr, PDL: tl.constexpr):
-    """One program per (batch, value head): each node's q, k (its key head's), v, beta, and into
-    step_decay its path log-decay G (PATH) or its own log-decay g (not PATH; `visible` unused);
-    copies the nodes' inputs to step_inputs (_keep_inputs)."""
+    """One program per (batch, value head, block of RB nodes): each node's q, k (its key head's), v,
+    beta, and into step_decay its path log-decay G (PATH) or its own log-decay g (not PATH;
+    `visible` unused); copies the nodes' inputs to step_inputs (_keep_inputs)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     b, h = tl.program_id(0) // H, tl.program_id(0) % H
@@ -93,28 +95,28 @@ def _gates(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, vi
         tl.extra.cuda.gdc_wait()
     a = tl.load(decay_input + b * s_a_b + nodes * s_a_t + h, mask=nodes < T, other=0.0).to(tl.float32)
     g = tl.where(nodes < T, g_scale * _softplus(a + g_bias), 0.0)  # [BT]: every node's log-decay
-    for r0 in range(0, T, RB):  # blocks of RB nodes
-        rows = r0 + tl.arange(0, RB)
-        live = rows < T
-        q, k = _qk(inputs, conv, conv_w, windows, b, hk, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live, scale, HK,
-                   K, DK, RB, BK, False)  # [RB, BK]
-        v = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live,
-                       2 * HK * DK + h * DV + vals, vmask, K, RB, BDV, False)  # [RB, BDV]
-        beta, decay = _beta_decay(write, decay_input, b, h, s_w_b, s_w_t, s_a_b, s_a_t, rows, live, g_scale, g_bias,
-                                  inputs.dtype.element_ty)  # [RB]: beta, g
-        if PATH:
-            seen = tl.load(visible + rows[:, None] * T + nodes[None, :], mask=live[:, None] & (nodes < T)[None, :],
-                           other=0) != 0  # [RB, BT]: ancestors or self
-            decay = tl.sum(tl.where(seen, g[None, :], 0.0), axis=1)  # [RB]: G
-        at = (b * T + rows[:, None]) * H + h  # row of [B, T, H, ...] scratch
-        tl.store(q_out + at * DK + keys[None, :], q, mask=live[:, None] & kmask[None, :])
-        tl.store(v_out + at * DV + vals[None, :], v, mask=live[:, None] & vmask[None, :])
-        tl.store(beta_out + (b * T + rows) * H + h, beta, mask=live)
-        tl.store(step_k + b * s_sk_b + rows[:, None] * s_sk_t + h * DK + keys[None, :], k,
-                 mask=live[:, None] & kmask[None, :])
-        tl.store(step_decay + b * s_sd_b + rows * s_sd_t + h, decay, mask=live)
-        _keep_inputs(inputs, step_inputs, b, h, hk, s_in_b, s_in_t, s_si_b, s_si_t, rows, live, keys, kmask,
-                     vals, vmask, h % (H // HK) == 0, HK, DK, DV)
+    rows = tl.program_id(1) * RB + tl.arange(0, RB)  # this program's block of nodes
+    live = rows < T
+    q, k = _qk(inputs, conv, conv_w, windows, b, hk, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live, scale, HK,
+               K, DK, RB, BK, False)  # [RB, BK]
+    v = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live,
+                   2 * HK * DK + h * DV + vals, vmask, K, RB, BDV, False)  # [RB, BDV]
+    beta, decay = _beta_decay(write, decay_input, b, h, s_w_b, s_w_t, s_a_b, s_a_t, rows, live, g_scale, g_bias,
+                              inputs.dtype.element_ty)  # [RB]: beta, g
+    if PATH:
+        seen = tl.load(visible + rows[:, None] * T + nodes[None, :], mask=live[:, None] & (nodes < T)[None, :],
+                       other=0) != 0  # [RB, BT]: ancestors or self
+        decay = tl.sum(tl.where(seen, g[None, :], 0.0), axis=1)  # [RB]: G
+    at = (b * T + rows[:, None]) * H + h  # row of [B, T, H, ...] scratch
+    tl.store(q_out + at * DK + keys[None, :], q, mask=live[:, None] & kmask[None, :])
+    tl.store(v_out + at * DV + vals[None, :], v.to(v_out.dtype.element_ty),  # (exact: rounded there already)
+             mask=live[:, None] & vmask[None, :])
+    tl.store(beta_out + (b * T + rows) * H + h, beta, mask=live)
+    tl.store(step_k + b * s_sk_b + rows[:, None] * s_sk_t + h * DK + keys[None, :], k,
+             mask=live[:, None] & kmask[None, :])
+    tl.store(step_decay + b * s_sd_b + rows * s_sd_t + h, decay, mask=live)
+    _keep_inputs(inputs, step_inputs, b, h, hk, s_in_b, s_in_t, s_si_b, s_si_t, rows, live, keys, kmask,
+                 vals, vmask, h % (H // HK) == 0, HK, DK, DV)
 
 
 @triton.jit
@@ -136,13 +138,72 @@ def _keep_inputs(inputs, step_inputs, b, h, hk, s_in_b, s_in_t, s_si_b, s_si_t, 
 
 
 @triton.jit
-def _tree(q_in, v_in, beta_in, visible, state, out, step_k, step_u, step_decay, T, H, s_sk_b, s_sk_t, s_su_b, s_su_t,
-          s_sd_b, s_sd_t, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, RB: tl.constexpr,
-          PDL: tl.constexpr):
+def _unit_lower_inverse(A, RB: tl.constexpr):
+    """(I + A)^-1 [RB, RB] for A strictly lower-triangular, RB a power of two: the inverses X of the
+    diagonal blocks of 1, 2, 4, ... rows, each level's pair of blocks [[L1, 0], [E, L2]] from its
+    halves' by the exact block formula X - X E X (no power series: stable like substitution, in
+    log2(RB) pairs of matrix products instead of RB - 1 dependent row updates)."""
+    idx = tl.arange(0, RB)
+    x = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0)
+    for level in tl.static_range(RB.bit_length() - 1):  # blocks of 2^level rows paired
+        pair = (idx[:, None] >> (level + 1)) == (idx[None, :] >> (level + 1))
+        e = tl.where(pair & ((idx[:, None] >> level) != (idx[None, :] >> level)), A, 0.0)  # pairs' lower-left blocks
+        x -= tl.dot(x, tl.dot(e, x, input_precision=IEEE), input_precision=IEEE)
+    return x
+
+
+@triton.jit
+def _pairs(q_in, beta_in, visible, step_k, step_decay, pairs, pair_d, T, H, s_sk_b, s_sk_t, s_sd_b, s_sd_t,
+           DK: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr):
+    """One program per (batch, value head, block r of RB nodes): the block's rows of the node-pair
+    matrices, for every earlier block c and its own: P_rc = e^(G_r - G_c) q_r k_c^T (ancestors and
+    self; lower-triangular) into the lower triangle of `pairs` [B, H, T, T] and
+    A_rc = beta_r e^(G_r - G_c) k_r k_c^T (strict ancestors), transposed, into its strict upper
+    triangle — and the inverse (I + A_rr)^-1 of its diagonal block into pair_d [B, H, T, RB]."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    b, h, r0 = tl.program_id(0) // H, tl.program_id(0) % H, tl.program_id(1) * RB
+    keys, idx = tl.arange(0, BK), tl.arange(0, RB)
+    kmask = keys < DK
+    rows = r0 + idx
+    live = rows < T
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    at = (b * T + rows) * H + h
+    q = tl.load(q_in + at[:, None] * DK + keys[None, :], mask=live[:, None] & kmask[None, :], other=0.0)  # [RB, BK]
+    k = tl.load(step_k + b * s_sk_b + rows[:, None] * s_sk_t + h * DK + keys[None, :],
+                mask=live[:, None] & kmask[None, :], other=0.0)
+    beta = tl.load(beta_in + at, mask=live, other=0.0)
+    path = tl.load(step_decay + b * s_sd_b + rows * s_sd_t + h, mask=live, other=0.0)  # [RB]: G
+    head = pairs + (b * H + h) * T * T  # this head's [T, T]
+    for c0 in range(0, r0 + RB, RB):  # the earlier blocks, then this one
+        cols = c0 + idx
+        on = live[:, None] & (cols < T)[None, :]
+        k_c = tl.load(step_k + b * s_sk_b + cols[:, None] * s_sk_t + h * DK + keys[None, :],
+                      mask=(cols < T)[:, None] & kmask[None, :], other=0.0)
+        g_c = tl.load(step_decay + b * s_sd_b + cols * s_sd_t + h, mask=cols < T, other=0.0)
+        seen = tl.load(visible + rows[:, None] * T + cols[None, :], mask=on, other=0) != 0  # [RB, RB]
+        decay = tl.where(seen, tl.exp(tl.where(seen, path[:, None] - g_c[None, :], 0.0)), 0.0)
+        a = tl.where(seen & (rows[:, None] != cols[None, :]),
+                     beta[:, None] * decay * tl.dot(k, tl.trans(k_c), input_precision=IEEE), 0.0)  # A_rc
+        below = cols[None, :] < rows[:, None]
+        tl.store(head + cols[None, :] * T + rows[:, None], a, mask=on & below)  # A^T above the diagonal
+        tl.store(head + rows[:, None] * T + cols[None, :], decay * tl.dot(q, tl.trans(k_c), input_precision=IEEE),
+                 mask=on & (below | (cols[None, :] == rows[:, None])))  # P on and below it
+        if c0 == r0:
+            tl.store(pair_d + ((b * H + h) * T + rows[:, None]) * RB + idx[None, :], _unit_lower_inverse(a, RB),
+                     mask=live[:, None])
+
+
+@triton.jit
+def _tree(q_in, v_in, beta_in, state, out, step_k, step_u, step_decay, pairs, pair_d, T, H, s_sk_b, s_sk_t,
+          s_su_b, s_su_t, s_sd_b, s_sd_t, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+          RB: tl.constexpr, PDL: tl.constexpr):
     """One program per (batch, value head, value tile of BV columns), blocks of RB nodes in order: block r
-    solves (I + A_rr) U_r = R_r - sum_c<r A_rc U_c (forward substitution within the block; its U_c
-    read back from step_u, where this program stored them) and outputs
-    o_r = e^G_r S^T q_r + sum_c<=r (decay_rc * q_r k_c^T) U_c, from the state tile S [BK, BV]."""
+    solves (I + A_rr) U_r = R_r - sum_c<r A_rc U_c with R_r = beta_r (v_r - e^G_r S^T k_r) (its U_c read
+    back from step_u, where this program stored them) and outputs
+    o_r = e^G_r S^T q_r + sum_c<=r P_rc U_c, from the state tile S [BK, BV] and _pairs' A, P and
+    (I + A_rr)^-1."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     b, h, tile = tl.program_id(0) // H, tl.program_id(0) % H, tl.program_id(1)
@@ -159,33 +220,27 @@ def _tree(q_in, v_in, beta_in, visible, state, out, step_k, step_u, step_decay, 
         q = tl.load(q_in + at[:, None] * DK + keys[None, :], mask=live[:, None] & kmask[None, :], other=0.0)
         k = tl.load(step_k + b * s_sk_b + rows[:, None] * s_sk_t + h * DK + keys[None, :],
                     mask=live[:, None] & kmask[None, :], other=0.0)  # [RB, BK]
-        v = tl.load(v_in + at[:, None] * DV + vals[None, :], mask=live[:, None] & vmask[None, :], other=0.0)
+        v = tl.load(v_in + at[:, None] * DV + vals[None, :], mask=live[:, None] & vmask[None, :],
+                    other=0.0).to(tl.float32)
         beta = tl.load(beta_in + at, mask=live, other=0.0)
-        path = tl.load(step_decay + b * s_sd_b + rows * s_sd_t + h, mask=live, other=0.0)  # [RB]: G
-        start = tl.exp(path)[:, None]
+        start = tl.exp(tl.load(step_decay + b * s_sd_b + rows * s_sd_t + h, mask=live, other=0.0))[:, None]  # e^G
         rhs = beta[:, None] * (v - start * tl.dot(k, s, input_precision=IEEE))  # R_r [RB, BV]
         o = start * tl.dot(q, s, input_precision=IEEE)
+        head = pairs + (b * H + h) * T * T  # this head's [T, T] (_pairs)
         for c0 in range(0, r0, RB):  # earlier blocks, solved
             cols = c0 + idx
-            k_c = tl.load(step_k + b * s_sk_b + cols[:, None] * s_sk_t + h * DK + keys[None, :],
-                          mask=kmask[None, :], other=0.0)
             u_c = tl.load(step_u + b * s_su_b + cols[:, None] * s_su_t + h * DV + vals[None, :],
                           mask=vmask[None, :], other=0.0)
-            seen = tl.load(visible + rows[:, None] * T + cols[None, :], mask=live[:, None], other=0) != 0
-            g_c = tl.load(step_decay + b * s_sd_b + cols * s_sd_t + h)
-            decay = tl.where(seen, tl.exp(tl.where(seen, path[:, None] - g_c[None, :], 0.0)), 0.0)  # [RB, RB]
-            rhs -= tl.dot(beta[:, None] * decay * tl.dot(k, tl.trans(k_c), input_precision=IEEE), u_c,
-                          input_precision=IEEE)
-            o += tl.dot(decay * tl.dot(q, tl.trans(k_c), input_precision=IEEE), u_c, input_precision=IEEE)
-        seen = tl.load(visible + rows[:, None] * T + rows[None, :], mask=live[:, None] & live[None, :], other=0) != 0
-        decay = tl.where(seen, tl.exp(tl.where(seen, path[:, None] - path[None, :], 0.0)), 0.0)
-        A = tl.where(seen & (idx[:, None] != idx[None, :]),
-                     beta[:, None] * decay * tl.dot(k, tl.trans(k), input_precision=IEEE), 0.0)  # A_rr, strict
-        u = rhs
-        for i in range(1, tl.minimum(RB, T - r0)):  # forward substitution, parents first: U_i = rhs_i - sum_j<i A_ij U_j
-            a_i = tl.sum(tl.where(idx[:, None] == i, A, 0.0), axis=0)  # [RB]: row i of A_rr
-            u = tl.where(idx[:, None] == i, u - tl.sum(a_i[:, None] * u, axis=0)[None, :], u)
-        o += tl.dot(decay * tl.dot(q, tl.trans(k), input_precision=IEEE), u, input_precision=IEEE)
+            a = tl.load(head + cols[None, :] * T + rows[:, None], mask=live[:, None], other=0.0)  # [RB, RB]: A_rc
+            rhs -= tl.dot(a, u_c, input_precision=IEEE)
+            o += tl.dot(tl.load(head + rows[:, None] * T + cols[None, :], mask=live[:, None], other=0.0), u_c,
+                        input_precision=IEEE)  # P_rc
+        inverse = tl.load(pair_d + ((b * H + h) * T + rows[:, None]) * RB + idx[None, :], mask=live[:, None],
+                          other=0.0)  # [RB, RB]: (I + A_rr)^-1
+        u = tl.dot(inverse, rhs, input_precision=IEEE)
+        p = tl.load(head + rows[:, None] * T + rows[None, :], other=0.0,
+                    mask=live[:, None] & live[None, :] & (idx[None, :] <= idx[:, None]))  # P_rr
+        o += tl.dot(p, u, input_precision=IEEE)
         tile_mask = live[:, None] & vmask[None, :]
         tl.store(step_u + b * s_su_b + rows[:, None] * s_su_t + h * DV + vals[None, :], u, mask=tile_mask)
         tl.store(out + at[:, None] * DV + vals[None, :], o.to(out.dtype.element_ty), mask=tile_mask)
@@ -219,13 +274,14 @@ def gates(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor, 
           step_inputs: torch.Tensor, path: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The _gates kernel (arguments as gated_delta_step's; visible contiguous): writes each node's k
     and log-decay (its path's sum G, or its own g) to step_k and step_decay, its inputs to
-    step_inputs, and returns its q
-    [B, T, H, dk], v [B, T, H, dv] and beta [B, T, H], fp32."""
+    step_inputs, and returns its q [B, T, H, dk] and beta [B, T, H], fp32, and v [B, T, H, dv] in
+    the activations' dtype."""
     (b, t, _), (h, dk, dv), kernel = inputs.shape, state.shape[1:], conv_weight.shape[-1]
     assert visible.shape == (t, t), "step shapes disagree"
     hk = key_heads(inputs, write, decay_input, conv, conv_weight, windows, state, step_k, step_decay, step_inputs)
-    q, v, beta = (torch.empty(b, t, h, *d, dtype=torch.float32, device=inputs.device) for d in ((dk,), (dv,), ()))
-    _gates[(b * h,)](inputs, write, decay_input, conv, conv_weight.contiguous(), A_log, dt_bias, windows.contiguous(),
+    q, beta = (torch.empty(b, t, h, *d, dtype=torch.float32, device=inputs.device) for d in ((dk,), ()))
+    v = inputs.new_empty(b, t, h, dv)  # silu's outputs, already rounded to the activations' dtype
+    _gates[(b * h, triton.cdiv(t, ROW_BLOCK))](inputs, write, decay_input, conv, conv_weight.contiguous(), A_log, dt_bias, windows.contiguous(),
                      visible, q, v, beta, step_k, step_decay, step_inputs, t, h, hk, dk ** -0.5, inputs.stride(0),
                      inputs.stride(1), write.stride(0), write.stride(1), decay_input.stride(0), decay_input.stride(1),
                      conv.stride(0), conv.stride(1), step_k.stride(0), step_k.stride(1), step_decay.stride(0),
@@ -248,10 +304,15 @@ def gated_delta_step(inputs: torch.Tensor, write: torch.Tensor, decay_input: tor
     q, v, beta = gates(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible, state, step_k,
                        step_decay, step_inputs, path=True)
     out, bk, bv = inputs.new_empty(b, t, h, dv), max(16, triton.next_power_of_2(dk)), value_tile(dv)
-    _tree[(b * h, triton.cdiv(dv, bv))](q, v, beta, visible, state.contiguous(), out, step_k, step_u, step_decay, t, h,
-                                        step_k.stride(0), step_k.stride(1), step_u.stride(0), step_u.stride(1),
-                                        step_decay.stride(0), step_decay.stride(1), DK=dk, DV=dv, BK=bk, BV=bv,
-                                        RB=ROW_BLOCK, **launch(inputs.device))
+    pairs = q.new_empty(b, h, t, t)  # [B, H, T, T]: node-pair matrices P and A^T (_pairs)
+    pair_d = q.new_empty(b, h, t, ROW_BLOCK)  # the diagonal blocks' inverses, by rows
+    strides = (step_k.stride(0), step_k.stride(1), step_decay.stride(0), step_decay.stride(1))
+    _pairs[(b * h, triton.cdiv(t, ROW_BLOCK))](q, beta, visible, step_k, step_decay, pairs, pair_d, t, h,
+                                               *strides, DK=dk, BK=bk, RB=ROW_BLOCK, **launch(inputs.device))
+    _tree[(b * h, triton.cdiv(dv, bv))](q, v, beta, state.contiguous(), out, step_k, step_u, step_decay, pairs, pair_d,
+                                        t, h, step_k.stride(0), step_k.stride(1), step_u.stride(0),
+                                        step_u.stride(1), step_decay.stride(0), step_decay.stride(1), DK=dk, DV=dv,
+                                        BK=bk, BV=bv, RB=ROW_BLOCK, **launch(inputs.device))
     return out
 
 
