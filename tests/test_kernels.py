@@ -278,6 +278,45 @@ def test_gated_delta_step_matches_reference(b, t, h, hk, dk, dv, depth, dtype):
     assert torch.equal(got_steps[3][:, :t], args[0]) and torch.equal(got_steps[3], expected_steps[3])  # the inputs kept
 
 
+def test_gated_delta_step_solves_an_ill_conditioned_chain_as_accurately_as_substitution():
+    """A chain of 48 nearly equal keys (cosine > 0.999), write strengths near 1 and almost no decay:
+    (I + A) is far from the identity, and the kernel's diagonal-block inverses (block formulas, not
+    substitution) must still give U and the outputs to fp32 accuracy — against the same system solved
+    in float64, within 10x the error of fp32 forward substitution (the reference)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_gated_delta import layer_inputs
+
+    from specgraph.bench.widen import QWEN35_REAL
+    from specgraph.kernels.gated_delta import gated_delta_step_reference
+    from specgraph.kernels.gated_delta.reference import gated_delta_gates
+    from specgraph.kernels.gated_delta.triton import gated_delta_step
+    h, dk, t = 2, 32, 48
+    shape = replace(QWEN35_REAL["qwen3.5-9b"], linear_key_heads=1, linear_value_heads=h, linear_key_dim=dk,
+                    linear_value_dim=dk)
+    gen = torch.Generator().manual_seed(1)
+    args, steps = layer_inputs(shape, t, Tree.random(t, t, gen), gen, torch.device("cpu"), torch.float32, 1, t)
+    inputs, write, decay_input, conv, conv_weight, a_log, dt_bias, windows, visible, state = args
+    key = slice(dk, 2 * dk)  # the key channels, after the query's
+    common = torch.randn(dk, generator=gen)
+    inputs[..., key] = common + 0.01 * torch.randn(t, dk, generator=gen)
+    conv[..., key] = common + 0.01 * torch.randn(conv.shape[1], dk, generator=gen)
+    conv_weight[key] = conv_weight[key].abs()
+    write.fill_(8.0)  # beta 0.9997
+    decay_input.fill_(-10.0)  # g about -5e-6
+    q, k, v, g, beta = gated_delta_gates(*args[:-2], h, dk, dk)
+    assert (k[0, :, 0] @ k[0, :, 0].T).min() > 0.999
+    exact, exact_u, _ = gated_delta_tree_reference(*(x.double() for x in (q, k, v, g, beta, state)), visible)
+    got_steps, ref_steps = [x.clone() for x in steps], [x.clone() for x in steps]
+    got, ref = gated_delta_step(*args, *got_steps), gated_delta_step_reference(*args, *ref_steps)
+
+    def error(x: torch.Tensor, y: torch.Tensor) -> float:
+        return float((x.double() - y).abs().max() / y.abs().max())
+
+    for ours, substitution, exact_value in ((got, ref, exact), (got_steps[1][:, :t], ref_steps[1][:, :t], exact_u)):
+        assert error(ours, exact_value) <= max(10 * error(substitution, exact_value), 1e-6)
+        assert error(ours, exact_value) < 1e-5
+
+
 @pytest.mark.parametrize("layers, b, h, dk, dv, kernel, path", [
     (2, 1, 3, 64, 64, 4, [0]),  # the root alone (an autoregressive step)
     (1, 2, 2, 48, 40, 4, [0, 2, 5, -1, -1]),  # a padded path of three
