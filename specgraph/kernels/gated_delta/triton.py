@@ -93,8 +93,6 @@ def _gates(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, vi
     g_scale, g_bias = -tl.exp(tl.load(a_log + h).to(tl.float32)), tl.load(dt_bias + h).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    a = tl.load(decay_input + b * s_a_b + nodes * s_a_t + h, mask=nodes < T, other=0.0).to(tl.float32)
-    g = tl.where(nodes < T, g_scale * _softplus(a + g_bias), 0.0)  # [BT]: every node's log-decay
     rows = tl.program_id(1) * RB + tl.arange(0, RB)  # this program's block of nodes
     live = rows < T
     q, k = _qk(inputs, conv, conv_w, windows, b, hk, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live, scale, HK,
@@ -104,6 +102,8 @@ def _gates(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, vi
     beta, decay = _beta_decay(write, decay_input, b, h, s_w_b, s_w_t, s_a_b, s_a_t, rows, live, g_scale, g_bias,
                               inputs.dtype.element_ty)  # [RB]: beta, g
     if PATH:
+        a = tl.load(decay_input + b * s_a_b + nodes * s_a_t + h, mask=nodes < T, other=0.0).to(tl.float32)
+        g = tl.where(nodes < T, g_scale * _softplus(a + g_bias), 0.0)  # [BT]: every node's log-decay
         seen = tl.load(visible + rows[:, None] * T + nodes[None, :], mask=live[:, None] & (nodes < T)[None, :],
                        other=0) != 0  # [RB, BT]: ancestors or self
         decay = tl.sum(tl.where(seen, g[None, :], 0.0), axis=1)  # [RB]: G
@@ -213,6 +213,7 @@ def _tree(q_in, v_in, beta_in, state, out, step_k, step_u, step_decay, pairs, pa
         tl.extra.cuda.gdc_wait()
     s = tl.load(state + ((b * H + h) * DK + keys[:, None]) * DV + vals[None, :],
                 mask=kmask[:, None] & vmask[None, :], other=0.0)  # [BK, BV]: this tile of the committed state
+    head = pairs + (b * H + h) * T * T  # this head's [T, T] (_pairs)
     for r0 in range(0, T, RB):
         rows = r0 + idx
         live = rows < T
@@ -226,7 +227,6 @@ def _tree(q_in, v_in, beta_in, state, out, step_k, step_u, step_decay, pairs, pa
         start = tl.exp(tl.load(step_decay + b * s_sd_b + rows * s_sd_t + h, mask=live, other=0.0))[:, None]  # e^G
         rhs = beta[:, None] * (v - start * tl.dot(k, s, input_precision=IEEE))  # R_r [RB, BV]
         o = start * tl.dot(q, s, input_precision=IEEE)
-        head = pairs + (b * H + h) * T * T  # this head's [T, T] (_pairs)
         for c0 in range(0, r0, RB):  # earlier blocks, solved
             cols = c0 + idx
             u_c = tl.load(step_u + b * s_su_b + cols[:, None] * s_su_t + h * DV + vals[None, :],
@@ -281,8 +281,8 @@ def gates(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor, 
     hk = key_heads(inputs, write, decay_input, conv, conv_weight, windows, state, step_k, step_decay, step_inputs)
     q, beta = (torch.empty(b, t, h, *d, dtype=torch.float32, device=inputs.device) for d in ((dk,), ()))
     v = inputs.new_empty(b, t, h, dv)  # silu's outputs, already rounded to the activations' dtype
-    _gates[(b * h, triton.cdiv(t, ROW_BLOCK))](inputs, write, decay_input, conv, conv_weight.contiguous(), A_log, dt_bias, windows.contiguous(),
-                     visible, q, v, beta, step_k, step_decay, step_inputs, t, h, hk, dk ** -0.5, inputs.stride(0),
+    _gates[(b * h, triton.cdiv(t, ROW_BLOCK))](inputs, write, decay_input, conv, conv_weight.contiguous(), A_log,
+                     dt_bias, windows.contiguous(), visible, q, v, beta, step_k, step_decay, step_inputs, t, h, hk, dk ** -0.5, inputs.stride(0),
                      inputs.stride(1), write.stride(0), write.stride(1), decay_input.stride(0), decay_input.stride(1),
                      conv.stride(0), conv.stride(1), step_k.stride(0), step_k.stride(1), step_decay.stride(0),
                      step_decay.stride(1), step_inputs.stride(0), step_inputs.stride(1),
