@@ -45,7 +45,7 @@ def _node(s, q, k, v, beta, g):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _walk(q_in, v_in, beta_in, visible, state, states, out, step_k, step_u, step_decay, T, H, s_sk_b, s_sk_t,
+def _walk(q_in, v_in, beta_in, visible, state, states, out, step_k, step_u, step_decay, T, H, HK, s_sk_b, s_sk_t,
           s_su_b, s_su_t, s_sd_b, s_sd_t, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
           BT: tl.constexpr, PDL: tl.constexpr):
     """One program per (batch, value head, value tile of BV columns), nodes in order (see the module doc)."""
@@ -71,7 +71,7 @@ def _walk(q_in, v_in, beta_in, visible, state, states, out, step_k, step_u, step
         source = tl.where(parent < 0, committed, states + ((b * T + parent) * H + h) * DK * DV + slice_at)
         s = tl.where(parent == i - 1, s, tl.load(source, mask=tile_mask & (parent != i - 1), other=0.0))
         at = (b * T + i) * H + h  # row of [B, T, H, ...]
-        q = tl.load(q_in + at * DK + keys, mask=kmask, other=0.0)
+        q = tl.load(q_in + ((b * T + i) * HK + h // (H // HK)) * DK + keys, mask=kmask, other=0.0)  # [B, T, HK, dk]
         k = tl.load(step_k + b * s_sk_b + i * s_sk_t + h * DK + keys, mask=kmask, other=0.0)
         v = tl.load(v_in + at * DV + vals, mask=vmask, other=0.0).to(tl.float32)
         beta, g = tl.load(beta_in + at), tl.load(step_decay + b * s_sd_b + i * s_sd_t + h)
@@ -149,9 +149,9 @@ def gated_delta_step_invariant(inputs: torch.Tensor, write: torch.Tensor, decay_
                        step_decay, step_inputs, path=False)
     states = torch.empty(b, t, h, dk, dv, dtype=torch.float32, device=inputs.device)  # the stored nodes' S_i
     _walk[(b * h, triton.cdiv(dv, bv))](q, v, beta, visible, state.contiguous(), states, out, step_k, step_u,
-                                        step_decay, t, h, step_k.stride(0), step_k.stride(1), step_u.stride(0),
-                                        step_u.stride(1), step_decay.stride(0), step_decay.stride(1), DK=dk, DV=dv,
-                                        BK=bk, BV=bv,
+                                        step_decay, t, h, q.shape[2], step_k.stride(0), step_k.stride(1),
+                                        step_u.stride(0), step_u.stride(1), step_decay.stride(0),
+                                        step_decay.stride(1), DK=dk, DV=dv, BK=bk, BV=bv,
                                         BT=max(16, triton.next_power_of_2(t)), **launch(inputs.device))
     return out
 

@@ -108,7 +108,8 @@ def _gates(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, vi
                        other=0) != 0  # [RB, BT]: ancestors or self
         decay = tl.sum(tl.where(seen, g[None, :], 0.0), axis=1)  # [RB]: G
     at = (b * T + rows[:, None]) * H + h  # row of [B, T, H, ...] scratch
-    tl.store(q_out + at * DK + keys[None, :], q, mask=live[:, None] & kmask[None, :])
+    tl.store(q_out + ((b * T + rows[:, None]) * HK + hk) * DK + keys[None, :], q,  # its key head's: [B, T, HK, dk]
+             mask=live[:, None] & kmask[None, :] & (h % (H // HK) == 0))
     tl.store(v_out + at * DV + vals[None, :], v.to(v_out.dtype.element_ty),  # (exact: rounded there already)
              mask=live[:, None] & vmask[None, :])
     tl.store(beta_out + (b * T + rows) * H + h, beta, mask=live)
@@ -153,7 +154,7 @@ def _unit_lower_inverse(A, RB: tl.constexpr):
 
 
 @triton.jit
-def _pairs(q_in, beta_in, visible, step_k, step_decay, pairs, pair_d, T, H, s_sk_b, s_sk_t, s_sd_b, s_sd_t,
+def _pairs(q_in, beta_in, visible, step_k, step_decay, pairs, pair_d, T, H, HK, s_sk_b, s_sk_t, s_sd_b, s_sd_t,
            DK: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr):
     """One program per (batch, value head, block r of RB nodes): the block's rows of the node-pair
     matrices, for every earlier block c and its own: P_rc = e^(G_r - G_c) q_r k_c^T (ancestors and
@@ -170,7 +171,8 @@ def _pairs(q_in, beta_in, visible, step_k, step_decay, pairs, pair_d, T, H, s_sk
     if PDL:
         tl.extra.cuda.gdc_wait()
     at = (b * T + rows) * H + h
-    q = tl.load(q_in + at[:, None] * DK + keys[None, :], mask=live[:, None] & kmask[None, :], other=0.0)  # [RB, BK]
+    q = tl.load(q_in + ((b * T + rows[:, None]) * HK + h // (H // HK)) * DK + keys[None, :],
+                mask=live[:, None] & kmask[None, :], other=0.0)  # [RB, BK]
     k = tl.load(step_k + b * s_sk_b + rows[:, None] * s_sk_t + h * DK + keys[None, :],
                 mask=live[:, None] & kmask[None, :], other=0.0)
     beta = tl.load(beta_in + at, mask=live, other=0.0)
@@ -196,7 +198,7 @@ def _pairs(q_in, beta_in, visible, step_k, step_decay, pairs, pair_d, T, H, s_sk
 
 
 @triton.jit
-def _tree(q_in, v_in, beta_in, state, out, step_k, step_u, step_decay, pairs, pair_d, T, H, s_sk_b, s_sk_t,
+def _tree(q_in, v_in, beta_in, state, out, step_k, step_u, step_decay, pairs, pair_d, T, H, HK, s_sk_b, s_sk_t,
           s_su_b, s_su_t, s_sd_b, s_sd_t, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
           RB: tl.constexpr, PDL: tl.constexpr):
     """One program per (batch, value head, value tile of BV columns), blocks of RB nodes in order: block r
@@ -218,7 +220,8 @@ def _tree(q_in, v_in, beta_in, state, out, step_k, step_u, step_decay, pairs, pa
         rows = r0 + idx
         live = rows < T
         at = (b * T + rows) * H + h
-        q = tl.load(q_in + at[:, None] * DK + keys[None, :], mask=live[:, None] & kmask[None, :], other=0.0)
+        q = tl.load(q_in + ((b * T + rows[:, None]) * HK + h // (H // HK)) * DK + keys[None, :],
+                    mask=live[:, None] & kmask[None, :], other=0.0)
         k = tl.load(step_k + b * s_sk_b + rows[:, None] * s_sk_t + h * DK + keys[None, :],
                     mask=live[:, None] & kmask[None, :], other=0.0)  # [RB, BK]
         v = tl.load(v_in + at[:, None] * DV + vals[None, :], mask=live[:, None] & vmask[None, :],
@@ -274,12 +277,12 @@ def gates(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor, 
           step_inputs: torch.Tensor, path: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The _gates kernel (arguments as gated_delta_step's; visible contiguous): writes each node's k
     and log-decay (its path's sum G, or its own g) to step_k and step_decay, its inputs to
-    step_inputs, and returns its q [B, T, H, dk] and beta [B, T, H], fp32, and v [B, T, H, dv] in
-    the activations' dtype."""
+    step_inputs, and returns its q per key head [B, T, HK, dk] and beta [B, T, H],
+    fp32, and v [B, T, H, dv] in the activations' dtype."""
     (b, t, _), (h, dk, dv), kernel = inputs.shape, state.shape[1:], conv_weight.shape[-1]
     assert visible.shape == (t, t), "step shapes disagree"
     hk = key_heads(inputs, write, decay_input, conv, conv_weight, windows, state, step_k, step_decay, step_inputs)
-    q, beta = (torch.empty(b, t, h, *d, dtype=torch.float32, device=inputs.device) for d in ((dk,), ()))
+    q, beta = (torch.empty(b, t, *d, dtype=torch.float32, device=inputs.device) for d in ((hk, dk), (h,)))
     v = inputs.new_empty(b, t, h, dv)  # silu's outputs, already rounded to the activations' dtype
     _gates[(b * h, triton.cdiv(t, ROW_BLOCK))](inputs, write, decay_input, conv, conv_weight.contiguous(), A_log,
                      dt_bias, windows.contiguous(), visible, q, v, beta, step_k, step_decay, step_inputs, t, h, hk, dk ** -0.5, inputs.stride(0),
@@ -308,9 +311,9 @@ def gated_delta_step(inputs: torch.Tensor, write: torch.Tensor, decay_input: tor
     pair_d = q.new_empty(b, h, t, ROW_BLOCK)  # the diagonal blocks' inverses, by rows
     strides = (step_k.stride(0), step_k.stride(1), step_decay.stride(0), step_decay.stride(1))
     _pairs[(b * h, triton.cdiv(t, ROW_BLOCK))](q, beta, visible, step_k, step_decay, pairs, pair_d, t, h,
-                                               *strides, DK=dk, BK=bk, RB=ROW_BLOCK, **launch(inputs.device))
+                                               q.shape[2], *strides, DK=dk, BK=bk, RB=ROW_BLOCK, **launch(inputs.device))
     _tree[(b * h, triton.cdiv(dv, bv))](q, v, beta, state.contiguous(), out, step_k, step_u, step_decay, pairs, pair_d,
-                                        t, h, step_k.stride(0), step_k.stride(1), step_u.stride(0),
+                                        t, h, q.shape[2], step_k.stride(0), step_k.stride(1), step_u.stride(0),
                                         step_u.stride(1), step_decay.stride(0), step_decay.stride(1), DK=dk, DV=dv,
                                         BK=bk, BV=bv, RB=ROW_BLOCK, **launch(inputs.device))
     return out
