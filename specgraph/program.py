@@ -27,11 +27,20 @@ def plan(recipe: Recipe) -> SpecGraph:
     return run_pipeline(SpecGraph.from_recipe(recipe))
 
 
+RECOMPILE_LIMIT = 64  # compiled entries of one function in a process (see compile_model)
+
+
 def compile_model(model: nn.Module) -> None:
     """Compile, in place, each decoder layer and the work before and after them (`stem`: embedding
     and rotary tables; `logits`: final norm and head). Layers share code, so Inductor compiles it
     once per shape class (T = 1, and T symbolic) and every layer reuses it. Layers get their cache
-    tensors, not an index, so that nothing layer-specific is a compile-time constant."""
+    tensors, not an index, so that nothing layer-specific is a compile-time constant.
+
+    Every model of every program in a process shares that code: each (dtype, kernel choice, shape
+    class) is one more compiled entry of it, so a process that holds several programs (`bench`'s
+    baselines, `tune`'s candidates) passes Dynamo's default of 8 entries a function, past which a
+    fullgraph compile fails; the limit is raised to RECOMPILE_LIMIT."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for layer in model.layers:
         layer.compile(dynamic=True, fullgraph=True)
     model.stem = torch.compile(model.stem, dynamic=True, fullgraph=True)
