@@ -41,7 +41,8 @@ def record_to(path: str) -> None:
     def recording(self, *args, grid, warmup, **kwargs):
         params = inspect.signature(self.fn).parameters
         bound = dict(zip(params, args)) | {k: v for k, v in kwargs.items() if k in params}
-        constexprs = {n: v for n, v in bound.items() if "constexpr" in str(params[n].annotation)}
+        constexprs = {n: v for n, v in bound.items()  # (a None argument: Triton makes it a constexpr)
+                      if "constexpr" in str(params[n].annotation) or v is None}
         launch = {"module": self.fn.__module__, "kernel": self.fn.__name__, "constexprs": constexprs,
                   "signature": {n: _type(v) for n, v in bound.items() if n not in constexprs}}
         with open(path, "a") as out:

@@ -81,9 +81,10 @@ def _gates(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, vi
            step_decay, step_inputs, T, H, HK, scale, s_in_b, s_in_t, s_w_b, s_w_t, s_a_b, s_a_t, s_conv_b, s_conv_t,
            s_sk_b, s_sk_t, s_sd_b, s_sd_t, s_si_b, s_si_t, K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
            BDV: tl.constexpr, RB: tl.constexpr, PATH: tl.constexpr, PDL: tl.constexpr):
-    """One program per (batch, value head, block of RB nodes): each node's q, k (its key head's), v,
-    beta, and into step_decay its path log-decay G (PATH) or its own log-decay g (not PATH;
-    `visible` unused); copies the nodes' inputs to step_inputs (_keep_inputs)."""
+    """One program per (batch, value head, block of RB nodes): each node's q, k (its key head's),
+    beta, and into step_decay its path log-decay G (PATH: the closed form) or its own log-decay g
+    and its v (not PATH: the walk; `visible` unused); copies the nodes' inputs to step_inputs
+    (_keep_inputs)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     b, h = tl.program_id(0) // H, tl.program_id(0) % H
@@ -97,8 +98,6 @@ def _gates(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, vi
     live = rows < T
     q, k = _qk(inputs, conv, conv_w, windows, b, hk, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live, scale, HK,
                K, DK, RB, BK, False)  # [RB, BK]
-    v = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live,
-                   2 * HK * DK + h * DV + vals, vmask, K, RB, BDV, False)  # [RB, BDV]
     beta, decay = _beta_decay(write, decay_input, b, h, s_w_b, s_w_t, s_a_b, s_a_t, rows, live, g_scale, g_bias,
                               inputs.dtype.element_ty)  # [RB]: beta, g
     if PATH:
@@ -110,8 +109,11 @@ def _gates(inputs, write, decay_input, conv, conv_w, a_log, dt_bias, windows, vi
     at = (b * T + rows[:, None]) * H + h  # row of [B, T, H, ...] scratch
     tl.store(q_out + ((b * T + rows[:, None]) * HK + hk) * DK + keys[None, :], q,  # its key head's: [B, T, HK, dk]
              mask=live[:, None] & kmask[None, :] & (h % (H // HK) == 0))
-    tl.store(v_out + at * DV + vals[None, :], v.to(v_out.dtype.element_ty),  # (exact: rounded there already)
-             mask=live[:, None] & vmask[None, :])
+    if not PATH:  # the walk's v (the closed form's solve convolves its own value tile)
+        v = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live,
+                       2 * HK * DK + h * DV + vals, vmask, K, RB, BDV, False)  # [RB, BDV]
+        tl.store(v_out + at * DV + vals[None, :], v.to(v_out.dtype.element_ty),  # (exact: rounded there already)
+                 mask=live[:, None] & vmask[None, :])
     tl.store(beta_out + (b * T + rows) * H + h, beta, mask=live)
     tl.store(step_k + b * s_sk_b + rows[:, None] * s_sk_t + h * DK + keys[None, :], k,
              mask=live[:, None] & kmask[None, :])
@@ -198,9 +200,10 @@ def _pairs(q_in, beta_in, visible, step_k, step_decay, pairs, pair_d, T, H, HK, 
 
 
 @triton.jit
-def _tree(q_in, v_in, beta_in, state, out, step_k, step_u, step_decay, pairs, pair_d, T, H, HK, s_sk_b, s_sk_t,
-          s_su_b, s_su_t, s_sd_b, s_sd_t, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-          RB: tl.constexpr, PDL: tl.constexpr):
+def _tree(q_in, inputs, conv, conv_w, windows, beta_in, state, out, step_k, step_u, step_decay, pairs, pair_d, T, H,
+          HK, s_in_b, s_in_t, s_conv_b, s_conv_t, s_sk_b, s_sk_t, s_su_b, s_su_t, s_sd_b, s_sd_t, K: tl.constexpr,
+          DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, RB: tl.constexpr,
+          PDL: tl.constexpr):
     """One program per (batch, value head, value tile of BV columns), blocks of RB nodes in order: block r
     solves (I + A_rr) U_r = R_r - sum_c<r A_rc U_c with R_r = beta_r (v_r - e^G_r S^T k_r) (its U_c read
     back from step_u, where this program stored them) and outputs
@@ -224,8 +227,8 @@ def _tree(q_in, v_in, beta_in, state, out, step_k, step_u, step_decay, pairs, pa
                     mask=live[:, None] & kmask[None, :], other=0.0)
         k = tl.load(step_k + b * s_sk_b + rows[:, None] * s_sk_t + h * DK + keys[None, :],
                     mask=live[:, None] & kmask[None, :], other=0.0)  # [RB, BK]
-        v = tl.load(v_in + at[:, None] * DV + vals[None, :], mask=live[:, None] & vmask[None, :],
-                    other=0.0).to(tl.float32)
+        v = _conv_silu(inputs, conv, conv_w, windows, b, s_in_b, s_in_t, s_conv_b, s_conv_t, rows, live,
+                       2 * HK * DK + h * DV + vals, vmask, K, RB, BV, False)  # [RB, BV]: _gates' v of this tile
         beta = tl.load(beta_in + at, mask=live, other=0.0)
         start = tl.exp(tl.load(step_decay + b * s_sd_b + rows * s_sd_t + h, mask=live, other=0.0))[:, None]  # e^G
         rhs = beta[:, None] * (v - start * tl.dot(k, s, input_precision=IEEE))  # R_r [RB, BV]
@@ -277,13 +280,14 @@ def gates(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor, 
           step_inputs: torch.Tensor, path: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The _gates kernel (arguments as gated_delta_step's; visible contiguous): writes each node's k
     and log-decay (its path's sum G, or its own g) to step_k and step_decay, its inputs to
-    step_inputs, and returns its q per key head [B, T, HK, dk] and beta [B, T, H],
-    fp32, and v [B, T, H, dv] in the activations' dtype."""
+    step_inputs, and returns its q per key head [B, T, HK, dk] and beta [B, T, H], fp32, and for the
+    walk (not `path`) its v [B, T, H, dv] in the activations' dtype (None for the closed form, whose
+    solve convolves its own value tiles)."""
     (b, t, _), (h, dk, dv), kernel = inputs.shape, state.shape[1:], conv_weight.shape[-1]
     assert visible.shape == (t, t), "step shapes disagree"
     hk = key_heads(inputs, write, decay_input, conv, conv_weight, windows, state, step_k, step_decay, step_inputs)
     q, beta = (torch.empty(b, t, *d, dtype=torch.float32, device=inputs.device) for d in ((hk, dk), (h,)))
-    v = inputs.new_empty(b, t, h, dv)  # silu's outputs, already rounded to the activations' dtype
+    v = None if path else inputs.new_empty(b, t, h, dv)  # silu's outputs, already rounded to the activations' dtype
     _gates[(b * h, triton.cdiv(t, ROW_BLOCK))](inputs, write, decay_input, conv, conv_weight.contiguous(), A_log,
                      dt_bias, windows.contiguous(), visible, q, v, beta, step_k, step_decay, step_inputs, t, h, hk, dk ** -0.5, inputs.stride(0),
                      inputs.stride(1), write.stride(0), write.stride(1), decay_input.stride(0), decay_input.stride(1),
@@ -304,7 +308,7 @@ def gated_delta_step(inputs: torch.Tensor, write: torch.Tensor, decay_input: tor
     (b, t, _), (h, dk, dv) = inputs.shape, state.shape[1:]
     assert step_u.stride(2) == dv and step_u.stride(3) == 1, "step_u rows [H, dv] contiguous"
     visible = visible.contiguous()
-    q, v, beta = gates(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible, state, step_k,
+    q, _, beta = gates(inputs, write, decay_input, conv, conv_weight, A_log, dt_bias, windows, visible, state, step_k,
                        step_decay, step_inputs, path=True)
     out, bk, bv = inputs.new_empty(b, t, h, dv), max(16, triton.next_power_of_2(dk)), value_tile(dv)
     pairs = q.new_empty(b, h, t, t)  # [B, H, T, T]: node-pair matrices P and A^T (_pairs)
@@ -312,10 +316,13 @@ def gated_delta_step(inputs: torch.Tensor, write: torch.Tensor, decay_input: tor
     strides = (step_k.stride(0), step_k.stride(1), step_decay.stride(0), step_decay.stride(1))
     _pairs[(b * h, triton.cdiv(t, ROW_BLOCK))](q, beta, visible, step_k, step_decay, pairs, pair_d, t, h,
                                                q.shape[2], *strides, DK=dk, BK=bk, RB=ROW_BLOCK, **launch(inputs.device))
-    _tree[(b * h, triton.cdiv(dv, bv))](q, v, beta, state.contiguous(), out, step_k, step_u, step_decay, pairs, pair_d,
-                                        t, h, q.shape[2], step_k.stride(0), step_k.stride(1), step_u.stride(0),
-                                        step_u.stride(1), step_decay.stride(0), step_decay.stride(1), DK=dk, DV=dv,
-                                        BK=bk, BV=bv, RB=ROW_BLOCK, **launch(inputs.device))
+    _tree[(b * h, triton.cdiv(dv, bv))](q, inputs, conv, conv_weight.contiguous(), windows.contiguous(), beta,
+                                        state.contiguous(), out, step_k, step_u, step_decay, pairs, pair_d, t, h,
+                                        q.shape[2], inputs.stride(0), inputs.stride(1), conv.stride(0),
+                                        conv.stride(1), step_k.stride(0), step_k.stride(1), step_u.stride(0),
+                                        step_u.stride(1), step_decay.stride(0), step_decay.stride(1),
+                                        K=conv_weight.shape[-1], DK=dk, DV=dv, BK=bk, BV=bv, RB=ROW_BLOCK,
+                                        **launch(inputs.device))
     return out
 
 
