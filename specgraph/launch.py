@@ -1,7 +1,9 @@
 """The processes of a multi-process program: one per rank, each running only its stages.
 
-Launch is a function: `Cluster(spec)` starts the ranks (the `spawn` start method) and talks to
-rank 0 through a pipe; `cluster.call(fn, *args)` runs `fn(worker, *args)` in rank 0, where
+Launch is a function: `Cluster(spec)` starts the ranks and talks to rank 0 through a pipe (the
+`forkserver` start method: ranks fork from a server process that imported specgraph, torch and
+transformers once, so a program's processes start in about a second, not an import each; each
+rank takes the client's environment as it is when the rank starts); `cluster.call(fn, *args)` runs `fn(worker, *args)` in rank 0, where
 `worker` is that rank's `Worker` (runtime/worker.py), which drives the other ranks over
 torch.distributed. Under `torchrun` the same ranks are the processes torchrun started
 (`join_torchrun`): rank 0 is the calling process itself and the others serve until it closes.
@@ -114,10 +116,12 @@ class Progress:
 PROGRESS = Progress(timeout=float("inf"))  # this process's; a rank sets its timeout when it starts
 
 
-def _watchdog(name: str, report: Callable[[str], None], parent: int | None) -> None:
+def _watchdog(name: str, report: Callable[[str], None], starter: int | None) -> None:
+    """`starter`: the pid of the process that started this rank (the client's fork server, which
+    exits with the client), or None under torchrun."""
     while True:
         time.sleep(0.25)
-        if parent is not None and os.getppid() != parent:
+        if starter is not None and os.getppid() != starter:
             os._exit(1)  # the client is gone: nothing would read our results
         overdue = PROGRESS.overdue()
         if overdue is not None:
@@ -154,12 +158,13 @@ def _init(rank: int, world: int, device: str, spec: LaunchSpec):
 
 
 def _rank_main(rank: int, world: int, devices: list[str], names: list[str], port: int, spec: LaunchSpec,
-               conn, errors, parent: int) -> None:
-    """A spawned rank: serve until rank 0 is told to close; report a failure as one line and exit."""
+               conn, errors, environment: dict[str, str]) -> None:
+    """A started rank: serve until rank 0 is told to close; report a failure as one line and exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client handles Ctrl-C and stops us
     report = lambda message: errors.put((rank, message))  # noqa: E731
-    threading.Thread(target=_watchdog, args=(names[rank], report, parent), daemon=True).start()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    threading.Thread(target=_watchdog, args=(names[rank], report, os.getppid()), daemon=True).start()
+    os.environ.clear()  # the client's, not the fork server's (which has the client's from when it started)
+    os.environ.update(environment, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     status = 0
     try:
         worker = _init(rank, world, devices[rank], spec)
@@ -202,7 +207,8 @@ class Cluster:
 
         graph = plan(spec.recipe)
         self.names, devices = rank_names(graph), rank_devices(graph)
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["specgraph.program", "specgraph.runtime.worker"])  # (once: before it starts)
         self._conn, theirs = ctx.Pipe()
         self._errors = ctx.SimpleQueue()
         port = _free_port()
@@ -210,7 +216,7 @@ class Cluster:
               + ", ".join(f"{n} on {d}" for n, d in zip(self.names, devices)), file=sys.stderr)
         self.processes = [ctx.Process(target=_rank_main, name=self.names[r],
                                       args=(r, len(self.names), devices, self.names, port, spec, theirs if r == 0 else None,
-                                            self._errors, os.getpid()))
+                                            self._errors, dict(os.environ)))
                           for r in range(len(self.names))]
         self._closed = False
         try:
