@@ -1,11 +1,12 @@
 """The processes of a multi-process program: one per rank, each running only its stages.
 
-Launch is a function: `Cluster(spec)` starts the ranks and talks to rank 0 through a pipe (the
-`forkserver` start method: ranks fork from a server process that imported specgraph, torch and
-transformers once, so a program's processes start in about a second, not an import each; each
-rank takes the client's environment as it is when the rank starts); `cluster.call(fn, *args)` runs `fn(worker, *args)` in rank 0, where
-`worker` is that rank's `Worker` (runtime/worker.py), which drives the other ranks over
-torch.distributed. Under `torchrun` the same ranks are the processes torchrun started
+Launch is a function: `Cluster(spec)` starts the ranks and talks to rank 0 through a pipe;
+`cluster.call(fn, *args)` runs `fn(worker, *args)` in rank 0, where `worker` is that rank's
+`Worker` (runtime/worker.py), which drives the other ranks over torch.distributed. Ranks start
+with the `forkserver` method: they fork from a server process that imported specgraph, torch and
+transformers once, so a program's processes start in about a second, not an import each. A rank
+takes the client's environment as it is when the rank starts (what modules read as they are
+imported was read when the server started: the client's first multi-process program). Under `torchrun` the same ranks are the processes torchrun started
 (`join_torchrun`): rank 0 is the calling process itself and the others serve until it closes.
 
 Faults end the run. The client watches every rank: one that raises or dies stops all of them
@@ -116,12 +117,12 @@ class Progress:
 PROGRESS = Progress(timeout=float("inf"))  # this process's; a rank sets its timeout when it starts
 
 
-def _watchdog(name: str, report: Callable[[str], None], starter: int | None) -> None:
-    """`starter`: the pid of the process that started this rank (the client's fork server, which
-    exits with the client), or None under torchrun."""
+def _watchdog(name: str, report: Callable[[str], None], client: multiprocessing.connection.Connection | None) -> None:
+    """`client`: the read end of a pipe that only the client can write to and never does, so it
+    reads end-of-file once the client is gone (None under torchrun)."""
     while True:
         time.sleep(0.25)
-        if starter is not None and os.getppid() != starter:
+        if client is not None and client.poll():
             os._exit(1)  # the client is gone: nothing would read our results
         overdue = PROGRESS.overdue()
         if overdue is not None:
@@ -158,11 +159,11 @@ def _init(rank: int, world: int, device: str, spec: LaunchSpec):
 
 
 def _rank_main(rank: int, world: int, devices: list[str], names: list[str], port: int, spec: LaunchSpec,
-               conn, errors, environment: dict[str, str]) -> None:
+               conn, errors, client: multiprocessing.connection.Connection, environment: dict[str, str]) -> None:
     """A started rank: serve until rank 0 is told to close; report a failure as one line and exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client handles Ctrl-C and stops us
     report = lambda message: errors.put((rank, message))  # noqa: E731
-    threading.Thread(target=_watchdog, args=(names[rank], report, os.getppid()), daemon=True).start()
+    threading.Thread(target=_watchdog, args=(names[rank], report, client), daemon=True).start()
     os.environ.clear()  # the client's, not the fork server's (which has the client's from when it started)
     os.environ.update(environment, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     status = 0
@@ -210,19 +211,21 @@ class Cluster:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["specgraph.program", "specgraph.runtime.worker"])  # (once: before it starts)
         self._conn, theirs = ctx.Pipe()
+        client, self._alive = ctx.Pipe(duplex=False)  # (see _watchdog: the write end stays here)
         self._errors = ctx.SimpleQueue()
         port = _free_port()
         print(f"specgraph: starting {len(self.names)} processes: "
               + ", ".join(f"{n} on {d}" for n, d in zip(self.names, devices)), file=sys.stderr)
         self.processes = [ctx.Process(target=_rank_main, name=self.names[r],
                                       args=(r, len(self.names), devices, self.names, port, spec, theirs if r == 0 else None,
-                                            self._errors, dict(os.environ)))
+                                            self._errors, client, dict(os.environ)))
                           for r in range(len(self.names))]
         self._closed = False
         try:
             for process in self.processes:
                 process.start()
             theirs.close()  # rank 0 holds it now: if rank 0 dies, our end reads end-of-file
+            client.close()  # the ranks hold it
             self._reply()  # rank 0 is ready once every rank has loaded its stages
         except SpecgraphError as exc:
             self._stop()
@@ -310,6 +313,7 @@ class Cluster:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
+        self._alive.close()  # (any rank still there: its watchdog ends it)
 
     def __del__(self):
         if not getattr(self, "_closed", True):

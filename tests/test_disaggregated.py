@@ -148,6 +148,11 @@ def test_a_worker_that_stops_answering_ends_the_run_within_the_timeout():
                        r"^stage target rank 0: waiting for a tree from stage draft \(rank 1\) for more than 2 s")
 
 
+def descendants(pid: int) -> list[int]:
+    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+    return children + [grandchild for child in children for grandchild in descendants(child)]
+
+
 def test_ctrl_c_stops_every_worker(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text((REPO / "recipes" / "disaggregated.yaml").read_text().replace("models/", str(REPO / "recipes" / "models") + "/"))
@@ -160,11 +165,44 @@ def test_ctrl_c_stops_every_worker(tmp_path):
         if "starting 2 processes" in line:
             break
     time.sleep(6)
-    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()]
+    processes = descendants(proc.pid)  # the two ranks, the fork server they come from, its resource tracker
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
     assert proc.wait(timeout=20) == 130
     assert "specgraph: interrupted" in proc.stderr.read()
-    assert workers and gone(workers)
+    assert len(processes) >= 3 and gone(processes)
+
+
+CLIENT = """
+import os, sys
+from specgraph.program import Program
+from specgraph.recipe import Recipe
+
+if __name__ == "__main__":
+    program = Program.from_recipe(Recipe.from_yaml(sys.argv[1], ["max_new_tokens=2000", "max_seq_len=2048"]))
+    ids = program.encode(sys.argv[2])
+    program.generate(ids, 4)
+    print(*program.cluster.pids, flush=True)
+    program.generate(ids)
+"""
+
+
+def test_ranks_end_when_their_client_is_killed_mid_request(tmp_path):
+    """SIGKILL on the client (nothing of it runs: no Ctrl-C handling, no close) while the ranks
+    decode a long request: every rank ends within seconds, not when its request would."""
+    recipe, script = tmp_path / "r.yaml", tmp_path / "client.py"
+    recipe.write_text((REPO / "recipes" / "disaggregated.yaml").read_text().replace("models/", str(REPO / "recipes" / "models") + "/"))
+    script.write_text(CLIENT)
+    proc = subprocess.Popen([sys.executable, str(script), str(recipe), PROMPT], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        ranks = [int(pid) for pid in proc.stdout.readline().split()]
+        assert len(ranks) == 2
+        time.sleep(1.0)
+        proc.kill()
+        assert gone(ranks, within=5.0)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 def test_torchrun_standalone_runs_the_recipe(tmp_path, code_prompts, target_reference):

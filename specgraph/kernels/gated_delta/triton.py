@@ -277,7 +277,7 @@ def key_heads(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tens
 def gates(inputs: torch.Tensor, write: torch.Tensor, decay_input: torch.Tensor, conv: torch.Tensor,
           conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, windows: torch.Tensor,
           visible: torch.Tensor, state: torch.Tensor, step_k: torch.Tensor, step_decay: torch.Tensor,
-          step_inputs: torch.Tensor, path: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          step_inputs: torch.Tensor, path: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The _gates kernel (arguments as gated_delta_step's; visible contiguous): writes each node's k
     and log-decay (its path's sum G, or its own g) to step_k and step_decay, its inputs to
     step_inputs, and returns its q per key head [B, T, HK, dk] and beta [B, T, H], fp32, and for the
