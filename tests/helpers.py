@@ -218,6 +218,14 @@ def _running(pid: int) -> bool:
         return False
 
 
+def interruptible() -> None:
+    """A subprocess's preexec_fn: Ctrl-C's default action, whatever the test process inherited (a
+    shell's background job ignores SIGINT, and its children would too)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def fault_ends_the_run(program, pid: int, sig: int, error: str) -> None:
     """Send `sig` to `pid` a second into a long request of a multi-process `program` (after a first
     request, which may take ten times the recipe's timeout): the request must fail with a one-line

@@ -12,7 +12,8 @@ import time
 
 import pytest
 from conftest import EMBEDDED, REPO, shared_models
-from helpers import PROMPT, fault_ends_the_run, gone, sampled_law, splittable_recipe, total_variation, two_stage, two_token_law
+from helpers import (PROMPT, fault_ends_the_run, gone, interruptible, sampled_law, splittable_recipe, total_variation, two_stage,
+                     two_token_law)
 
 from specgraph.program import Program
 from specgraph.recipe import Recipe
@@ -148,9 +149,12 @@ def test_a_worker_that_stops_answering_ends_the_run_within_the_timeout():
                        r"^stage target rank 0: waiting for a tree from stage draft \(rank 1\) for more than 2 s")
 
 
+def children(pid: int) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+
+
 def descendants(pid: int) -> list[int]:
-    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
-    return children + [grandchild for child in children for grandchild in descendants(child)]
+    return [d for child in children(pid) for d in [child, *descendants(child)]]
 
 
 def test_ctrl_c_stops_every_worker(tmp_path):
@@ -158,18 +162,19 @@ def test_ctrl_c_stops_every_worker(tmp_path):
     recipe.write_text((REPO / "recipes" / "disaggregated.yaml").read_text().replace("models/", str(REPO / "recipes" / "models") + "/"))
     proc = subprocess.Popen([sys.executable, "-m", "specgraph", "run", str(recipe), "--prompt", PROMPT,
                              "--max-new-tokens", "2000", "--set", "max_seq_len=2048"],
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    lines = []
-    for line in proc.stderr:  # wait until the workers run
-        lines.append(line)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=interruptible)
+    for line in proc.stderr:
         if "starting 2 processes" in line:
             break
-    time.sleep(6)
-    processes = descendants(proc.pid)  # the two ranks, the fork server they come from, its resource tracker
+    deadline = time.monotonic() + 60  # the ranks fork from a server that first imports specgraph
+    while sum(len(children(child)) for child in children(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(3)  # the ranks load their stages and decode
+    processes = descendants(proc.pid)  # the two ranks, the fork server they come from, the resource tracker
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
     assert proc.wait(timeout=20) == 130
     assert "specgraph: interrupted" in proc.stderr.read()
-    assert len(processes) >= 3 and gone(processes)
+    assert len(processes) >= 3 and gone(processes), processes
 
 
 CLIENT = """

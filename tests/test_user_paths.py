@@ -13,7 +13,7 @@ import time
 
 import pytest
 from conftest import EMBEDDED, REPO
-from helpers import PROMPT
+from helpers import PROMPT, interruptible
 
 from specgraph.cli import default_threads, main
 from specgraph.errors import CheckpointError, PromptError
@@ -122,7 +122,8 @@ def test_ctrl_c_writes_the_finished_prompts(tmp_path):
     prompts.write_text("".join(json.dumps({"id": str(i), "prompt": PROMPT}) + "\n" for i in range(200)))
     out = tmp_path / "out.json"
     proc = subprocess.Popen([sys.executable, "-m", "specgraph", "run", str(DEMO), "--prompts", str(prompts),
-                             "--max-new-tokens", "24", "--json", str(out)], stderr=subprocess.PIPE, text=True)
+                             "--max-new-tokens", "24", "--json", str(out)], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=interruptible)
     seen = ""
     while max(map(int, re.findall(r"(\d+)/200", seen)), default=0) < 2:  # the progress bar: two prompts done
         seen += proc.stderr.read(1)
