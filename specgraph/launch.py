@@ -6,8 +6,9 @@ Launch is a function: `Cluster(spec)` starts the ranks and talks to rank 0 throu
 with the `forkserver` method: they fork from a server process that imported specgraph, torch and
 transformers once, so a program's processes start in about a second, not an import each. A rank
 takes the client's environment as it is when the rank starts (what modules read as they are
-imported was read when the server started: the client's first multi-process program). Under `torchrun` the same ranks are the processes torchrun started
-(`join_torchrun`): rank 0 is the calling process itself and the others serve until it closes.
+imported was read when the server started: the client's first multi-process program). Under
+`torchrun` the same ranks are the processes torchrun started (`join_torchrun`): rank 0 is the
+calling process itself and the others serve until it closes.
 
 Faults end the run. The client watches every rank: one that raises or dies stops all of them
 and `call` raises a one-line SpecgraphError naming the stage and rank. Each rank has a watchdog
@@ -117,7 +118,8 @@ class Progress:
 PROGRESS = Progress(timeout=float("inf"))  # this process's; a rank sets its timeout when it starts
 
 
-def _watchdog(name: str, report: Callable[[str], None], client: multiprocessing.connection.Connection | None) -> None:
+def _watchdog(name: str, report: Callable[[str], None],
+              client: multiprocessing.connection.Connection | None) -> None:
     """`client`: the read end of a pipe that only the client can write to and never does, so it
     reads end-of-file once the client is gone (None under torchrun)."""
     while True:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import EMBEDDED, REPO, shared_models
@@ -149,6 +150,13 @@ def test_a_worker_that_stops_answering_ends_the_run_within_the_timeout():
                        r"^stage target rank 0: waiting for a tree from stage draft \(rank 1\) for more than 2 s")
 
 
+def disaggregated_recipe(tmp_path: Path) -> Path:
+    """recipes/disaggregated.yaml with its models' paths made absolute, in tmp_path (for a subprocess)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((REPO / "recipes" / "disaggregated.yaml").read_text().replace("models/", str(REPO / "recipes" / "models") + "/"))
+    return recipe
+
+
 def children(pid: int) -> list[int]:
     return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
 
@@ -158,8 +166,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def test_ctrl_c_stops_every_worker(tmp_path):
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text((REPO / "recipes" / "disaggregated.yaml").read_text().replace("models/", str(REPO / "recipes" / "models") + "/"))
+    recipe = disaggregated_recipe(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "specgraph", "run", str(recipe), "--prompt", PROMPT,
                              "--max-new-tokens", "2000", "--set", "max_seq_len=2048"],
                             stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=interruptible)
@@ -194,8 +201,7 @@ if __name__ == "__main__":
 def test_ranks_end_when_their_client_is_killed_mid_request(tmp_path):
     """SIGKILL on the client (nothing of it runs: no Ctrl-C handling, no close) while the ranks
     decode a long request: every rank ends within seconds, not when its request would."""
-    recipe, script = tmp_path / "r.yaml", tmp_path / "client.py"
-    recipe.write_text((REPO / "recipes" / "disaggregated.yaml").read_text().replace("models/", str(REPO / "recipes" / "models") + "/"))
+    recipe, script = disaggregated_recipe(tmp_path), tmp_path / "client.py"
     script.write_text(CLIENT)
     proc = subprocess.Popen([sys.executable, str(script), str(recipe), PROMPT], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
@@ -212,8 +218,7 @@ def test_ranks_end_when_their_client_is_killed_mid_request(tmp_path):
 
 def test_torchrun_standalone_runs_the_recipe(tmp_path, code_prompts, target_reference):
     _, expected = target_reference[0]
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text((REPO / "recipes" / "disaggregated.yaml").read_text().replace("models/", str(REPO / "recipes" / "models") + "/"))
+    recipe = disaggregated_recipe(tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "prompt": code_prompts[0]["prompt"]}) + "\n")
     out = tmp_path / "out.json"
