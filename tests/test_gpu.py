@@ -293,6 +293,28 @@ def test_row_invariant_kernels_give_a_token_the_same_bits_in_any_step_in_bf16():
                 assert torch.equal(committed[0], state) and torch.equal(window[0], conv)
 
 
+@pytest.mark.parametrize("tokens", [2, 6, 16])
+def test_few_token_projections_in_bf16_match_the_fp32_reference(tokens):
+    """A drafter's tree levels (2 to FEW_ROWS tokens): projections on tensor-core tiles (K split at
+    the 1B down shape), the gate/up projection and its SwiGLU, within bf16's rounding of the fp32
+    results (the CPU tests run the tiles in the interpreter in fp32 only)."""
+    from specgraph.kernels.linear import linear_reference
+    from specgraph.kernels.linear.invariant import tiling
+    from specgraph.kernels.linear.triton import linear
+    from specgraph.kernels.swiglu import swiglu_reference
+    from specgraph.kernels.swiglu.triton import swiglu
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16, generator=g)
+    for op, reference, (n, k) in [(linear, linear_reference, (2048, 8192)), (linear, linear_reference, (3072, 2048)),
+                                  (swiglu, swiglu_reference, (16384, 2048))]:
+        x, weight, bias = torch.randn(1, tokens, k, **bf16), torch.randn(n, k, **bf16) / k ** 0.5, torch.randn(n, **bf16)
+        got = op(x, weight, bias).float()
+        expected = reference(x.float(), weight.float(), bias.float())
+        assert ((got - expected).abs() <= 2e-2 * expected.abs().clamp(min=1.0)).all(), (op, n, k)
+    assert tiling(2048, 8192)[2] > 1
+
+
 def test_sampling_distributions_of_a_tree_step_have_each_rows_one_token_bits():
     """What sampling with lowering.row_invariant rests on: given row-invariant logits, a tree node's
     distribution (temperature, top-k, top-p, softmax over the logits of a step's nodes, at a
