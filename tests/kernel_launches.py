@@ -2,17 +2,20 @@
 
 Triton's interpreter (TRITON_INTERPRET=1, how the CPU tests run our kernels) executes a kernel as
 Python, so a kernel that Triton's compiler refuses — a variable given another shape inside an
-`if`, say — passes every interpreted test and fails only on a GPU. `record_to` makes interpreted
-launches append what the compiler needs (argument types, constexpr values) to a file; run as
-`python tests/kernel_launches.py FILE` (without the interpreter) this module compiles each recorded
-launch to PTX for a Hopper GPU (sm_90), dependent launch on, and prints the kernels Triton refuses."""
+`if`, say — passes every interpreted test and fails only on a GPU. Within `recording`, interpreted
+launches append what the compiler needs (argument types, constexpr values) to a list (conftest.py
+keeps the kernel tests' launches); run as `python tests/kernel_launches.py FILE` (without the
+interpreter) this module compiles each launch recorded in FILE for a Hopper GPU (sm_90), dependent
+launch on, and prints the kernels Triton refuses."""
 
 from __future__ import annotations
 
 import importlib
 import inspect
 import json
+import os
 import sys
+from contextlib import contextmanager
 
 import torch
 
@@ -32,24 +35,28 @@ def _type(value) -> str:
     raise TypeError(f"a kernel argument of type {type(value).__name__}")
 
 
-def record_to(path: str) -> None:
-    """From now on, every interpreted kernel launch appends one JSON line to `path`."""
+@contextmanager
+def recording(lines: list[str]):
+    """Within it, every interpreted kernel launch appends one JSON line to `lines`."""
     from triton.runtime.interpreter import InterpretedFunction
 
     run = InterpretedFunction.run
 
-    def recording(self, *args, grid, warmup, **kwargs):
+    def record(self, *args, grid, warmup, **kwargs):
         params = inspect.signature(self.fn).parameters
         bound = dict(zip(params, args)) | {k: v for k, v in kwargs.items() if k in params}
         constexprs = {n: v for n, v in bound.items()  # (a None argument: Triton makes it a constexpr)
                       if "constexpr" in str(params[n].annotation) or v is None}
         launch = {"module": self.fn.__module__, "kernel": self.fn.__name__, "constexprs": constexprs,
                   "signature": {n: _type(v) for n, v in bound.items() if n not in constexprs}}
-        with open(path, "a") as out:
-            out.write(json.dumps(launch, sort_keys=True) + "\n")
+        lines.append(json.dumps(launch, sort_keys=True))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
-    InterpretedFunction.run = recording
+    InterpretedFunction.run = record
+    try:
+        yield
+    finally:
+        InterpretedFunction.run = run
 
 
 def launched_kernels(package: str = "specgraph.kernels") -> set[tuple[str, str]]:
@@ -66,26 +73,32 @@ def launched_kernels(package: str = "specgraph.kernels") -> set[tuple[str, str]]
     return found
 
 
-def compile_all(path: str) -> list[str]:
-    """Compile every distinct recorded launch for sm_90; returns one line per refused kernel."""
+def compile_one(line: str) -> str | None:
+    """Compile one recorded launch for sm_90 -> None, or a line naming the kernel Triton refuses and why."""
     from triton import compile as compile_kernel
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    refused = []
-    for line in sorted(set(open(path).read().splitlines())):
-        launch = json.loads(line)
-        kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
-        constexprs = launch["constexprs"] | ({"PDL": True} if "PDL" in launch["constexprs"] else {})
-        names = kernel.arg_names
-        signature = {n: "constexpr" if n in constexprs else launch["signature"][n] for n in names}
-        source = ASTSource(fn=kernel, signature=signature,
-                           constexprs={(names.index(n),): v for n, v in constexprs.items()})
-        try:
-            compile_kernel(source, target=GPUTarget("cuda", 90, 32))
-        except Exception as error:  # noqa: BLE001 (the compiler's errors have no common type)
-            refused.append(f"{launch['module']}.{launch['kernel']} {constexprs}: {str(error).splitlines()[0]}")
-    return refused
+    launch = json.loads(line)
+    kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+    constexprs = launch["constexprs"] | ({"PDL": True} if "PDL" in launch["constexprs"] else {})
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constexprs else launch["signature"][n] for n in names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    try:
+        compile_kernel(source, target=GPUTarget("cuda", 90, 32))
+    except Exception as error:  # noqa: BLE001 (the compiler's errors have no common type)
+        return f"{launch['module']}.{launch['kernel']} {constexprs}: {str(error).splitlines()[0]}"
+    return None
+
+
+def compile_all(path: str) -> list[str]:
+    """Compile every distinct recorded launch for sm_90, one process per core; returns one line per refused kernel."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(os.cpu_count()) as pool:
+        results = pool.map(compile_one, sorted(set(open(path).read().splitlines())))
+    return [refused for refused in results if refused]
 
 
 if __name__ == "__main__":
