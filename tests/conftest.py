@@ -88,6 +88,6 @@ def pytest_runtest_call(item):
 
 
 def pytest_sessionfinish(session):
-    if os.environ.get("SPECGRAPH_RECORD_LAUNCHES"):  # a session test_kernels_compile.py started
-        Path(os.environ["SPECGRAPH_RECORD_LAUNCHES"]).write_text("".join(f"{line}\n" for lines in KERNEL_LAUNCHES.values()
-                                                                         for line in lines))
+    path = os.environ.get("SPECGRAPH_RECORD_LAUNCHES")  # set where test_kernels_compile.py started this session
+    if path:
+        Path(path).write_text("".join(f"{line}\n" for lines in KERNEL_LAUNCHES.values() for line in lines))
