@@ -147,7 +147,7 @@ class GatedDeltaNet(nn.Module):
         state [B, H, dk, dv] and conv inputs [B, K - 1, C], read only; step_* [B, STEP_TOKENS, ...]:
         where the step leaves the tokens' factors and inputs for the commit."""
         s, (b, t, _) = self.shape, h.shape
-        inputs, z, write, a = self.in_proj(h).split(s.linear_sizes(), dim=-1)
+        inputs, z, write, a = self.kernels.linear(h, self.in_proj.weight, None).split(s.linear_sizes(), dim=-1)
         out = self.kernels.gated_delta_step(inputs, write, a, conv, self.conv1d.weight, self.A_log, self.dt_bias,
                                             windows, visible, state, step_k, step_u, step_decay,
                                             step_inputs)  # [B, T, H, dv]
@@ -174,7 +174,7 @@ class GatedAttention(nn.Module):
         """As the Llama attention; cos, sin [B, 1, T, R] rotate the first R of each head's dims."""
         b, t, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q_gate, k, v = self.qkv_proj(x).split(qkv_sizes(2 * h, kv, d), dim=-1)
+        q_gate, k, v = self.kernels.linear(x, self.qkv_proj.weight, None).split(qkv_sizes(2 * h, kv, d), dim=-1)
         q, gate = q_gate.view(b, t, h, 2 * d).chunk(2, dim=-1)  # [B, T, H, K] each
         q = self.kernels.rope_write(q, k.view(b, t, kv, d), v.view(b, t, kv, d), cos, sin, keys, values, slots,
                                     self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)  # [B, H, T, K]; k, v cached

@@ -125,7 +125,8 @@ class Attention(nn.Module):
                 values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """keys, values [B, Hkv, S, K]: this layer's cache, written in place at `slots` [T]."""
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(qkv_sizes(self.num_heads, self.num_kv_heads, self.head_dim), dim=-1)
+        qkv = self.kernels.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split(qkv_sizes(self.num_heads, self.num_kv_heads, self.head_dim), dim=-1)
         q = q.view(b, t, self.num_heads, self.head_dim)  # [B, T, H, K]
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)

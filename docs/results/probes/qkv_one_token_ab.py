@@ -1,5 +1,5 @@
-# Probe for the next GPU session (not run yet; docs/benchmarks.md, run 63: "qkv of one token through our
-# one-token kernel, end to end"). From the repository root, with .fixtures/:
+# One-off probe, kept for the record: runs 89-90 in docs/benchmarks.md, which led to the input projections going
+# through `kernels.linear` (after that change both variants run the same kernels). From the repository root, with .fixtures/:
 #   python3 docs/results/probes/qkv_one_token_ab.py llama-3-8b     # recipes/tree.yaml, its target and 1B drafter
 #   python3 docs/results/probes/qkv_one_token_ab.py qwen3.5-9b     # recipes/hybrid.yaml (qkv and the DeltaNet's in_proj)
 """ms per decoded token of the target alone (ar) and of the recipe's tree, with the fused input
