@@ -69,6 +69,22 @@ def hf_greedy(checkpoint: Path, prompts: list[dict], new_tokens: int) -> list[tu
 
 
 @torch.no_grad()
+def run_noting_projections(model: nn.Module, run):
+    """Run `run()` with `model`'s projections noted on their way to its linear kernel -> (what run
+    returns, the names of the model's nn.Linear modules whose weights that kernel never projected,
+    gate/up aside: the SwiGLU kernel projects those)."""
+    linear, given = model.kernels.linear, set()
+
+    def noting(x, weight, bias):
+        given.add(id(weight))
+        return linear(x, weight, bias)
+
+    model.use_kernels(replace(model.kernels, linear=noting))
+    result = run()
+    return result, {name for name, module in model.named_modules()
+                    if isinstance(module, nn.Linear) and "gate_up" not in name and id(module.weight) not in given}
+
+
 def chain_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """ids [T] run causally from an empty cache -> logits [T, V]."""
     return Stage("test", model, ids.numel() + 8, torch.device("cpu")).prefill(ids)

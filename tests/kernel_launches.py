@@ -93,11 +93,12 @@ def compile_one(line: str) -> str | None:
 
 
 def compile_all(path: str) -> list[str]:
-    """Compile every distinct recorded launch for sm_90, one process per core; returns one line per refused kernel."""
+    """Compile every distinct recorded launch for sm_90, one process per usable core; returns one line per refused kernel."""
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(os.cpu_count()) as pool:
-        results = pool.map(compile_one, sorted(set(open(path).read().splitlines())))
+    launches = sorted(set(open(path).read().splitlines()))
+    with ProcessPoolExecutor(min(len(os.sched_getaffinity(0)), len(launches))) as pool:
+        results = pool.map(compile_one, launches)
     return [refused for refused in results if refused]
 
 

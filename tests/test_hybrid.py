@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from conftest import EMBEDDED, NEW_TOKENS, REPO, shared_models
-from helpers import LONG_PROMPT, grown_on_the_host, hf_greedy, two_stage
+from helpers import LONG_PROMPT, grown_on_the_host, hf_greedy, run_noting_projections, two_stage
 
 from specgraph.draft import Drafter
 from specgraph.models.loader import load_model
@@ -168,8 +168,9 @@ def test_fused_gated_delta_kernels_decode_the_tokens_of_transformers(target, cod
     assert target.cache.kernels.gated_delta_commit is getattr(module, f"gated_delta_commit{suffix}")
     assert target.model.layers[0].linear_attn.kernels.gated_delta_step is getattr(module, f"gated_delta_step{suffix}")
     [(ids, expected)] = hf_greedy(hybrid, [{"prompt": code_prompts[0]["prompt"][:chars]}], tokens)
-    generation = program.generate(ids)
+    generation, unprojected = run_noting_projections(target.model, lambda: program.generate(ids))
     assert generation.output_ids == expected and max(generation.accepted_lengths) > 1
+    assert not unprojected  # qkv and the DeltaNet's in_proj too
 
 
 def test_autoregressive_hybrid_equals_transformers(hybrid, reference):

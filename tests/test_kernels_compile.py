@@ -13,9 +13,11 @@ from kernel_launches import launched_kernels
 def kernel_test_launches(path: Path) -> None:
     """Write to `path` the launches of every kernel test: this session's, where it passed them all, else
     those of a run of the kernel tests in a subprocess."""
-    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                             *KERNEL_TESTS], cwd=REPO, capture_output=True, text=True, timeout=300)
-    ids = [line for line in listed.stdout.splitlines() if "::" in line]
+    quiet = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # (one node id a line)
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", "-p",
+                             "no:cacheprovider", *KERNEL_TESTS], cwd=REPO, env=quiet, capture_output=True, text=True,
+                            timeout=300)
+    ids = [line for line in listed.stdout.splitlines() if line.startswith(KERNEL_TESTS)]
     assert listed.returncode == 0 and ids, listed.stdout[-3000:]
     if all(i in KERNEL_LAUNCHES for i in ids):
         path.write_text("".join(f"{line}\n" for i in ids for line in KERNEL_LAUNCHES[i]))
