@@ -68,7 +68,6 @@ def hf_greedy(checkpoint: Path, prompts: list[dict], new_tokens: int) -> list[tu
     return out
 
 
-@torch.no_grad()
 def run_noting_projections(model: nn.Module, run):
     """Run `run()` with `model`'s projections noted on their way to its linear kernel -> (what run
     returns, the names of the model's nn.Linear modules whose weights that kernel never projected,
@@ -85,6 +84,7 @@ def run_noting_projections(model: nn.Module, run):
                     if isinstance(module, nn.Linear) and "gate_up" not in name and id(module.weight) not in given}
 
 
+@torch.no_grad()
 def chain_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """ids [T] run causally from an empty cache -> logits [T, V]."""
     return Stage("test", model, ids.numel() + 8, torch.device("cpu")).prefill(ids)
