@@ -6,9 +6,10 @@ import argparse
 import functools
 import json
 import sys
+import warnings
 from pathlib import Path
 
-from specgraph.errors import SpecgraphError
+from specgraph.errors import RecipeWarning, SpecgraphError
 
 TUNE_NEW_TOKENS, BOLE_EPSILON = 64, 0.1  # tune's defaults: new tokens per prompt, bole's budget
 
@@ -113,7 +114,7 @@ def read_prompts(args: argparse.Namespace, default: str | None) -> list[dict]:
         if default is None:
             raise SpecgraphError("no prompt: give --prompt TEXT or --prompts FILE.jsonl, or set 'prompt' in the recipe")
         return [{"id": "000", "prompt": default}]
-    prompts = []
+    prompts, lines = [], {}  # id -> the line that gave it
     for n, line in enumerate(read_text(args.prompts, "--prompts").splitlines(), start=1):
         if not line.strip():
             continue
@@ -123,7 +124,12 @@ def read_prompts(args: argparse.Namespace, default: str | None) -> list[dict]:
             raise SpecgraphError(f"--prompts: {args.prompts} line {n} is not JSON ({exc.msg})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise SpecgraphError(f"--prompts: {args.prompts} line {n} needs a 'prompt' string")
-        prompts.append({"id": str(row.get("id", f"{len(prompts):03d}")), "prompt": row["prompt"]})
+        prompt_id = str(row.get("id", f"{len(prompts):03d}"))
+        if prompt_id in lines:
+            raise SpecgraphError(f"--prompts: {args.prompts} line {n}: id {prompt_id!r} is line {lines[prompt_id]}'s "
+                                 "too; give every prompt its own id (or none: its number)")
+        lines[prompt_id] = n
+        prompts.append({"id": prompt_id, "prompt": row["prompt"]})
     if not prompts:
         raise SpecgraphError(f"--prompts: {args.prompts} holds no prompts")
     return prompts
@@ -169,8 +175,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json is not None:
         check_output(args.json, "--json")
     if args.program is not None:
-        if args.recipe is not None or args.overrides:
-            raise SpecgraphError("--program: give a compiled folder or a recipe (with --set), not both")
+        if args.recipe is not None:
+            raise SpecgraphError("--program: give a compiled folder or a recipe, not both")
+        if args.overrides:
+            raise SpecgraphError("--set: a compiled program runs the recipe it was compiled from; compile again "
+                                 "with the change (`specgraph compile RECIPE --set KEY=VALUE -o DIR`)")
         program = load_program(args.program)
         recipe = program.recipe
         prompts = read_prompts(args, recipe.prompt)
@@ -183,7 +192,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if any(program.graph.node(name)["compile"] for name in program.graph.stages()):
             print("specgraph: step functions compile with torch.compile during the first steps "
                   "(--no-compile skips it)", file=sys.stderr)
-    results, errors = [], []
+    results, errors, stop = [], [], {}
     try:
         with program:
             for row in tqdm(prompts, desc="prompts", unit="prompt", disable=len(prompts) == 1, file=sys.stderr):
@@ -205,15 +214,24 @@ def cmd_run(args: argparse.Namespace) -> int:
                     print(f"specgraph: note: prompt {row['id']}: max_seq_len {recipe.max_seq_len} cut it to "
                           f"{len(gen.output_ids)} new tokens", file=sys.stderr)
                 results.append(result)
-    finally:  # also on Ctrl-C or a failed process: what finished is kept
-        _report_run(args, recipe.name, prompts, results, errors)
+    except KeyboardInterrupt:
+        stop = {"interrupted": True}
+        raise
+    except SpecgraphError as exc:
+        stop = {"failed": str(exc)}
+        raise
+    finally:  # also on Ctrl-C or a failed process: what finished is kept, marked as cut short
+        _report_run(args, recipe.name, prompts, results, errors, stop)
     if errors:
         raise SpecgraphError(f"{len(errors)} of {len(prompts)} prompts failed (first: prompt {errors[0]['id']}: "
                              f"{errors[0]['error']})")
     return 0
 
 
-def _report_run(args: argparse.Namespace, name: str, prompts: list[dict], results: list[dict], errors: list[dict]) -> None:
+def _report_run(args: argparse.Namespace, name: str, prompts: list[dict], results: list[dict], errors: list[dict],
+                stop: dict) -> None:
+    """The summary line, the completion of a single prompt, and the --json report (`stop`: how the run
+    was cut short, {} if it was not: {"interrupted": true} for Ctrl-C, {"failed": why} for a fault)."""
     from specgraph.bench.pipespec import stage_table
     from specgraph.files import write_atomically
     from specgraph.runtime.executor import total_stats
@@ -236,7 +254,7 @@ def _report_run(args: argparse.Namespace, name: str, prompts: list[dict], result
               f"token{'s' if len(results) > 1 else ''}, including prefill and any compilation): "
               f"{summary['tokens_per_second']:.1f} tokens/s, mean accepted length {summary['mean_accepted_length']:.2f}")
     if args.json is not None:
-        report = {"recipe": name, "results": results, "summary": summary} | ({"errors": errors} if errors else {})
+        report = {"recipe": name, "results": results, "summary": summary} | ({"errors": errors} if errors else {}) | stop
         write_atomically(args.json, json.dumps(report, indent=1))
 
 
@@ -423,7 +441,18 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecgraphError(f"--max-new-tokens: must be at least 1 (got {args.max_new_tokens})")
         commands = {"run": cmd_run, "bench": cmd_bench, "compile": cmd_compile, "export": cmd_compile,
                     "inspect": cmd_inspect, "tune": cmd_tune, "report": cmd_report}
-        return commands[args.command](args) or 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("default", RecipeWarning)  # each once
+            python_warning = warnings.showwarning
+
+            def one_line(message, category, *rest) -> None:  # ours as one line, others as Python prints them
+                if issubclass(category, RecipeWarning):
+                    print(f"specgraph: warning: {message}", file=sys.stderr)
+                else:
+                    python_warning(message, category, *rest)
+
+            warnings.showwarning = one_line
+            return commands[args.command](args) or 0
     except SpecgraphError as exc:
         if debug:
             traceback.print_exc()

@@ -15,3 +15,7 @@ class CheckpointError(SpecgraphError):
 
 class PromptError(SpecgraphError):
     """One request cannot be decoded (too long, a bad token budget); the program is fine."""
+
+
+class RecipeWarning(UserWarning):
+    """A recipe that runs but is likely not what its author meant (the CLI prints it as one line)."""

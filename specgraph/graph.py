@@ -8,6 +8,7 @@ Passes annotate nodes with further attributes; the graph attribute `recipe` hold
 from __future__ import annotations
 
 import networkx as nx
+from transformers import PretrainedConfig
 
 from specgraph.errors import RecipeError
 from specgraph.recipe import Recipe
@@ -109,5 +110,9 @@ class SpecGraph:
 
 
 def _short(value) -> str:
-    text = str(value).replace('"', "'")
+    """`value` on one line of at most 100 characters; a checkpoint's config as its architecture and size."""
+    if isinstance(value, PretrainedConfig):
+        value = (f"{type(value).__name__} ({value.architectures[0]}: {value.num_hidden_layers} layers, hidden "
+                 f"{value.hidden_size}, vocab {value.vocab_size})")
+    text = " ".join(str(value).split()).replace('"', "'")
     return text if len(text) <= 100 else text[:97] + "..."

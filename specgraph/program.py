@@ -78,7 +78,7 @@ def stage_over(graph: SpecGraph, name: str, model: nn.Module) -> Stage:
     `specgraph tune`)."""
     node = graph.node(name)
     return Stage(name, model, node["cache_slots"], node["device"], node["graph_buckets"], node["static_shapes"],
-                 Kernels.select(node["kernels"]))
+                 Kernels.select(node["kernels"]), node["vocab"])
 
 
 def make_executor(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks = Ranks()) -> Executor:
@@ -124,14 +124,19 @@ def widened_models(graph: SpecGraph, names: list[str], shape: str | None, ranks:
     when `shape` is None."""
     if not shape:
         return {}
-    from specgraph.bench.widen import draft_shape_for, widen
+    from specgraph.bench.widen import draft_shape_for, widen, widened_shape
 
-    models = {}
+    plans = {}  # name -> (small model, its shape name, what it is): every misfit found before any widening
     for name in names:
         node = graph.node(name)
         small = load_model(node["model"].path, node["dtype"], "cpu")
         big = shape if name == graph.target else draft_shape_for(small.shape)
-        models[name] = widen(small, big, node["device"], node["dtype"], shard=ranks.shard(name, node["tp"]))
+        plans[name] = small, big, f"stage {name}'s model (models.{node['spec'].model})"
+        widened_shape(small.shape, big, what=plans[name][2])
+    models = {}
+    for name, (small, big, what) in plans.items():
+        node = graph.node(name)
+        models[name] = widen(small, big, node["device"], node["dtype"], shard=ranks.shard(name, node["tp"]), what=what)
     return models
 
 
@@ -206,6 +211,11 @@ class Program:
         if not 0 < len(prompt_ids) < self.recipe.max_seq_len:
             raise PromptError(f"a prompt of {len(prompt_ids)} tokens does not fit: prompts need 1 to "
                                  f"{self.recipe.max_seq_len - 1} tokens (max_seq_len {self.recipe.max_seq_len})")
+        vocab = self.graph.node(self.graph.target)["vocab"][1]
+        outside = next(((i, t) for i, t in enumerate(prompt_ids) if not 0 <= t < vocab), None)
+        if outside is not None:
+            raise PromptError(f"prompt token {outside[1]} (at {outside[0]}) is outside the vocabulary: ids are 0 to "
+                              f"{vocab - 1}")
         if max_new_tokens is None:
             max_new_tokens = self.recipe.max_new_tokens
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:

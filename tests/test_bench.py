@@ -202,8 +202,17 @@ def test_fixtures_fit_their_shapes():
         widen(target, "gpt-5", "cpu", torch.float32)
     with pytest.raises(SpecgraphError, match="head_dim 64 != 128"):
         widen(draft, "llama-3-8b", "cpu", torch.float32)
-    with pytest.raises(SpecgraphError, match="a HybridShape does not fit this Llama model; valid: llama-3.2-1b"):
+    with pytest.raises(SpecgraphError, match="--widen qwen3.5-9b: the model does not fit it \\(a HybridShape does not fit a "
+                                             "Llama model\\); shapes that fit it: llama-3.2-3b, llama-3-8b, llama-3-70b"):
         widen(target, "qwen3.5-9b", "cpu", torch.float32)
+
+
+def test_a_shape_that_does_not_fit_names_the_stage_and_the_shapes_that_fit(capsys):
+    """`bench recipes/chain.yaml --widen llama-3.2-1b`: the target's head dim is the 3B's, not the 1B's."""
+    assert main(["bench", str(REPO / "recipes" / "chain.yaml"), "--prompt", "x", "--widen", "llama-3.2-1b",
+                 "--baselines", "ar"]) == 2
+    assert ("--widen llama-3.2-1b: stage target's model (models.target) does not fit it (head_dim 128 != 64); "
+            "shapes that fit it: llama-3.2-3b, llama-3-8b, llama-3-70b") in capsys.readouterr().err
     hybrid = load_model(shared_models() / "hybrid", torch.float32, "cpu").shape
     for name in ("qwen3.5-9b", "qwen3.5-27b"):
         assert widened_shape(hybrid, name)[0].rotary_dim == hybrid.rotary_dim

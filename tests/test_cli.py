@@ -1,6 +1,7 @@
 """The command line: run (text and JSON output), inspect, and one-line errors for bad input."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -59,6 +60,19 @@ def test_inspect_shows_every_pass_and_writes_dot(tmp_path, capsys):
         assert f"after {name}" in out
     assert "cache_slots" in out and "--verifies--> target" in out
     assert '"draft" -> "target"' in dot.read_text()
+    annotations = [line for line in out.splitlines() if line.startswith("        ")]  # one line per annotation
+    assert all(re.fullmatch(r"        \w+ = .{1,100}", line) for line in annotations), annotations
+    assert "config = LlamaConfig (LlamaForCausalLM: 2 layers, hidden 192, vocab 4096)" in out
+
+
+def test_a_drafter_larger_than_its_target_is_warned_of_in_one_line(capsys):
+    assert main(["inspect", str(DEMO)]) == 0
+    assert "warning" not in capsys.readouterr().err
+    swapped = ["--set", "models.draft.path=models/target", "--set", "models.target.path=models/draft"]
+    assert main(["inspect", str(DEMO), *swapped]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == ["specgraph: warning: stage draft (14.2M parameters) drafts for stage target, which is no larger "
+                      "(1.6M): speculation pays when the drafter is much smaller; check models and stages"]
 
 
 @pytest.mark.parametrize("args, expected", [

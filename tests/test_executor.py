@@ -51,6 +51,28 @@ def test_generation_is_clipped_to_max_seq_len():
     assert not executor(eos=(), max_seq_len=10).generate([1, 2, 3], 7).clipped
 
 
+def test_an_end_of_sequence_at_the_last_room_is_a_stop_not_a_clip():
+    """max_seq_len leaves room for exactly the tokens up to and including the end-of-sequence token."""
+    gen = executor(max_seq_len=5).generate([1], 100)
+    assert gen.output_ids == [2, 3, 4, 0] and gen.finish_reason == "stop" and not gen.clipped
+    assert executor(eos=(), max_seq_len=5).generate([1], 100).finish_reason == "clipped"
+    assert executor(eos=(), max_seq_len=5).generate([1], 4).finish_reason == "length"
+
+
+def test_output_keeps_the_budget_and_the_first_end_of_sequence_token():
+    """The one bookkeeping every executor's output goes through."""
+    from specgraph.runtime.executor import Generation, Output
+
+    gen = Generation(output_ids=[])
+    output = Output(gen, prompt_tokens=3, max_new_tokens=10, max_seq_len=8, eos_ids=(9,))  # room for 5
+    assert output.budget == 5 and not output.take([1, 2]) and output.room == 3
+    assert output.take([3, 9, 4]) and gen.output_ids == [1, 2, 3, 9] and gen.finish_reason == "stop"
+    assert gen.accepted_lengths == [2, 2]
+    gen = Generation(output_ids=[])
+    output = Output(gen, prompt_tokens=3, max_new_tokens=10, max_seq_len=8, eos_ids=(9,))
+    assert output.take([1, 2, 3, 4, 5, 9]) and gen.output_ids == [1, 2, 3, 4, 5] and gen.clipped
+
+
 def test_a_static_tree_step_touches_only_device_tensors():
     """What a captured step needs: no host reads and no host values copied in, in either phase."""
     from helpers import HostReads

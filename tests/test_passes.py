@@ -177,8 +177,9 @@ def test_bad_checkpoints_are_refused(tmp_path):
                  "unsupported architecture GPT2LMHeadModel; supported: LlamaForCausalLM"),
         "tokenizer": (copy_model(DRAFT, tmp_path / "tok", edit_json("tokenizer.json", lambda t: t["model"]["vocab"].update({"zz": 4095}))),
                       "models.draft: tokenizer differs from models.target's"),
-        "vocab": (copy_model(DRAFT, tmp_path / "vocab", edit_json("config.json", lambda c: c.update(vocab_size=5000))),
-                  "models.draft: vocab_size 5000 differs from models.target's 4096"),
+        "vocab": (copy_model(DRAFT, tmp_path / "vocab", lambda f: (edit_json("config.json", lambda c: c.update(
+                      vocab_size=5000))(f), (f / "tokenizer.json").unlink())),  # (with tokenizers, tests/test_vocab.py)
+                  "models.draft: vocab_size 5000 differs from models.target's 4096, and without a tokenizer.json"),
     }
     for name, (folder, expected) in cases.items():
         with pytest.raises(CheckpointError, match=expected):

@@ -9,7 +9,8 @@ import pytest
 from conftest import EMBEDDED, REPO, SHARED, shared_models
 from helpers import hf_greedy
 
-from specgraph.bench.tune import Candidate, Measurement, choose, grid
+from specgraph.bench.tune import Candidate, Measurement, bole_candidates, choose, grid
+from specgraph.errors import SpecgraphError
 from specgraph.cli import main
 from specgraph.recipe import DynamicTree, Recipe
 
@@ -62,6 +63,27 @@ def test_bole_rule_says_why_when_no_tree_fits():
     assert "no candidate verifies within 1.01 one-token forwards" in reason and "the cheapest, w1 d2 n2, costs 1.05" in reason
 
 
+def test_bole_candidates_are_the_largest_trees_within_the_budget_known_before_any_drafting():
+    verify = {1: 0.010, 3: 0.0105, 5: 0.011, 9: 0.015}  # T tokens -> seconds
+    candidates = [Candidate(1, 2, 2), Candidate(2, 2, 4), Candidate(4, 2, 4), Candidate(2, 3, 8)]
+    assert bole_candidates(candidates, verify, 0.1) == [Candidate(2, 2, 4), Candidate(4, 2, 4)]
+    assert bole_candidates(candidates, verify, 0.5) == [Candidate(2, 3, 8)]
+    with pytest.raises(SpecgraphError, match=r"no candidate verifies within 1.01 one-token forwards \(--epsilon 0.01\): "
+                                             r"the cheapest, w1 d2 n2, costs 1.05"):
+        bole_candidates(candidates, verify, 0.01)
+
+
+def test_tune_by_bole_rule_stops_before_measuring_drafts_when_no_tree_fits(tmp_path, capsys):
+    """The budget is checked once verification is timed: no candidate is decoded, nothing is written."""
+    out = tmp_path / "tuned.yaml"
+    assert main(["tune", str(DEMO), "--prompts", str(PROMPTS), "-o", str(out), "--max-prompts", "1",
+                 "--max-new-tokens", "16", "--widths", "4", "--depths", "2", "--nodes", "8,16",
+                 "--rule", "bole", "--epsilon", "1e-9"]) == 2
+    err = capsys.readouterr().err
+    assert "specgraph: error: --rule bole: no candidate verifies within" in err
+    assert "accepted/step" not in err and not out.exists()
+
+
 def test_grid_cuts_node_counts_to_what_a_tree_grows_and_to_max_nodes():
     assert grid([1, 2], [2, 3], [2, 4, 64], 8) == [
         Candidate(1, 2, 2), Candidate(1, 3, 3),  # width 1 grows a chain: nodes = depth
@@ -82,13 +104,15 @@ def test_a_tuned_recipe_keeps_its_other_fields_and_resolves_its_paths_from_its_o
     assert "lowering" not in out.read_text()  # defaults stay unwritten
 
 
-def tune_and_run(recipe, out, tmp_path, capsys, *flags) -> tuple[dict, list[list[int]]]:
+def tune_and_run(recipe, out, tmp_path, capsys, *flags, measured=("w1 d2 n2", "w2 d2 n2", "w2 d2 n4")
+                 ) -> tuple[dict, list[list[int]]]:
     """`specgraph tune` with a tiny grid, then `specgraph run` of the tuned recipe on the first two
-    prompts: (the tuned recipe's drafting tree, the output ids of each prompt)."""
+    prompts: (the tuned recipe's drafting tree, the output ids of each prompt). `measured`: the
+    candidates whose drafting tune measures."""
     assert main(["tune", str(recipe), "--prompts", str(PROMPTS), "-o", str(out), *TINY, *flags]) == 0
     captured = capsys.readouterr()
-    for number, candidate in enumerate(["w1 d2 n2", "w2 d2 n2", "w2 d2 n4"], start=1):
-        assert f"{number}/3 {candidate}: " in captured.err  # progress, as each candidate is measured
+    for number, candidate in enumerate(measured, start=1):
+        assert f"{number}/{len(measured)} {candidate}: " in captured.err  # progress, as each candidate is measured
     chosen = re.search(r"chosen \((\w+) rule\): w(\d+) d(\d+) n(\d+), measured epsilon (-?[\d.]+)", captured.out)
     assert chosen is not None and f"wrote {out}" in captured.out
     tree = Recipe.from_yaml(out).stages[0].tree
@@ -119,7 +143,7 @@ def test_tune_a_hybrid_target_by_bole_rule_and_run_it_exactly(tmp_path, capsys, 
     # (fp32, exact), which the tuned recipe keeps
     on_cpu = ["--set", "stages.0.devices=[cpu]", "--set", "stages.1.devices=[cpu]"]
     tree, outputs = tune_and_run(REPO / "recipes" / "hybrid.yaml", out, tmp_path, capsys, "--rule", "bole",
-                                 "--epsilon", "100", *on_cpu)
+                                 "--epsilon", "100", *on_cpu, measured=("w2 d2 n4",))  # the largest within it
     assert tree == DynamicTree(width=2, depth=2, nodes=4)
     assert [s.devices for s in Recipe.from_yaml(out).stages] == [["cpu"], ["cpu"]]
     assert outputs == [new for _, new in hf_greedy(hybrid, code_prompts[:2], 32)]

@@ -115,6 +115,21 @@ def test_a_failing_prompt_is_skipped_and_the_others_kept(tmp_path, capsys):
     assert "prompt long: a prompt of" in err and "skipped" in err and "1 of 3 prompts failed" in err
     data = json.loads(out.read_text())
     assert [r["id"] for r in data["results"]] == ["short", "also"] and data["errors"][0]["id"] == "long"
+    assert "interrupted" not in data and "failed" not in data  # (a skipped prompt does not stop the run)
+
+
+def test_duplicate_prompt_ids_are_refused_before_any_work(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "x"}\n{"prompt": "y"}\n{"id": "a", "prompt": "z"}\n')
+    assert main(["run", str(DEMO), "--prompts", str(prompts)]) == 2
+    err = capsys.readouterr().err
+    assert f"--prompts: {prompts} line 3: id 'a' is line 1's too" in err and "loading" not in err
+
+
+def test_generating_an_id_outside_the_vocabulary_names_it():
+    program = Program.from_recipe(Recipe.from_yaml(DEMO))
+    with pytest.raises(PromptError, match=r"prompt token 99999 \(at 1\) is outside the vocabulary: ids are 0 to 4095"):
+        program.generate([5, 99999], 4)
 
 
 def test_ctrl_c_writes_the_finished_prompts(tmp_path):
@@ -130,8 +145,10 @@ def test_ctrl_c_writes_the_finished_prompts(tmp_path):
         assert proc.poll() is None, seen
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130
-    results = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    results = report["results"]
     assert 2 <= len(results) < 200 and [r["id"] for r in results] == [str(i) for i in range(len(results))]
+    assert report["interrupted"] is True  # a reader can tell a cut-short file from a whole one
 
 
 def test_token_budgets_and_clipping_are_reported_as_they_are(tmp_path, capsys):

@@ -112,6 +112,21 @@ def choose(measurements: list[Measurement], one_token: float, rule: str,
                      f"size, the highest expected tokens/s ({largest.tokens_per_second:.1f})")
 
 
+def bole_candidates(candidates: list[Candidate], verify: dict[int, float], epsilon: float) -> list[Candidate]:
+    """The candidates the bole rule can choose, known once verification is timed (`verify`: T ->
+    seconds of a T-token forward): those with the most nodes among the trees whose verification
+    costs at most (1 + epsilon) one-token forwards; a one-line error where no tree does."""
+    within = [c for c in candidates if verify[c.nodes + 1] <= (1 + epsilon) * verify[1]]
+    if not within:
+        cheapest = min(candidates, key=lambda c: verify[c.nodes + 1])
+        raise SpecgraphError(f"--rule bole: no candidate verifies within {1 + epsilon:.2f} one-token forwards "
+                             f"(--epsilon {epsilon}): the cheapest, {cheapest}, costs "
+                             f"{verify[cheapest.nodes + 1] / verify[1]:.2f}; raise --epsilon or add smaller trees "
+                             "(--nodes)")
+    most = max(c.nodes for c in within)
+    return [c for c in within if c.nodes == most]
+
+
 @torch.inference_mode()
 def verification_seconds(verifier: Verifier, sizes: list[int], context: list[int], position: int) -> dict[int, float]:
     """T -> seconds of the target's forward of T tokens, for T in `sizes`: a chain rooted at
@@ -185,6 +200,11 @@ def run_tune(graph: SpecGraph, spec: TuneSpec) -> TuneReport:
         del timed  # (its cache, before the candidates')
         for t, seconds in verify.items():
             console.print(f"  {t:4d} tokens: {seconds * 1e3:8.3f} ms ({seconds / verify[1]:.2f}x one token)")
+        if spec.rule == "bole":  # only the largest trees within the budget can be chosen: measure only those
+            kept = bole_candidates(list(plans), verify, spec.epsilon)
+            console.print(f"bole: {len(kept)} of {len(plans)} candidates have the most nodes ({kept[0].nodes}) "
+                          f"within {1 + spec.epsilon:.2f} one-token forwards; measuring those")
+            plans = {c: plans[c] for c in kept}
         measurements = measure_candidates(program, plans, spec, encoded, verify, console)
         device = device_name(program.stages[target].device)
     chosen, reason = choose(measurements, verify[1], spec.rule, spec.epsilon)

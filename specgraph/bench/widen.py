@@ -68,20 +68,11 @@ GROWS = {LlamaShape: ("vocab_size", "hidden_size", "intermediate_size", "num_lay
 KEEPS = {LlamaShape: ("head_dim",), HybridShape: ("head_dim", "linear_key_dim", "linear_value_dim", "conv_kernel")}
 
 
-def widened_shape(small: LlamaShape | HybridShape, name: str | LlamaShape | HybridShape,
-                  tied: bool = False) -> tuple[LlamaShape | HybridShape, bool]:
-    """The shape `name` (a SHAPES key, or a shape with `tied`) with the small model's norm eps and flags."""
-    if isinstance(name, str):
-        if name not in SHAPES:
-            raise SpecgraphError(f"--widen: unknown shape {name!r}; valid: {', '.join(SHAPES)}")
-        big, tied, _ = SHAPES[name]
-    else:
-        big = name
+def misfits(small: LlamaShape | HybridShape, big: LlamaShape | HybridShape) -> list[str]:
+    """Why the function of a model of shape `small` cannot be computed at shape `big` ([] if it can)."""
     kind = type(small)
     if type(big) is not kind:
-        valid = [n for n, (shape, _, _) in SHAPES.items() if type(shape) is kind]
-        raise SpecgraphError(f"--widen {name}: a {type(big).__name__} does not fit this {kind.__name__[:-5]} model; "
-                             f"valid: {', '.join(valid)}")
+        return [f"a {type(big).__name__} does not fit a {kind.__name__[:-5]} model"]
     problems = [f"{field} {getattr(small, field)} > {getattr(big, field)}" for field in GROWS[kind]
                 if getattr(small, field) > getattr(big, field)]
     problems += [f"{field} {getattr(small, field)} != {getattr(big, field)}" for field in KEEPS[kind]
@@ -93,8 +84,25 @@ def widened_shape(small: LlamaShape | HybridShape, name: str | LlamaShape | Hybr
             problems.append("DeltaNet value heads per key head exceed the shape's")
         if big.layer_types[: small.num_layers] != small.layer_types:
             problems.append("the layer pattern differs")
+    return problems
+
+
+def widened_shape(small: LlamaShape | HybridShape, name: str | LlamaShape | HybridShape,
+                  tied: bool = False, what: str = "the model") -> tuple[LlamaShape | HybridShape, bool]:
+    """The shape `name` (a SHAPES key, or a shape with `tied`) with the small model's norm eps and
+    flags; `what`: the model, for errors (e.g. "stage target's model")."""
+    if isinstance(name, str):
+        if name not in SHAPES:
+            raise SpecgraphError(f"--widen: unknown shape {name!r}; valid: {', '.join(SHAPES)}")
+        big, tied, _ = SHAPES[name]
+    else:
+        big = name
+    problems = misfits(small, big)
     if problems:
-        raise SpecgraphError(f"--widen {name}: the model does not fit ({'; '.join(problems)})")
+        fitting = [n for n, (shape, _, _) in SHAPES.items() if not misfits(small, shape)]
+        raise SpecgraphError(f"--widen {name}: {what} does not fit it ({'; '.join(problems)}); shapes that fit it: "
+                             f"{', '.join(fitting) or 'none'}")
+    kind = type(small)
     if kind is HybridShape:
         return replace(big, rms_norm_eps=small.rms_norm_eps, rotary_dim=small.rotary_dim), tied
     return replace(big, rms_norm_eps=small.rms_norm_eps, qkv_bias=small.qkv_bias, o_bias=small.o_bias,
@@ -159,12 +167,14 @@ class _Filler:
 
 @torch.no_grad()
 def widen(small: LlamaModel | HybridModel, name: str | LlamaShape | HybridShape, device: torch.device | str,
-          dtype: torch.dtype, tied: bool = False, shard: tuple[int, int, object] | None = None) -> LlamaModel | HybridModel:
+          dtype: torch.dtype, tied: bool = False, shard: tuple[int, int, object] | None = None,
+          what: str = "the model") -> LlamaModel | HybridModel:
     """A model of shape `name` on `device`, built there directly, computing `small`'s function.
     `shard` = (rank, world, process group): keep only that rank's tensor-parallel shard; layers
-    are built and sharded one at a time, so the whole model is never on one device."""
+    are built and sharded one at a time, so the whole model is never on one device. `what`: the
+    model, for errors."""
     s = small.shape
-    big, tied = widened_shape(s, name, tied)
+    big, tied = widened_shape(s, name, tied, what)
     where = f"--widen {name if isinstance(name, str) else 'shape'}"
     if shard is not None:
         sharded_shape(big, shard[1], shard[0], where)  # fail before building

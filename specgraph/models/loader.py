@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -62,12 +63,24 @@ def safetensor_files(path: Path) -> list[Path]:
     return files
 
 
-def tokenizer_fingerprint(path: Path) -> str | None:
-    """A hash of what the tokenizer maps (tokenizer.json's model — vocabulary and merges — and its
-    added tokens, parsed, so that a re-indented file is the same tokenizer; other tokenizer files by
-    their bytes), or None where the folder carries none."""
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """What a checkpoint's tokenizer files say: `fingerprint`, a hash of what the tokenizer maps
+    (tokenizer.json's model — vocabulary and merges — and its added tokens, parsed, so that a
+    re-indented file is the same tokenizer; other tokenizer files by their bytes), and `size`, the
+    token ids it can produce (tokenizer.json's highest id + 1; None without one)."""
+
+    fingerprint: str
+    size: int | None
+
+    def __str__(self) -> str:
+        return f"{self.size or 'unknown'} tokens, fingerprint {self.fingerprint[:12]}"
+
+
+def read_tokenizer(path: Path) -> TokenizerFiles | None:
+    """The tokenizer files of checkpoint folder `path`, or None where it carries none."""
     digest = hashlib.sha256()
-    found = False
+    found, size = False, None
     for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model"):
         file = path / name
         if not file.is_file():
@@ -77,12 +90,16 @@ def tokenizer_fingerprint(path: Path) -> str | None:
             try:
                 spec = json.loads(file.read_text(encoding="utf-8"))
                 mapping = {"model": spec["model"], "added_tokens": spec.get("added_tokens")}
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+                vocab = spec["model"].get("vocab") or {}
+                ids = list(vocab.values()) if isinstance(vocab, dict) else range(len(vocab))  # (a list: Unigram's)
+                ids = [*ids, *(token["id"] for token in spec.get("added_tokens") or [])]
+                size = max(ids) + 1 if ids else None
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
                 raise CheckpointError(f"{file}: not a tokenizer (JSON with a 'model')") from None
             digest.update(name.encode() + json.dumps(mapping, sort_keys=True).encode())
         else:
             digest.update(name.encode() + file.read_bytes())
-    return digest.hexdigest() if found else None
+    return TokenizerFiles(digest.hexdigest(), size) if found else None
 
 
 def llama_shape(config: PretrainedConfig) -> LlamaShape:

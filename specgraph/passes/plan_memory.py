@@ -12,8 +12,10 @@ After:  + `step_tokens`: the most tokens one step writes past the committed pref
 
 from __future__ import annotations
 
+import warnings
+
 from specgraph.draft import CATCH_UP
-from specgraph.errors import RecipeError
+from specgraph.errors import RecipeError, RecipeWarning
 from specgraph.graph import SpecGraph
 from specgraph.growing import GrowthPlan
 from specgraph.models.hybrid import STEP_TOKENS, HybridShape
@@ -59,4 +61,18 @@ def plan_memory(graph: SpecGraph) -> SpecGraph:
         node["kv_bytes"] = shape.cache_bytes(node["cache_slots"], itemsize)
         tied = bool(node["config"].tie_word_embeddings)
         node["weight_bytes"] = shape.parameter_count(tied) * itemsize
+    _warn_of_large_drafters(graph)
     return graph
+
+
+def _warn_of_large_drafters(graph: SpecGraph) -> None:
+    """A drafter at least as large as the stage verifying it runs exactly but costs more than it can
+    save: say so (a recipe mistake more often than a choice)."""
+    for name in graph.stages()[1:]:
+        below = graph.drafter_of(name)
+        params = {n: graph.node(n)["weight_bytes"] // graph.node(n)["dtype"].itemsize for n in (below, name)}
+        if params[below] >= params[name]:
+            warnings.warn(RecipeWarning(
+                f"stage {below} ({params[below] / 1e6:.1f}M parameters) drafts for stage {name}, which is no larger "
+                f"({params[name] / 1e6:.1f}M): speculation pays when the drafter is much smaller; check "
+                "models and stages"), stacklevel=1)

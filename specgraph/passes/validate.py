@@ -2,8 +2,11 @@
 stage's checkpoint config.
 
 Before: stages carry `spec` and `model`.
-After:  + `config` (the Hugging Face config), `tokenizer` (fingerprint of its files),
-        `eos_ids` (token ids that end generation), `rule` (the verification rule in force).
+After:  + `config` (the Hugging Face config), `tokenizer` (its files: TokenizerFiles or None),
+        `eos_ids` (token ids that end generation), `rule` (the verification rule in force),
+        `vocab` (rows, width): a stage's logits are `width` wide (the target's vocabulary) and only
+        their first `rows` may be proposed — a drafter whose checkpoint pads its vocabulary past the
+        shared tokenizer's, or differently from its target's, never proposes a padding row.
 """
 
 from __future__ import annotations
@@ -12,12 +15,12 @@ import json
 
 from specgraph.errors import CheckpointError, RecipeError
 from specgraph.graph import SpecGraph
-from specgraph.models.loader import is_hybrid, read_config, tokenizer_fingerprint
+from specgraph.models.loader import is_hybrid, read_config, read_tokenizer
 from specgraph.passes.base import graph_pass
 from specgraph.recipe import ChainTree, DynamicTree
 
 
-@graph_pass(provides=("config", "tokenizer", "eos_ids", "rule"))
+@graph_pass(provides=("config", "tokenizer", "eos_ids", "rule", "vocab"))
 def validate(graph: SpecGraph) -> SpecGraph:
     recipe = graph.recipe
     stages = graph.stages()
@@ -41,7 +44,7 @@ def validate(graph: SpecGraph) -> SpecGraph:
             node["config"] = read_config(node["model"].path)
         except CheckpointError as exc:
             raise CheckpointError(f"models.{spec.model}.path: {exc}") from None
-        node["tokenizer"] = tokenizer_fingerprint(node["model"].path)
+        node["tokenizer"] = read_tokenizer(node["model"].path)
         node["eos_ids"] = _eos_ids(node)
         node["rule"] = _rule(spec.verify.rule, recipe.sampling.temperature, index)
         _check_window(node, recipe.max_seq_len)
@@ -52,7 +55,7 @@ def validate(graph: SpecGraph) -> SpecGraph:
                               "put the tree on the stage it verifies")
         if isinstance(spec.tree, DynamicTree):
             _check_dynamic(spec.tree, index)
-    _check_same_vocabulary(graph, target)
+    _plan_vocabularies(graph, target)
     if recipe.lowering.row_invariant:
         _check_row_invariant(graph.node(target))
     return graph
@@ -132,15 +135,22 @@ def _check_dynamic(tree: DynamicTree, index: int) -> None:
                           f"{tree.width} and depth {tree.depth} grow; valid: 1..{grown}")
 
 
-def _check_same_vocabulary(graph: SpecGraph, target: str) -> None:
+def _plan_vocabularies(graph: SpecGraph, target: str) -> None:
+    """Every drafter shares the target's tokenizer; its logits are cut or padded to the target's
+    vocabulary, and only ids the tokenizer and both models have may be proposed (see the module doc)."""
     ref = graph.node(target)
+    width, tokenizer = ref["config"].vocab_size, ref["tokenizer"]
+    ref["vocab"] = (width, width)  # the target is never masked: its greedy output is its own
     for name in graph.stages()[:-1]:
         node = graph.node(name)
-        model = node["spec"].model
-        if node["config"].vocab_size != ref["config"].vocab_size:
-            raise CheckpointError(f"models.{model}: vocab_size {node['config'].vocab_size} differs from "
-                                  f"models.{ref['spec'].model}'s {ref['config'].vocab_size}; a draft must share "
-                                  "the target's vocabulary")
-        if None not in (node["tokenizer"], ref["tokenizer"]) and node["tokenizer"] != ref["tokenizer"]:
+        model, own = node["spec"].model, node["config"].vocab_size
+        if None not in (node["tokenizer"], tokenizer) and node["tokenizer"].fingerprint != tokenizer.fingerprint:
             raise CheckpointError(f"models.{model}: tokenizer differs from models.{ref['spec'].model}'s; "
                                   "a draft must share the target's tokenizer")
+        size = tokenizer.size if tokenizer is not None and node["tokenizer"] is not None else None
+        if own != width and size is None:
+            raise CheckpointError(f"models.{model}: vocab_size {own} differs from models.{ref['spec'].model}'s "
+                                  f"{width}, and without a tokenizer.json in both folders the ids they share are "
+                                  "unknown; give both checkpoints their tokenizer files")
+        rows = min(own, width, size or width)
+        node["vocab"] = (rows, width)

@@ -27,7 +27,7 @@ from specgraph.growing import GrowingDrafter
 from specgraph.launch import PROGRESS
 from specgraph.runtime.channel import Link, ProtocolError, TreeMessage, VerdictMessage
 from specgraph.runtime.clock import Clock
-from specgraph.runtime.executor import Generation
+from specgraph.runtime.executor import Generation, Output
 from specgraph.runtime.sequence import Sequence
 from specgraph.runtime.stage import Graph, Stage
 from specgraph.runtime.verifier import Verifier
@@ -70,7 +70,7 @@ class TargetWorker:
         self.eos_ids = tuple(eos_ids)
         self.eos = torch.tensor(eos_ids or [-1], device=self.device)
         self.tree_buffer = torch.zeros(2 * nodes + 3, dtype=torch.long, device=self.device)
-        vocab = verifier.stage.model.served_vocab
+        vocab = verifier.stage.logits_width
         self.proposal_buffer = torch.zeros(nodes + 1, vocab, device=self.device) if drawn_proposals else None
         self.emitted = torch.zeros((), dtype=torch.long, device=self.device)
         self.budget = torch.zeros((), dtype=torch.long, device=self.device)
@@ -84,7 +84,7 @@ class TargetWorker:
         structure = TreeStructure.of_parents(message.parents, self.depth, self.nodes)
         proposals = message.proposals
         if proposals is None and self.verifier.spec.rule == "sampling":  # chosen children: each its own one-hot
-            proposals = torch.nn.functional.one_hot(message.tokens, self.verifier.stage.model.served_vocab).float()
+            proposals = torch.nn.functional.one_hot(message.tokens, self.verifier.stage.logits_width).float()
             proposals[0].zero_()
         tree = Tree(message.tokens, message.parents, proposals, structure)
         ok = message.continues(seq.length)
@@ -108,10 +108,10 @@ class TargetWorker:
         self.sequence.start(prompt)
         self.verifier.prefill(prompt)
         length = len(prompt_ids)
-        budget = min(max_new_tokens, self.max_seq_len - length)
-        self.budget.fill_(budget)
+        out = Generation(output_ids=[])
+        output = Output(out, length, max_new_tokens, self.max_seq_len, self.eos_ids)
+        self.budget.fill_(output.budget)
         self.emitted.zero_()
-        out = Generation(output_ids=[], clipped=budget < max_new_tokens)
         verify_s = wait_s = 0.0
         while True:  # until a verdict says stop: the drafter stops on the same message
             clock = Clock(self.device)
@@ -131,11 +131,7 @@ class TargetWorker:
                 raise ProtocolError("a tree did not continue from the target's committed tokens")
             out.target_steps += 1
             length += count
-            new = new[:count][: budget - len(out.output_ids)]
-            ended = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
-            new = new if ended is None else new[: ended + 1]
-            out.output_ids.extend(new)
-            out.accepted_lengths.append(len(new))  # what the step added to the output
+            output.take(new[:count])
             if out.target_steps == 1:
                 out.first_token_seconds = time.perf_counter() - start
             if stop:

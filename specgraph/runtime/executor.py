@@ -18,12 +18,50 @@ class Generation:
     target_steps: int = 0
     accepted_lengths: list[int] = field(default_factory=list)  # per target step: the tokens it added to the output
     # (accepted drafts + the bonus, fewer where the budget or an end-of-sequence token cut the step)
-    clipped: bool = False  # max_seq_len cut the request short of max_new_tokens
+    finish_reason: str = ""  # "stop" (an end-of-sequence token), "length" (max_new_tokens), "clipped" (max_seq_len)
     seconds: float = 0.0
     first_token_seconds: float = 0.0  # prompt in, first step's tokens out
     draft_seconds: float = 0.0  # device time of the draft phases (GPU: CUDA events)
     verify_seconds: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)  # what an executor measures besides (see its docstring)
+
+    @property
+    def clipped(self) -> bool:
+        """Whether max_seq_len cut the request short of max_new_tokens (not an end-of-sequence token)."""
+        return self.finish_reason == "clipped"
+
+
+class Output:
+    """A request's output as its steps bring tokens: kept up to its budget (max_new_tokens, or
+    fewer where max_seq_len leaves less room after the prompt) and through its first
+    end-of-sequence token. Every executor keeps its output through one of these."""
+
+    def __init__(self, generation: Generation, prompt_tokens: int, max_new_tokens: int, max_seq_len: int,
+                 eos_ids: tuple[int, ...]):
+        self.generation = generation
+        self.max_new_tokens = max_new_tokens
+        self.budget = min(max_new_tokens, max_seq_len - prompt_tokens)
+        self.eos_ids = frozenset(eos_ids)
+
+    @property
+    def room(self) -> int:
+        """Tokens the output may still take."""
+        return self.budget - len(self.generation.output_ids)
+
+    def take(self, new: list[int]) -> bool:
+        """Add one step's new tokens (as many as fit, through an end-of-sequence token) -> whether the output is done."""
+        gen = self.generation
+        new = new[: self.room]
+        ended = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
+        if ended is not None:
+            new = new[: ended + 1]
+        gen.output_ids.extend(new)
+        gen.accepted_lengths.append(len(new))  # what the step added to the output
+        if ended is not None:
+            gen.finish_reason = "stop"
+        elif self.room <= 0:
+            gen.finish_reason = "length" if self.budget == self.max_new_tokens else "clipped"
+        return bool(gen.finish_reason)
 
 
 def total_stats(stats: Iterable[dict[str, float]]) -> dict[str, float]:

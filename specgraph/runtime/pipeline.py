@@ -54,7 +54,7 @@ from specgraph.draft import CATCH_UP, Drafter
 from specgraph.launch import PROGRESS as WATCHDOG
 from specgraph.recipe import ChainTree
 from specgraph.runtime.channel import Mail, Mailbox, ProtocolError
-from specgraph.runtime.executor import Generation
+from specgraph.runtime.executor import Generation, Output
 from specgraph.runtime.sequence import Sequence
 from specgraph.runtime.verifier import Verifier
 from specgraph.sampling import probs_from_logits
@@ -130,11 +130,12 @@ class PipelineStage:
     has received and not yet verified, and its exchanges with the stages below and above."""
 
     def __init__(self, names: list[str], index: int, leaders: list[int], mailbox: Mailbox | None, window: int,
-                 ahead: int, synchronous: bool, device: torch.device, max_seq_len: int, followers: Followers | None = None):
+                 ahead: int, synchronous: bool, device: torch.device, max_seq_len: int, eos_ids: tuple[int, ...],
+                 followers: Followers | None = None):
         """`names`, `leaders`: every stage's name and rank, first stage first; `mailbox`: the
         leader's (None on the other ranks of a tensor-parallel stage, which follow its decisions
         through `followers`); `window`: tokens verified per step (stage > 0); `ahead`: own tokens
-        that may be unverified above (stage < last)."""
+        that may be unverified above (stage < last); `eos_ids`: where the last stage's output ends."""
         self.name, self.index, self.mailbox, self.followers = names[index], index, mailbox, followers
         self.below = leaders[index - 1] if index > 0 else None
         self.above = leaders[index + 1] if index + 1 < len(leaders) else None
@@ -144,7 +145,7 @@ class PipelineStage:
         if mailbox is None:
             self.waiting = f"waiting for the decisions of its leader (rank {leaders[index]})"
         self.window, self.ahead, self.synchronous = window, ahead, synchronous
-        self.device, self.max_seq_len = device, max_seq_len
+        self.device, self.max_seq_len, self.eos_ids = device, max_seq_len, tuple(eos_ids)
 
     # -- per request state
     def start(self, prompt_ids: list[int]) -> None:
@@ -172,12 +173,12 @@ class PipelineStage:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
         """This stage's part of one request; the last stage's Generation holds the output."""
         began = time.perf_counter()
-        budget = min(max_new_tokens, self.max_seq_len - len(prompt_ids))
+        out = Generation(output_ids=[])
+        self.output = Output(out, len(prompt_ids), max_new_tokens, self.max_seq_len, self.eos_ids)  # (the last stage's)
         self.start(prompt_ids)
         self.begin(prompt_ids, seed)
-        self.budget = budget
         first_token_seconds = None
-        if self.above is None and budget <= 0:
+        if self.above is None and self.output.room <= 0:
             self.stop()
         while not (self.stopping and self.done_below):
             if self.followers is None:
@@ -202,11 +203,9 @@ class PipelineStage:
         if self.mailbox is not None:
             self.mailbox.close()
         stats = self.counts.stats(self.name) if self.mailbox is not None else {}  # the leader's speak for the stage
-        out = Generation(output_ids=[], stats=stats, seconds=time.perf_counter() - began)
+        out.stats, out.seconds = stats, time.perf_counter() - began
         if self.above is None:
-            out.output_ids, out.accepted_lengths = self.output, self.accepted_lengths
             out.target_steps, out.verify_seconds = self.counts.steps, self.counts.step_seconds
-            out.clipped = budget < max_new_tokens
             out.first_token_seconds = first_token_seconds or out.seconds
         return out
 
@@ -370,7 +369,7 @@ class DraftingStage(PipelineStage):
         self.drafter, self.trees, self.draws = drafter, trees, draws
         self.stage = drafter.stage
         self.nodes = drafter.nodes
-        self.vocab = self.stage.model.served_vocab
+        self.vocab = self.stage.logits_width
         self.sequence = Sequence(capacity, self.device)
         self.path = torch.arange(self.nodes + 1, device=self.device)  # a chain's every node, kept
         self.chain_count = torch.tensor(self.nodes, device=self.device)
@@ -429,24 +428,21 @@ class VerifyingStage(PipelineStage):
     a chain from its last committed token, or the tree a first stage sent; the last stage's
     committed tokens are the output."""
 
-    def __init__(self, verifier: Verifier, eos_ids: tuple[int, ...], sends_proposals: bool, trees_below: bool,
-                 **common):
+    def __init__(self, verifier: Verifier, sends_proposals: bool, trees_below: bool, **common):
         """`trees_below`: the stage below is a first stage that drafts trees."""
         super().__init__(**common)
-        self.verifier, self.eos_ids, self.trees_below = verifier, tuple(eos_ids), trees_below
+        self.verifier, self.trees_below = verifier, trees_below
         self.stage = verifier.stage
         self.sends_proposals = sends_proposals  # the stage above checks with this stage's distributions
         self.adoptable = len(common["names"]) - 1 - self.index  # tokens adopted, one per stage above, wait to be fed
         self.chains = {size: TreeStructure.of(list(range(-1, size - 1)), self.device)
                        for size in range(1, self.window + self.adoptable + 2)}
-        self.vocab = self.stage.model.served_vocab
+        self.vocab = self.stage.logits_width
 
     def begin(self, prompt_ids: list[int], seed: int) -> None:
         self.verifier.prefill(torch.tensor(prompt_ids, device=self.device))
         self.fed = len(prompt_ids) - 1
         self.generator = stream(seed, self.index, self.device) if self.verifier.draws else None
-        self.output: list[int] = []
-        self.accepted_lengths: list[int] = []
         self.tree: tuple[list[int], list[int], torch.Tensor | None] | None = None  # a tree from below, unverified
 
     def can_step(self) -> bool:
@@ -536,13 +532,7 @@ class VerifyingStage(PipelineStage):
 
     def emit(self, emitted: list[int]) -> None:
         """The last stage: `emitted` goes to the output, up to the budget or an end-of-sequence token."""
-        new = emitted[: self.budget - len(self.output)]
-        ended = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
-        if ended is not None:
-            new = new[: ended + 1]
-        self.output += new
-        self.accepted_lengths.append(len(new))  # what the step added to the output
-        if ended is not None or len(self.output) >= self.budget:
+        if self.output.take(emitted):
             self.stop()
 
 
@@ -559,7 +549,7 @@ def pipeline_executor(graph, stages: dict, ranks) -> PipelineStage:
     node, recipe = graph.node(name), graph.recipe
     index = node["index"]
     draws = recipe.sampling.temperature > 0  # then every message up carries its tokens' distributions
-    vocab = stages[name].model.served_vocab if draws else None
+    vocab = stages[name].logits_width if draws else None
     first = graph.node(names[0])
     trees = not isinstance(first["spec"].tree or ChainTree(), ChainTree)  # the first stage drafts trees
     capacity = max(MESSAGE_TOKENS, 2 * (first["tree_nodes"] + 1))  # (a tree: its tokens and parents; every rank agrees)
@@ -570,9 +560,9 @@ def pipeline_executor(graph, stages: dict, ranks) -> PipelineStage:
         followers = Followers(ranks.groups[name], ranks.leader(name), node["device"], capacity, vocab)
     common = dict(names=names, index=index, leaders=[ranks.leader(n) for n in names], mailbox=mailbox,
                   window=node["window"] or 0, ahead=node["ahead"] or 0, synchronous=recipe.pipeline.synchronous,
-                  device=node["device"], max_seq_len=recipe.max_seq_len, followers=followers)
+                  device=node["device"], max_seq_len=recipe.max_seq_len, eos_ids=node["eos_ids"], followers=followers)
     if index == 0:
         drafter = Drafter(stages[name], node["tree"], graph.node(names[1])["rule"], recipe.sampling, node["feeds"])
         return DraftingStage(drafter, trees, draws, node["cache_slots"], **common)
-    return VerifyingStage(verifier_of(graph, stages, name), node["eos_ids"], draws and index + 1 < len(names),
+    return VerifyingStage(verifier_of(graph, stages, name), draws and index + 1 < len(names),
                           trees and index == 1, **common)

@@ -20,7 +20,7 @@ import torch
 
 from specgraph.draft import CATCH_UP, Draft, Drafter
 from specgraph.runtime.clock import Clock
-from specgraph.runtime.executor import Generation
+from specgraph.runtime.executor import Generation, Output
 from specgraph.runtime.sequence import Sequence
 from specgraph.runtime.stage import Graph
 from specgraph.runtime.verifier import Verifier
@@ -148,12 +148,12 @@ class SerialExecutor:
             self.drafter.prefill(prompt.to(self.drafter.stage.device))
         generators = (draft_generator, generator)
         length = len(prompt_ids)
-        budget = min(max_new_tokens, self.max_seq_len - length)
-        out = Generation(output_ids=[], clipped=budget < max_new_tokens)
-        pending = self._launch(length, generators) if budget > 0 else None
+        out = Generation(output_ids=[])
+        output = Output(out, length, max_new_tokens, self.max_seq_len, self.eos_ids)
+        pending = self._launch(length, generators) if output.room > 0 else None
         while pending is not None:
             ahead = None
-            if self.lookahead and budget - len(out.output_ids) > self.max_step_tokens:
+            if self.lookahead and output.room > self.max_step_tokens:
                 ahead = self._launch(length + self.max_step_tokens, generators)  # length: an upper bound
             result, done, clock = pending
             if done is not None:
@@ -164,15 +164,10 @@ class SerialExecutor:
             out.verify_seconds += verify_s
             out.target_steps += 1
             length += count
-            new = new[:count][: budget - len(out.output_ids)]
-            hit_eos = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
-            if hit_eos is not None:
-                new = new[: hit_eos + 1]
-            out.output_ids.extend(new)
-            out.accepted_lengths.append(len(new))  # what the step added to the output
+            finished = output.take(new[:count])
             if out.target_steps == 1:
                 out.first_token_seconds = time.perf_counter() - start
-            if hit_eos is not None or len(out.output_ids) >= budget:
+            if finished:
                 break
             pending = ahead or self._launch(length, generators)
         out.seconds = time.perf_counter() - start

@@ -58,10 +58,14 @@ class Graph:
 
 class Stage:
     def __init__(self, name: str, model: nn.Module, capacity: int, device: torch.device,
-                 graph_buckets: tuple[int, ...] = (), static_shapes: bool = False, kernels: Kernels = Kernels()):
-        """`kernels`: the stage's choice of kernels, which its cache runs too."""
+                 graph_buckets: tuple[int, ...] = (), static_shapes: bool = False, kernels: Kernels = Kernels(),
+                 vocab: tuple[int, int] | None = None):
+        """`kernels`: the stage's choice of kernels, which its cache runs too; `vocab`: (rows, width)
+        where the model's logits are to be `width` wide with only the first `rows` ids proposable (a
+        drafter whose vocabulary is padded unlike its target's: the validate pass), None as they come."""
         self.name = name
         self.model = model
+        self.vocab = vocab
         self.device = device
         self.cache: KVCache = model.new_cache(capacity, kernels=kernels)
         self.graph_buckets = frozenset(graph_buckets)
@@ -79,7 +83,7 @@ class Stage:
         t = tokens.numel()
 
         def run(tokens, positions, slots, mask):
-            return self.model(tokens[None], positions[None], self.cache, slots, mask)[0]
+            return self._aligned(self.model(tokens[None], positions[None], self.cache, slots, mask)[0])
 
         static = mask.shape[1] == self.cache.capacity and t in self.graph_buckets
         if not static or torch.cuda.is_current_stream_capturing():  # a captured step records the model itself
@@ -88,6 +92,20 @@ class Stage:
             self._graphs[t], first = Graph.record(run, (tokens, positions, slots, mask), self.pool)
             return first
         return self._graphs[t](tokens, positions, slots, mask).clone()  # the next replay overwrites it
+
+    @property
+    def logits_width(self) -> int:
+        """Columns of the logits `forward` returns."""
+        return self.model.served_vocab if self.vocab is None else self.vocab[1]
+
+    def _aligned(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [T, V] -> [T, width]: ids past `rows` at -inf (see __init__)."""
+        if self.vocab is None or self.vocab == (logits.shape[-1],) * 2:
+            return logits
+        rows, width = self.vocab
+        aligned = logits.new_full((logits.shape[0], width), float("-inf"))
+        aligned[:, :rows] = logits[:, :rows]
+        return aligned
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
