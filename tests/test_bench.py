@@ -272,6 +272,21 @@ def test_widened_hybrid_computes_the_same_function():
     assert wide_program.generate(prompt).output_ids == expected
 
 
+def test_a_sampling_recipe_is_not_compared_with_ar(tmp_path, capsys):
+    """Lossless speculative sampling keeps the target's distribution, not ar's draws: where the recipe
+    samples (sampling.yaml: temperature 0.8), `= ar` is null in the JSON and — in the table, every row."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "def f():"}) + "\n")
+    out = tmp_path / "bench.json"
+    assert Recipe.from_yaml(REPO / "recipes" / "sampling.yaml").sampling.temperature > 0
+    assert main(["bench", str(REPO / "recipes" / "sampling.yaml"), "--prompts", str(prompts), "--max-new-tokens", "6",
+                 "--repeats", "1", "--baselines", "ar", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {name: r["same_tokens_as_ar"] for name, r in report["systems"].items()} == {"specgraph": None, "ar": None}
+    rows = [line.split("│") for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    assert [(row[1].strip(), row[-2].strip()) for row in rows] == [("specgraph", "—"), ("ar", "—")]
+
+
 def test_bench_of_one_new_token_is_a_one_line_error(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "prompt": "def f():"}) + "\n")

@@ -4,6 +4,7 @@ process run, with the ratios computed from the times measured here."""
 from __future__ import annotations
 
 import gc
+import hashlib
 import platform
 import statistics
 import time
@@ -274,14 +275,16 @@ def measure_system(system, spec: BenchSpec, encoded: list[list[int]], progress: 
         "verify_step_ms": 1e3 * sum(r.verify_seconds for r in last) / n_steps if n_steps else None,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "outputs": [r.output_ids for r in last],
-        **_executor_stats(total_stats(r.stats for r in last)),
+        **executor_stats(total_stats(r.stats for r in last)),
     }
 
 
-def _executor_stats(stats: dict[str, float]) -> dict:
-    """What an asynchronous executor measured, summed over the prompts (see _overlap, pipespec.stage_table)."""
+def executor_stats(stats: dict[str, float]) -> dict:
+    """An executor's own statistics summed over the prompts (Generation.stats, key by key) -> a
+    system's fields in a report: the sums (`specgraph report` adds up its parts') and, for an
+    asynchronous executor, the figures computed from them (see _overlap, pipespec.stage_table)."""
     table = stage_table(stats)
-    return {"pipeline": table} if table is not None else _overlap(stats)
+    return {"executor_stats": stats, **({"pipeline": table} if table is not None else _overlap(stats))}
 
 
 def _overlap(stats: dict[str, float]) -> dict:
@@ -324,13 +327,18 @@ def bench_on(program, spec: BenchSpec, variants: dict[str, SpecGraph] | None = N
                 del system
                 gc.collect()  # (compiled methods tie an executor to itself: free its caches before the next system)
     reference = results["ar"]["outputs"] if "ar" in results else None
-    for result in results.values():  # (None where ar did not run)
+    samples = spec.recipe.sampling.temperature > 0  # sampled tokens need not equal ar's (nor ar's its own greedy ones)
+    for result in results.values():  # (None where ar did not run, or the recipe samples)
         outputs = result.pop("outputs")
-        result["same_tokens_as_ar"] = None if reference is None else sum(map(list.__eq__, outputs, reference)) / len(reference)
+        result["same_tokens_as_ar"] = (None if reference is None or samples
+                                       else sum(map(list.__eq__, outputs, reference)) / len(reference))
     report = {
         "recipe": spec.recipe.name, "settings": recipe_settings(spec.recipe), "widen": spec.widen,
         "device": device_name(device),
-        "date": time.strftime("%Y-%m-%d"), "prompts": len(encoded), "max_new_tokens": spec.max_new_tokens,
+        "date": time.strftime("%Y-%m-%d"), "prompts": len(encoded),
+        "prompt_ids": [p["id"] for p in spec.prompts],  # (and the texts' digests: `specgraph report` refuses parts
+        "prompt_digests": [hashlib.sha256(p["prompt"].encode()).hexdigest() for p in spec.prompts],  # that share one)
+        "max_new_tokens": spec.max_new_tokens,
         "repeats": spec.repeats, "warmup_prompts": len(spec.prompts[: spec.warmup]), "systems": results, "skipped": skipped,
         "speedup": speedups(results),
     }

@@ -15,8 +15,18 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
     return "—" if value is None else format(value * scale, spec)
 
 
+def _stdout() -> Console:
+    """stdout's console: a terminal's width, or, where stdout is piped or redirected (where rich
+    takes 80 columns and folds cells over lines), no limit: the table at its natural width and
+    each line whole."""
+    console = Console()
+    if not console.is_terminal:
+        console.width = 1 << 16
+    return console
+
+
 def print_table(report: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or _stdout()
     title = (f"{report['recipe']} on {report['device']}"
              + (f", widened to {report['widen']}" if report["widen"] else "")
              + f": {report['prompts']} prompts x {report['max_new_tokens']} tokens, {report['repeats']} repeats"
@@ -38,7 +48,8 @@ def print_table(report: dict, console: Console | None = None) -> None:
     console.print(table)
     console.print("tok/s: decode tokens per second, median and min-max over repeats; specgraph ÷: its speedup over "
                   "the row; accepted: tokens per target step; draft/verify ms: per step; = ar: share of prompts "
-                  "whose tokens equal specgraph's own autoregressive output")
+                  "whose tokens equal specgraph's own autoregressive output (— where the recipe samples: sampled "
+                  "tokens need not equal it)")
     for name, r in report["systems"].items():
         console.print(f"  {name}: {r['description']}")
         if "overlap" in r:
