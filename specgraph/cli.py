@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "against the hand-written one); default hf,hf-assisted,ar")
     bench.add_argument("--widen", **WIDEN)
     bench.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON")
-    bench.add_argument("--plot", type=Path, metavar="OUT.png", help="plot tokens/s per system and accepted lengths")
+    bench.add_argument("--plot", type=Path, metavar="OUT.png", help="plot tokens/s per system and accepted lengths, "
+                       "in the format the suffix names (.png, .jpg, .pdf, .svg, ...)")
 
     for name, text in (("compile", "lower the recipe to exported step programs (torch.export + AOTInductor)"),
                        ("export", "the same as compile, for those who only want the packages")):
@@ -101,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                                            "file, merged into one")
     report.add_argument("parts", type=Path, nargs="+", metavar="PART.json", help="`specgraph bench --json` reports")
     report.add_argument("--json", type=Path, metavar="OUT", help="write the merged report as JSON")
-    report.add_argument("--plot", type=Path, metavar="OUT.png", help="plot tokens/s per system and accepted lengths")
+    report.add_argument("--plot", type=Path, metavar="OUT.png", help="plot tokens/s per system and accepted lengths, "
+                       "in the format the suffix names (.png, .jpg, .pdf, .svg, ...)")
     return parser
 
 
@@ -233,7 +235,7 @@ def _report_run(args: argparse.Namespace, name: str, prompts: list[dict], result
     """The summary line, the completion of a single prompt, and the --json report (`stop`: how the run
     was cut short, {} if it was not: {"interrupted": true} for Ctrl-C, {"failed": why} for a fault)."""
     from specgraph.bench.pipespec import stage_table
-    from specgraph.files import write_atomically
+    from specgraph.files import write_output
     from specgraph.runtime.executor import total_stats
 
     steps = [n for r in results for n in r["accepted_lengths"]]
@@ -255,26 +257,30 @@ def _report_run(args: argparse.Namespace, name: str, prompts: list[dict], result
               f"{summary['tokens_per_second']:.1f} tokens/s, mean accepted length {summary['mean_accepted_length']:.2f}")
     if args.json is not None:
         report = {"recipe": name, "results": results, "summary": summary} | ({"errors": errors} if errors else {}) | stop
-        write_atomically(args.json, json.dumps(report, indent=1))
+        write_output(args.json, json.dumps(report, indent=1))
 
 
 def _check_report_outputs(args: argparse.Namespace) -> None:
-    """Before any work: the --json and --plot paths of bench and report can be written."""
+    """Before any work: the --json and --plot paths of bench and report can be written, and the
+    plot's suffix names an image format."""
+    from specgraph.bench.report import plot_format
     from specgraph.files import check_output
 
     for path, flag in ((args.json, "--json"), (args.plot, "--plot")):
         if path is not None:
             check_output(path, flag)
+    if args.plot is not None:
+        plot_format(args.plot)
 
 
 def _present_report(report: dict, args: argparse.Namespace) -> None:
     """A bench report's table on the terminal, and its JSON and plot where asked."""
     from specgraph.bench.report import plot, print_table
-    from specgraph.files import write_atomically
+    from specgraph.files import write_output
 
     print_table(report)
     if args.json is not None:
-        write_atomically(args.json, json.dumps(report, indent=1))
+        write_output(args.json, json.dumps(report, indent=1))
     if args.plot is not None:
         plot(report, args.plot)
 
@@ -334,7 +340,7 @@ def cmd_compile(args: argparse.Namespace) -> None:
 
 def cmd_tune(args: argparse.Namespace) -> None:
     from specgraph.bench.tune import TuneSpec, grid, print_report, run_tune
-    from specgraph.files import check_output, write_atomically
+    from specgraph.files import check_output, write_output
     from specgraph.program import plan
 
     check_output(args.output, "-o")
@@ -369,7 +375,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
               f"stages.{report.stage}.tree {chosen.candidate}, expected {chosen.tokens_per_second:.1f} tokens/s, "
               f"epsilon {chosen.epsilon(report.verify_seconds[1]):.3f}\n")
     tuned = recipe.with_tree(report.stage, chosen.candidate.tree())
-    write_atomically(args.output, header + tuned.to_yaml(args.output.parent))
+    write_output(args.output, header + tuned.to_yaml(args.output.parent))
     print(f"wrote {args.output}")
 
 
@@ -384,7 +390,7 @@ def _whole_numbers(text: str, flag: str) -> list[int]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
-    from specgraph.files import check_output, write_atomically
+    from specgraph.files import check_output, write_output
     from specgraph.graph import SpecGraph
     from specgraph.passes import run_pipeline
     from specgraph.recipe import Recipe
@@ -401,7 +407,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
     planned = run_pipeline(graph, after_each=show)
     if args.dot is not None:
-        write_atomically(args.dot, planned.to_dot() + "\n")
+        write_output(args.dot, planned.to_dot() + "\n")
         print(f"\nwrote {args.dot}")
 
 

@@ -29,7 +29,7 @@ from torch.export import Dim
 
 from specgraph.cache import KVCache
 from specgraph.errors import SpecgraphError
-from specgraph.files import read_json, write_atomically
+from specgraph.files import check_output, read_json, write_output
 from specgraph.kernels import Kernels
 from specgraph.models.hybrid import HybridModel, HybridShape
 from specgraph.models.llama import LlamaShape
@@ -132,9 +132,14 @@ def _digest(manifest: dict) -> str:
 
 def check_program_folder(out: Path) -> dict | None:
     """The folder's manifest if it is a program folder of ours; refuse a file, or a folder holding
-    anything else (nothing of the user's is ever overwritten)."""
+    anything else (nothing of the user's is ever overwritten), or a place where the folder cannot be
+    made or written (tried, as for any output: where its manifest or its first missing folder goes)."""
     if out.exists() and not out.is_dir():
         raise SpecgraphError(f"-o: {out} is a file; give a folder for the program")
+    first = out / "manifest.json"
+    while not first.parent.exists():
+        first = first.parent
+    check_output(first, "-o")
     if not out.is_dir() or not any(out.iterdir()):
         return None
     manifest_path = out / "manifest.json"
@@ -200,7 +205,7 @@ def export_program(program, out: Path) -> dict:
     manifest = {"key": key, "versions": versions(), "recipe": recipe.model_dump(mode="json"), "stages": stages,
                 "files": files}
     manifest["digest"] = _digest(manifest)
-    write_atomically(out / "manifest.json", json.dumps(manifest, indent=1))
+    write_output(out / "manifest.json", json.dumps(manifest, indent=1))
     _log(f"wrote {out} ({', '.join(stages)})")
     return manifest
 

@@ -1,48 +1,92 @@
-"""Files the user names: outputs checked before any work starts and written atomically, inputs
-read with a one-line error naming the file and what is wrong."""
+"""Files the user names: outputs checked before any work starts and written where the user means
+them, inputs read with a one-line error naming the file and what is wrong."""
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
+import stat
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 from specgraph.errors import SpecgraphError
 
 
+def _mode(path: Path) -> int | None:
+    """The st_mode of what `path` names, through any symlinks; None where nothing is there yet."""
+    try:
+        return os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+
+
+def _target(path: Path) -> Path:
+    """The file `path` names, through any symlinks (a dangling one names the file it would create):
+    the place to rename onto, so that the link stays a link."""
+    return Path(os.path.realpath(path))
+
+
+def _create_beside(target: Path) -> tuple[int, Path]:
+    """A new empty file `.NAME.RANDOM` in `target`'s folder, open for writing, created as any tool
+    creates a file: mode 0666 less the umask (mkstemp's is 0600)."""
+    temporary = target.with_name(f".{target.name}.{secrets.token_hex(8)}")
+    return os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), temporary
+
+
 def check_output(path: Path, flag: str) -> None:
-    """Refuse, before any work, an output path that cannot be written: its folder missing, the path
-    a folder, or no permission."""
+    """Refuse in one line, before any work, an output path that `write_output` cannot write. Tried,
+    not guessed from the name: for a file (new or not) a temporary file is created and removed
+    where the output will be renamed into place, so that the OS gives its reason (a missing folder,
+    a parent that is a file, a read-only folder or filesystem, /proc); a FIFO or character device
+    is only checked for write permission, as opening a FIFO to write blocks until a reader comes."""
     path = Path(path)
-    folder = path.parent
-    if path.is_dir():
+    try:
+        mode = _mode(path)
+        if mode is None or stat.S_ISREG(mode):
+            handle, temporary = _create_beside(_target(path))
+            os.close(handle)
+            os.unlink(temporary)
+    except OSError as exc:
+        raise SpecgraphError(f"{flag}: {path} cannot be written ({exc.strerror or exc}); "
+                             "give a path in a folder you can write") from None
+    if mode is None:
+        return
+    if stat.S_ISDIR(mode):
         raise SpecgraphError(f"{flag}: {path} is a folder; give a file path")
-    if not folder.is_dir():
-        raise SpecgraphError(f"{flag}: folder {folder} does not exist; create it or write elsewhere")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+        raise SpecgraphError(f"{flag}: {path} is neither a file, a FIFO nor a character device; give a file path")
+    if not os.access(path, os.W_OK):
         raise SpecgraphError(f"{flag}: {path} cannot be written (no permission)")
 
 
-def write_atomically(path: Path, write: Callable[[Path], None] | str) -> None:
-    """Write `path` through a temporary file in its folder, then rename it into place, so a failed
-    write never leaves half a file or destroys the old one. `write`: text, or a function that
-    writes the given temporary path."""
+def write_output(path: Path, content: str | Callable[[BinaryIO], None]) -> None:
+    """Write `content` (text, or a function that writes to the binary file it is given) to what
+    `path` names: a FIFO or character device is opened and written in place (a rename would
+    replace it); a file, through any symlinks, is written atomically: a temporary file beside it is
+    renamed onto it, so a failed write leaves no half file and the old one whole. A new file gets
+    the mode the umask gives, a replaced one keeps its mode. A failed write is one line."""
     path = Path(path)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
-    os.close(handle)
+    fill = content if callable(content) else lambda f: f.write(content.encode("utf-8"))
     try:
-        if isinstance(write, str):
-            Path(temporary).write_text(write)
-        else:
-            write(Path(temporary))
-        os.replace(temporary, path)
+        mode = _mode(path)
+        if mode is not None and not stat.S_ISREG(mode):
+            with open(path, "wb") as f:
+                fill(f)
+            return
+        target = _target(path)
+        handle, temporary = _create_beside(target)
+        try:
+            with os.fdopen(handle, "wb") as f:
+                fill(f)
+            if mode is not None:
+                os.chmod(temporary, stat.S_IMODE(mode))
+            os.replace(temporary, target)
+        except BaseException:
+            os.unlink(temporary)
+            raise
     except OSError as exc:
         raise SpecgraphError(f"{path}: cannot be written ({exc.strerror or exc})") from None
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
 
 
 def read_text(path: Path, what: str) -> str:

@@ -305,3 +305,61 @@ def one_token_steps(args: tuple, steps: tuple, path: list[int]) -> tuple[list[to
                                                conv_windows(alone, conv_weight.shape[-1]), alone, state[0], *steps)[:, 0])
         gated_delta_commit_invariant(state, conv, *(x[None] for x in steps), torch.tensor([0], device=inputs.device))
     return outs, state[0], conv[0]
+
+
+def character_device(folder: Path, like: str = "null", name: str | None = None) -> Path:
+    """A copy of /dev/`like` (null, full) in `folder` named `name` (default `like`), made with mknod
+    (root only), so that a test that replaces it harms nothing; /dev/`like` itself where mknod is
+    not permitted (there a non-root process cannot replace it either)."""
+    import os
+    import stat
+
+    device = folder / (name or like)
+    try:
+        os.mknod(device, stat.S_IFCHR | 0o666, os.stat(f"/dev/{like}").st_rdev)
+    except PermissionError:
+        return Path(f"/dev/{like}")
+    return device
+
+
+def read_fifo(path: Path):
+    """Read the FIFO `path` in a thread (a writer's open blocks until a reader comes). The function
+    returned waits for the bytes written (b"" if no writer came: it then ends the reader's wait by
+    opening and closing the FIFO for writing itself) and fails after 10 s."""
+    import os
+    import threading
+    import time
+
+    got = []
+    reader = threading.Thread(target=lambda: got.append(Path(path).read_bytes()), daemon=True)
+    reader.start()
+
+    def result() -> bytes:
+        deadline = time.monotonic() + 10
+        while reader.is_alive() and time.monotonic() < deadline:
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # a writer of nothing: EOF once the others closed
+            except OSError:  # ENXIO: the reader has not opened the FIFO yet
+                pass
+            reader.join(0.05)
+        assert not reader.is_alive(), f"{path}: the reader is still waiting"
+        return got[0]
+
+    return result
+
+
+def unwritable_folder(folder: Path) -> tuple[Path, str]:
+    """A folder in which no file can be created, and the OS's reason: a read-only folder (mode
+    0555) in `folder` or, where permissions cannot refuse this process (root), /proc."""
+    import os
+
+    readonly = folder / "read-only"
+    readonly.mkdir()
+    readonly.chmod(0o555)
+    for place in (readonly, Path("/proc")):
+        try:
+            os.close(os.open(place / "probe", os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+        except OSError as exc:
+            return place, exc.strerror
+        os.unlink(place / "probe")
+    raise AssertionError(f"a file could be created in {readonly} and in /proc")

@@ -3,9 +3,12 @@
 import hashlib
 import itertools
 import json
+import os
+import stat
 
 import pytest
 from conftest import REPO
+from helpers import character_device
 
 from specgraph.bench.systems import SpecgraphSystem
 from specgraph.cli import main
@@ -219,3 +222,27 @@ def test_a_table_printed_into_a_pipe_keeps_every_cell_on_one_line(tmp_path, caps
     assert [row.split("│")[1].strip() for row in rows] == list(report["systems"])
     for name, result in report["systems"].items():
         assert f"  {name}: {result['description']}" in lines
+
+
+def test_a_plot_is_written_in_the_format_its_suffix_names(tmp_path, capsys):
+    a, = write(tmp_path, a=part())
+    magic = {"png": b"\x89PNG\r\n\x1a\n", "jpg": b"\xff\xd8\xff", "JPEG": b"\xff\xd8\xff", "pdf": b"%PDF-",
+             "svg": b"<?xml", "webp": b"RIFF"}
+    for suffix, start in magic.items():
+        out = tmp_path / f"plot.{suffix}"
+        assert main(["report", str(a), "--plot", str(out)]) == 0
+        assert out.read_bytes().startswith(start), suffix
+    for name, why in (("plot.bmp", "unknown image suffix .bmp"), ("plot", "no suffix")):
+        assert main(["report", str(tmp_path / "none.json"), "--plot", str(tmp_path / name)]) == 2  # before reading
+        err = capsys.readouterr().err
+        assert err.startswith(f"specgraph: error: --plot: {tmp_path / name}: {why}; valid: ") and err.count("\n") == 1
+        assert ".png" in err and ".jpg" in err and ".pgf" not in err and not (tmp_path / name).exists()
+
+
+def test_a_write_error_is_one_line_and_the_device_stays(tmp_path, capsys):
+    a, = write(tmp_path, a=part())
+    full = character_device(tmp_path, "full")
+    assert main(["report", str(a), "--json", str(full)]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"specgraph: error: {full}: cannot be written (No space left on device)\n") and "Traceback" not in err
+    assert stat.S_ISCHR(os.lstat(full).st_mode)

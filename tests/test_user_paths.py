@@ -9,11 +9,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import stat
 import time
+from pathlib import Path
 
 import pytest
 from conftest import EMBEDDED, REPO
-from helpers import PROMPT, interruptible
+from helpers import PROMPT, character_device, interruptible, unwritable_folder
 
 from specgraph.cli import default_threads, main
 from specgraph.errors import CheckpointError, PromptError
@@ -23,10 +25,13 @@ from specgraph.recipe import Recipe
 DEMO = REPO / "recipes" / "demo.yaml"
 
 
-def one_line_error(capsys, expected: str) -> None:
-    err = capsys.readouterr().err.strip().splitlines()
+def one_line_error(capsys, expected: str) -> str:
+    """Check that stderr ends in one error line holding `expected`, with no traceback; stdout."""
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
     assert err[-1].startswith("specgraph: error: ") and expected in err[-1], err
     assert not any("Traceback" in line for line in err)
+    return captured.out
 
 
 def test_sampling_with_no_drafter_runs_from_the_cli_and_bench(tmp_path):
@@ -47,32 +52,38 @@ def test_sampling_with_no_drafter_runs_from_the_cli_and_bench(tmp_path):
     ["bench", str(DEMO), "--prompt", "x", "--json"],
     ["bench", str(DEMO), "--prompt", "x", "--plot"],
     ["inspect", str(DEMO), "--dot"],
-], ids=["run-json", "bench-json", "bench-plot", "inspect-dot"])
+    ["tune", str(DEMO), "--prompt", "x", "-o"],
+], ids=["run-json", "bench-json", "bench-plot", "inspect-dot", "tune-o"])
 def test_output_paths_are_checked_before_any_work(command, tmp_path, capsys):
     afile = tmp_path / "a.txt"
     afile.write_text("mine")
-    cases = [(tmp_path / "no" / "out", "does not exist"), (tmp_path, "is a folder"), (afile / "out", "does not exist")]
+    readonly, reason = unwritable_folder(tmp_path)
+    dangling = tmp_path / "dangling.png"
+    dangling.symlink_to(tmp_path / "no" / "out.png")
+    cases = [(Path("/proc/out.png"), "cannot be written (No such file or directory)"),
+             (afile / "out.png", "cannot be written (Not a directory)"),
+             (dangling, "cannot be written (No such file or directory)"),
+             (readonly / "out.png", f"cannot be written ({reason})"),
+             (tmp_path / "no" / "out.png", "cannot be written (No such file or directory)"), (tmp_path, "is a folder")]
     for path, expected in cases:
         start = time.monotonic()
         assert main([*command, str(path)]) == 2
-        one_line_error(capsys, expected)
+        assert "new tokens" not in one_line_error(capsys, f"{command[-1]}: {path} {expected}")  # nothing decoded
         assert time.monotonic() - start < 5  # refused before loading anything
-    assert afile.read_text() == "mine"
+    assert afile.read_text() == "mine" and not (tmp_path / "no").exists() and not (readonly / "out.png").exists()
 
 
-def test_results_are_written_atomically(tmp_path):
-    from specgraph.files import write_atomically
-
-    out = tmp_path / "r.json"
-    out.write_text("old")
-
-    def fails(temporary):
-        temporary.write_text("half")
-        raise OSError(28, "No space left on device")
-
-    with pytest.raises(Exception, match="No space left on device"):
-        write_atomically(out, fails)
-    assert out.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["r.json"]  # nothing half-written
+def test_outputs_go_through_symlinks_and_into_devices(tmp_path, capsys):
+    target, link = tmp_path / "graph.dot", tmp_path / "link.dot"
+    target.write_text("old")
+    link.symlink_to(target)
+    device = character_device(tmp_path)
+    device_before = os.stat(device)
+    for path in (link, device):
+        assert main(["inspect", str(DEMO), "--dot", str(path)]) == 0
+    assert os.readlink(link) == str(target) and target.read_text().startswith("digraph")
+    assert stat.S_ISCHR(os.lstat(device).st_mode) and os.lstat(device).st_ino == device_before.st_ino
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
 
 
 def damaged_checkpoint(tmp_path, how: str):

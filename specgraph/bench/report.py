@@ -1,4 +1,4 @@
-"""Presenting a benchmark report: a table for the terminal and a PNG for people."""
+"""Presenting a benchmark report: a table for the terminal and a plot for people."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specgraph.errors import SpecgraphError
-from specgraph.files import write_atomically
+from specgraph.files import write_output
 
 
 def _fmt(value, spec: str, scale: float = 1.0) -> str:
@@ -81,14 +81,29 @@ def _print_pipeline(pipeline: dict, measured: float, console: Console) -> None:
                       f"(measured {measured:.1f})")
 
 
-def plot(report: dict, path: Path) -> None:
+def plot_format(path: Path) -> str:
+    """The image format `--plot PATH` writes: the one its suffix names, of those matplotlib writes
+    (pgf left out: it needs a LaTeX installation); refused in one line otherwise."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise SpecgraphError("--plot needs matplotlib: python3 -m pip install matplotlib") from None
+    formats = sorted(set(FigureCanvasBase.get_supported_filetypes()) - {"pgf"})
+    suffix = Path(path).suffix.lower().removeprefix(".")
+    if suffix not in formats:
+        raise SpecgraphError(f"--plot: {path}: {f'unknown image suffix .{suffix}' if suffix else 'no suffix'}; "
+                             f"valid: {', '.join('.' + f for f in formats)}")
+    return suffix
+
+
+def plot(report: dict, path: Path) -> None:
+    """Tokens/s per system and specgraph's accepted lengths, written to `path` in the format its suffix names."""
+    fmt = plot_format(path)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     systems = report["systems"]
     names = list(systems)
     medians = [systems[n]["tokens_per_second"]["median"] for n in names]
@@ -106,5 +121,5 @@ def plot(report: dict, path: Path) -> None:
     right.set_ylabel("steps")
     right.set_title("specgraph accepted lengths", fontsize=9)
     fig.tight_layout()
-    write_atomically(path, lambda temporary: fig.savefig(temporary, dpi=110, format="png"))
+    write_output(path, lambda f: fig.savefig(f, dpi=110, format=fmt))
     plt.close(fig)
