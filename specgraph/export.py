@@ -2,9 +2,10 @@
 
 A package holds one stage's forward (weights included) for any number of new tokens T from 1
 to its `max_step_tokens` (64, or the stage's largest step if that is more) and any attended cache
-width; the cache's tensors (K/V, and a hybrid's DeltaNet states, conv windows and step factors)
-are inputs that it updates in place. Packages do not check their input shapes, so the loaded
-stage feeds prompts in chunks of at most `max_step_tokens`.
+width; each layer's part of the cache's tensors (K/V, and a hybrid's DeltaNet states, conv windows
+and step factors) is an input of its own that it updates in place (see KVCache.tensors).
+Packages do not check their input shapes, so the loaded stage feeds prompts in chunks of at most
+`max_step_tokens`.
 `specgraph run --program DIR` loads the packages and runs them without recompiling. The
 manifest's `key` hashes every recipe field, the library versions and specgraph's source:
 `compile` into a folder whose key matches does nothing, a mismatch is logged with its reason
@@ -68,7 +69,7 @@ class _StepModule(nn.Module):
         super().__init__()
         self.model, self.cache_type = model, cache_type
 
-    def forward(self, tokens, positions, slots, mask, cache: tuple[torch.Tensor, ...]):
+    def forward(self, tokens, positions, slots, mask, cache: tuple[tuple[torch.Tensor, ...], ...]):
         return self.model(tokens, positions, self.cache_type.wrap(*cache), slots, mask)
 
 
@@ -188,7 +189,7 @@ def export_program(program, out: Path) -> dict:
         cache = stage.cache.tensors()
         example = (torch.zeros(1, 2, dtype=torch.long, device=stage.device), torch.arange(2, device=stage.device)[None],
                    torch.arange(2, device=stage.device), torch.ones(2, 4, dtype=torch.bool, device=stage.device), cache)
-        dims = ({1: t}, {1: t}, {0: t}, {0: t, 1: kv}, tuple(None for _ in cache))
+        dims = ({1: t}, {1: t}, {0: t}, {0: t, 1: kv}, tuple(tuple(None for _ in layers) for layers in cache))
         _log(f"exporting stage {name} (T 1..{step_tokens}, up to {stage.cache.capacity} cache slots)")
         exported = torch.export.export(_StepModule(stage.model, type(stage.cache)), example, dynamic_shapes=dims)
         _log(f"compiling stage {name} with AOTInductor")
