@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from specgraph.recipe import DynamicTree, SamplingSpec
-from specgraph.runtime.stage import Stage, step_mask
+from specgraph.runtime.stage import Stage
 from specgraph.sampling import draw_without_replacement, probs_from_logits
 from specgraph.tree import Tree, TreeStructure, TreeTopology
 
@@ -98,6 +98,17 @@ class _StaticPlan:
 CATCH_UP = 2  # committed tokens a catch-up feeds: the last accepted draft (maybe never fed) and the new root
 
 
+def catch_up(stage: Stage, committed: torch.Tensor, length: torch.Tensor, width: int, feeds: int = CATCH_UP
+             ) -> torch.Tensor:
+    """Feed the last `feeds` of the `length` ([] long) tokens of `committed` [capacity] at their
+    slots, over `width` virtual slots -> the root's logits [V]."""
+    start = length - feeds
+    offsets = torch.arange(feeds, device=stage.device)
+    causal = torch.ones(feeds, feeds, dtype=torch.bool, device=stage.device).tril()
+    return stage.forward_one(committed.index_select(0, start + offsets), start + offsets, start, offsets, causal,
+                             width)[-1]
+
+
 class _Step(NamedTuple):
     """What a draft step's forwards share: the committed tokens [capacity] and their count
     ([] long), the slots they attend over, and how many committed tokens the catch-up fed."""
@@ -139,11 +150,12 @@ class Drafter:
         self.max_depth = plan.depth if isinstance(plan, DynamicTree) else plan.max_depth
         self._causal = {t: torch.ones(t, t, dtype=torch.bool, device=device).tril() for t in range(1, max_feeds + 1)}
         self.refeeds = stage.cache.recurrent  # each forward re-feeds the catch-up and every fed node (module doc)
+        self._row = torch.zeros(1, dtype=torch.long, device=device)  # the request's row of the table
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor) -> None:
         """Feed all but the last two prompt tokens [L] (the first catch-up feeds those)."""
-        self.stage.cache.reset()
+        self.stage.reset()
         if prompt.numel() > CATCH_UP:
             self.stage.prefill(prompt[:-CATCH_UP])
 
@@ -161,11 +173,7 @@ class Drafter:
         return Draft(*self._grow_dynamic(root, root_logits, step), feeds)
 
     def catch_up(self, committed: torch.Tensor, length: torch.Tensor, width: int, feeds: int = CATCH_UP) -> torch.Tensor:
-        """Feed the last `feeds` of the `length` committed tokens at their slots -> the root's logits [V]."""
-        start = length - feeds
-        slots = start + torch.arange(feeds, device=self.stage.device)
-        mask = step_mask(start, self._causal[feeds], width)
-        return self.stage.forward(committed.index_select(0, slots), slots, slots, mask)[-1]
+        return catch_up(self.stage, committed, length, width, feeds)
 
     def commit(self, draft: Draft, path: torch.Tensor, length: torch.Tensor) -> None:
         """Move the draft K/V of `draft`'s accepted nodes (path [D + 1], root first, -1 padded) to
@@ -174,11 +182,12 @@ class Drafter:
         dst = length - 1 + torch.arange(1, path.numel(), device=path.device)
         offset = draft.fed_at.index_select(0, nodes.clamp(min=0))
         src = torch.where((nodes >= 0) & (offset >= 0), length + offset, dst)  # unfed or rejected: stay
-        self.stage.cache.move(src, dst)
+        stage, row = self.stage, self._row
+        stage.cache.move(stage.table, row, src[None], dst[None])
         if self.refeeds:  # the state to committed[:L' - 2]: the catch-up and the accepted nodes but the last
-            rows = torch.cat([torch.arange(draft.feeds, device=path.device), draft.feeds + offset])  # [feeds + D]
+            fed = torch.cat([torch.arange(draft.feeds, device=path.device), draft.feeds + offset])  # [feeds + D]
             folded = draft.feeds + (nodes >= 0).sum() - 1  # (the accepted nodes but the last were fed: they have children)
-            self.stage.cache.fold(torch.where(torch.arange(rows.numel(), device=path.device) < folded, rows, -1))
+            stage.cache.fold(row, torch.where(torch.arange(fed.numel(), device=path.device) < folded, fed, -1)[None])
 
     def _feed(self, tokens: torch.Tensor, depths: torch.Tensor, lineage: torch.Tensor, new: int,
               step: _Step) -> torch.Tensor:
@@ -186,18 +195,18 @@ class Drafter:
         lineage [F, F] bool: each one's fed ancestors and itself) at draft-cache slots L + offset ->
         their logits [new, V]. A recurrent stage re-feeds the catch-up and all F, as one tree."""
         length, f = step.length, tokens.numel()
-        positions, slots = length - 1 + depths, length + torch.arange(f, device=tokens.device)  # [F]
+        positions, offsets = length - 1 + depths, torch.arange(f, device=tokens.device)  # [F]
         if not self.refeeds:
-            return self.stage.forward(tokens[-new:], positions[-new:], slots[-new:],
-                                      step_mask(length, lineage[-new:], step.width))
+            return self.stage.forward_one(tokens[-new:], positions[-new:], length, offsets[-new:], lineage[-new:],
+                                          step.width)
         feeds = step.feeds
         start = length - feeds
         caught = start + torch.arange(feeds, device=tokens.device)  # [feeds] the catch-up's slots
         visible = torch.cat([torch.cat([self._causal[feeds], lineage.new_zeros(feeds, f)], 1),
                              torch.cat([lineage.new_ones(f, feeds), lineage], 1)])  # [feeds + F, feeds + F]
-        logits = self.stage.forward(torch.cat([step.committed.index_select(0, caught), tokens]),
-                                    torch.cat([caught, positions]), torch.cat([caught, slots]),
-                                    step_mask(start, visible, step.width))
+        logits = self.stage.forward_one(torch.cat([step.committed.index_select(0, caught), tokens]),
+                                        torch.cat([caught, positions]), start,
+                                        torch.arange(feeds + f, device=tokens.device), visible, step.width)
         return logits[-new:]
 
     def _choose(self, logits: torch.Tensor, k: int, draw: bool,

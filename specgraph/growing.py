@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specgraph.draft import CATCH_UP
-from specgraph.runtime.stage import Stage, step_mask
+from specgraph.draft import CATCH_UP, catch_up
+from specgraph.runtime.stage import Stage
 from specgraph.tree import TreeStructure
 
 UNUSED, LEAF, EXPANDED = 0, 1, 2
@@ -87,15 +87,12 @@ class GrowingDrafter:
         self.fed_count = torch.zeros((), dtype=torch.long, device=device)
         self.sent = torch.zeros(plan.nodes + 1, dtype=torch.long, device=device)  # [N + 1] pool index of each sent node
         self._index = torch.arange(p, device=device)
-        self._causal = {t: torch.ones(t, t, dtype=torch.bool, device=device).tril() for t in range(1, CATCH_UP + 1)}
+        self._row = torch.zeros(1, dtype=torch.long, device=device)  # the request's row of the table
 
     def restart(self, committed: torch.Tensor, length: torch.Tensor, width: int, feeds: int = CATCH_UP) -> None:
         """A fresh tree rooted at the last of the `length` committed tokens: the catch-up feeds the last
         `feeds` of them (the root at region offset 0), then the root's children and `first` - 1 expansion steps."""
-        start = length - feeds
-        slots = start + torch.arange(feeds, device=self.stage.device)
-        mask = step_mask(start, self._causal[feeds], width)
-        logits = self.stage.forward(committed.index_select(0, slots), slots, slots, mask)[-1:]  # [1, V]
+        logits = catch_up(self.stage, committed, length, width, feeds)[None]  # [1, V]
         self.status.zero_()
         self.parents.fill_(-1)
         self.fed.fill_(-1)
@@ -132,8 +129,8 @@ class GrowingDrafter:
         nodes_at = self.fed_node.clamp(min=0)  # [F]
         visible = self.lineage.index_select(0, pick).index_select(1, nodes_at) & (self.fed_node >= 0)  # [B, F]
         start = length - 1
-        logits = self.stage.forward(self.tokens.index_select(0, pick), start + self.depths.index_select(0, pick),
-                                    start + offsets, step_mask(start, visible, width))  # [B, V]
+        logits = self.stage.forward_one(self.tokens.index_select(0, pick), start + self.depths.index_select(0, pick),
+                                        start, offsets, visible, width)  # [B, V]
         self.status.index_put_((pick,), torch.where(valid, EXPANDED, self.status.index_select(0, pick)))
         self.fed_count += b
         self._children(pick, valid, logits)
@@ -211,7 +208,8 @@ class GrowingDrafter:
         moved = src < f
         offsets = torch.arange(f, device=device)
         start = length - 1
-        self.stage.cache.move(start + torch.where(moved, src, offsets), start + offsets)
+        stage = self.stage
+        stage.cache.move(stage.table, self._row, (start + torch.where(moved, src, offsets))[None], (start + offsets)[None])
         rank = torch.full((f + 1,), -1, dtype=torch.long, device=device)  # old offset -> new (f: dummy)
         rank.index_put_((torch.where(moved, src, f),), offsets)
         return rank[:f]

@@ -48,11 +48,11 @@ class MarkovModel(nn.Module):
         super().__init__()
         self.register_buffer("log_table", table.log())
 
-    def new_cache(self, capacity: int, batch: int = 1, kernels=None) -> KVCache:
-        return KVCache(0, batch, 1, 1, capacity, torch.float32, "cpu")
+    def new_cache(self, blocks: int, block_size: int, requests: int = 1, kernels=None) -> KVCache:
+        return KVCache(0, 1, 1, blocks, block_size, torch.float32, "cpu")
 
-    def forward(self, tokens, positions, cache, slot, mask):
-        return self.log_table[tokens]  # [B, T, V]
+    def forward(self, tokens, cache, layout):
+        return self.log_table[tokens]  # [1, T, V]
 
 
 @torch.no_grad()

@@ -40,7 +40,7 @@ from specgraph.errors import RecipeError, SpecgraphError
 from specgraph.graph import SpecGraph
 from specgraph.program import Program, make_executor, plan, stage_over, verifier_of
 from specgraph.recipe import DynamicTree
-from specgraph.runtime.stage import Graph
+from specgraph.runtime.graphs import CapturedGraph
 from specgraph.runtime.verifier import Verifier
 from specgraph.tree import Tree
 
@@ -141,7 +141,7 @@ def verification_seconds(verifier: Verifier, sizes: list[int], context: list[int
                      torch.arange(-1, t - 1, device=device))  # [T]: the root, then T - 1 drafts
         forward = functools.partial(verifier.score, chain, length, stage.width(position, t))
         if stage.static_shapes:  # a GPU step replays its forward in a CUDA graph (here with a memory pool of its own,
-            forward = Graph.record(forward, (), None)[0]  # freed with it: the stage's pool ends with its last graph)
+            forward = CapturedGraph.record(forward, (), None)[0]  # freed with it: the stage's pool ends with its last graph)
         seconds[t] = best_seconds(forward, device, calls=5, warmup=3)
     return seconds
 

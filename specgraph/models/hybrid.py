@@ -21,6 +21,7 @@ from torch import nn
 
 from specgraph.cache import HybridCache
 from specgraph.kernels import Kernels
+from specgraph.layout import Layout
 from specgraph.models.llama import MLP, FUSED as LLAMA_FUSED, DecoderModel, RMSNorm, qkv_sizes, unsharded
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -95,23 +96,23 @@ class HybridShape:
         window = (self.conv_kernel - 1) * self.conv_channels * itemsize
         return self.kv_bytes_per_slot(itemsize) * slots + self.linear_layers * (state + window)
 
-    def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str, batch: int = 1,
+    def new_cache(self, blocks: int, block_size: int, requests: int, dtype: torch.dtype, device: torch.device | str,
                   kernels: Kernels = Kernels()) -> HybridCache:
-        return HybridCache(self.attention_layers, batch, self.num_kv_heads, self.head_dim, capacity, dtype, device,
-                           kernels, linear_layers=self.linear_layers, heads=self.linear_value_heads,
+        return HybridCache(self.attention_layers, self.num_kv_heads, self.head_dim, blocks, block_size, dtype, device,
+                           kernels, requests=requests, linear_layers=self.linear_layers, heads=self.linear_value_heads,
                            key_dim=self.linear_key_dim, value_dim=self.linear_value_dim,
                            conv_channels=self.conv_channels, conv_kernel=self.conv_kernel, step_tokens=STEP_TOKENS)
 
 
 def conv_windows(visible: torch.Tensor, kernel: int) -> torch.Tensor:
-    """visible [T, T] bool (ancestors or self) -> [T, K] long: each node's conv inputs, oldest first,
-    as indices into (the K - 1 committed inputs, then the step's T): the node and its K - 1 nearest
-    ancestors, reaching into the committed window above the step's root."""
-    t = visible.shape[0]
-    depth = visible.sum(1) - 1  # [T]: depth in the step, root 0
-    wanted = depth[:, None] - torch.arange(kernel - 1, -1, -1, device=visible.device)  # [T, K]
-    match = visible[:, None, :] & (depth[None, None, :] == wanted[:, :, None])  # [T, K, T]: that ancestor
-    node = (match.long() * torch.arange(t, device=visible.device)).sum(-1)  # [T, K]
+    """visible [B, T, T] bool (ancestors or self, per tree) -> [B, T, K] long: each node's conv
+    inputs, oldest first, as indices into (the K - 1 committed inputs, then the step's T): the node
+    and its K - 1 nearest ancestors, reaching into the committed window above the step's root."""
+    t = visible.shape[-1]
+    depth = visible.sum(-1) - 1  # [B, T]: depth in the step, root 0
+    wanted = depth[..., None] - torch.arange(kernel - 1, -1, -1, device=visible.device)  # [B, T, K]
+    match = visible[:, :, None, :] & (depth[:, None, None, :] == wanted[..., None])  # [B, T, K, T]: that ancestor
+    node = (match.long() * torch.arange(t, device=visible.device)).sum(-1)  # [B, T, K]
     return kernel - 1 + torch.where(wanted >= 0, node, wanted)
 
 
@@ -140,18 +141,23 @@ class GatedDeltaNet(nn.Module):
         self.kernels = Kernels()
         self.reduce = unsharded  # tensor parallelism: the sum over ranks (see parallel.py)
 
-    def forward(self, h: torch.Tensor, windows: torch.Tensor, visible: torch.Tensor, state: torch.Tensor,
-                conv: torch.Tensor, step_k: torch.Tensor, step_u: torch.Tensor, step_decay: torch.Tensor,
-                step_inputs: torch.Tensor) -> torch.Tensor:
-        """h [B, T, hidden]; windows [T, K] (see conv_windows); visible [T, T]; this layer's committed
-        state [B, H, dk, dv] and conv inputs [B, K - 1, C], read only; step_* [B, STEP_TOKENS, ...]:
-        where the step leaves the tokens' factors and inputs for the commit."""
-        s, (b, t, _) = self.shape, h.shape
+    def forward(self, h: torch.Tensor, windows: torch.Tensor, visible: torch.Tensor, grid: torch.Tensor,
+                rows: torch.Tensor, state: torch.Tensor, conv: torch.Tensor, step_k: torch.Tensor, step_u: torch.Tensor,
+                step_decay: torch.Tensor, step_inputs: torch.Tensor) -> torch.Tensor:
+        """h [1, T, hidden], T packed tokens of R segments; grid [R, G]: each segment's tokens
+        (Layout.grid); windows [R, G, K] (see conv_windows) and visible [R, G, G]: each segment's
+        tree; rows [R]: its request slot in this layer's committed state [N, H, dk, dv] and conv
+        inputs [N, K - 1, C], read only; step_* [R', STEP_TOKENS, ...]: where the step leaves the
+        tokens' factors and inputs for the commit."""
+        s, (_, t, _) = self.shape, h.shape
         inputs, z, write, a = self.kernels.linear(h, self.in_proj.weight, None).split(s.linear_sizes(), dim=-1)
-        out = self.kernels.gated_delta_step(inputs, write, a, conv, self.conv1d.weight, self.A_log, self.dt_bias,
-                                            windows, visible, state, step_k, step_u, step_decay,
-                                            step_inputs)  # [B, T, H, dv]
-        out = self.norm(out, z.reshape(out.shape)).reshape(b, t, -1)
+        index = grid.clamp(min=0)  # [R, G]
+        out = self.kernels.gated_delta_step(inputs[0][index], write[0][index], a[0][index], conv, self.conv1d.weight,
+                                            self.A_log, self.dt_bias, windows, visible, state, rows, step_k, step_u,
+                                            step_decay, step_inputs)  # [R, G, H, dv]
+        packed = out.new_zeros(t + 1, *out.shape[2:])  # [T + 1, H, dv]: row T takes what no token is
+        packed.index_copy_(0, torch.where(grid >= 0, grid, t).flatten(), out.flatten(0, 1))
+        out = self.norm(packed[None, :t], z.reshape(1, t, *out.shape[2:])).reshape(1, t, -1)
         return self.reduce(self.kernels.linear(out, self.out_proj.weight, None))
 
 
@@ -170,15 +176,15 @@ class GatedAttention(nn.Module):
         self.reduce = unsharded
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """As the Llama attention; cos, sin [B, 1, T, R] rotate the first R of each head's dims."""
+                values: torch.Tensor, slots: torch.Tensor, attend: tuple) -> torch.Tensor:
+        """As the Llama attention; cos, sin [1, 1, T, R] rotate the first R of each head's dims."""
         b, t, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_gate, k, v = self.kernels.linear(x, self.qkv_proj.weight, None).split(qkv_sizes(2 * h, kv, d), dim=-1)
         q, gate = q_gate.view(b, t, h, 2 * d).chunk(2, dim=-1)  # [B, T, H, K] each
         q = self.kernels.rope_write(q, k.view(b, t, kv, d), v.view(b, t, kv, d), cos, sin, keys, values, slots,
                                     self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)  # [B, H, T, K]; k, v cached
-        out = self.kernels.attention(q, keys, values, mask, slots).transpose(1, 2).reshape(b, t, h * d)
+        out = self.kernels.attention(q, keys, values, *attend).transpose(1, 2).reshape(b, t, h * d)
         out = out * torch.sigmoid(gate.reshape(b, t, h * d))
         return self.reduce(self.kernels.linear(out, self.o_proj.weight, None))
 
@@ -214,23 +220,23 @@ class HybridModel(DecoderModel):
     def __init__(self, shape: HybridShape):
         super().__init__(shape, nn.ModuleList(HybridLayer(shape, kind) for kind in shape.layer_types), shape.rotary_dim)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: HybridCache, slots: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        """As LlamaModel.forward; the step's tokens at `slots` form the tree that `mask` draws
-        (parents first). Leaves the DeltaNet factors in `cache` for its commit.
-        Returns logits [B, T, V] in fp32."""
-        x, delta, cos, sin = self.stem(tokens, positions)
-        visible = mask.index_select(1, slots)  # [T, T]: ancestors or self within the step
+    def forward(self, tokens: torch.Tensor, cache: HybridCache, layout: Layout) -> torch.Tensor:
+        """As LlamaModel.forward; each segment's tokens form a tree at region offsets 0, 1, ...
+        (parents first: specgraph/layout.py). Leaves the DeltaNet factors in `cache` for its commit.
+        Returns logits [1, T, V] in fp32."""
+        x, delta, cos, sin = self.stem(tokens, layout.positions[None])
+        visible = layout.tree()  # [R, G, G]: ancestors or self within each segment
         windows = conv_windows(visible, self.shape.conv_kernel)
+        attend = layout.attention_inputs()
         attention = linear = 0
         for layer in self.layers:
             if layer.kind == LINEAR:
                 c = cache
-                x, delta = layer(x, delta, windows, visible, c.state[linear], c.conv[linear], c.step_k[linear],
-                                 c.step_u[linear], c.step_decay[linear], c.step_inputs[linear])
+                x, delta = layer(x, delta, windows, visible, layout.grid, layout.rows, c.state[linear], c.conv[linear],
+                                 c.step_k[linear], c.step_u[linear], c.step_decay[linear], c.step_inputs[linear])
                 linear += 1
             else:
-                x, delta = layer(x, delta, cos, sin, cache.k[attention], cache.v[attention], slots, mask)
+                x, delta = layer(x, delta, cos, sin, cache.k[attention], cache.v[attention], layout.slots, attend)
                 attention += 1
         return self.logits(x, delta)
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from specgraph.cache import KVCache
 from specgraph.kernels import Kernels
+from specgraph.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,11 @@ class LlamaShape:
     def cache_bytes(self, slots: int, itemsize: int) -> int:
         return self.kv_bytes_per_slot(itemsize) * slots
 
-    def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str, batch: int = 1,
+    def new_cache(self, blocks: int, block_size: int, requests: int, dtype: torch.dtype, device: torch.device | str,
                   kernels: Kernels = Kernels()) -> KVCache:
-        """`kernels`: the stage's choice of kernels, which the cache runs too."""
-        return KVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity, dtype, device, kernels)
+        """A pool of `blocks` blocks for `requests` request slots; `kernels`: the stage's choice of
+        kernels, which the cache runs too."""
+        return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, blocks, block_size, dtype, device, kernels)
 
     def fused_sizes(self) -> dict[str, list[int]]:
         return {"self_attn.qkv_proj": qkv_sizes(self.num_heads, self.num_kv_heads, self.head_dim),
@@ -122,8 +124,9 @@ class Attention(nn.Module):
         self.reduce = unsharded  # tensor parallelism: the sum over ranks (see parallel.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """keys, values [B, Hkv, S, K]: this layer's cache, written in place at `slots` [T]."""
+                values: torch.Tensor, slots: torch.Tensor, attend: tuple) -> torch.Tensor:
+        """x [1, T, hidden], T packed tokens; keys, values [1, Hkv, S, K]: this layer's cache, written
+        in place at `slots` [T]; `attend`: the rest of the attention kernel's inputs (Layout.attention_inputs)."""
         b, t, _ = x.shape
         qkv = self.kernels.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split(qkv_sizes(self.num_heads, self.num_kv_heads, self.head_dim), dim=-1)
@@ -132,7 +135,7 @@ class Attention(nn.Module):
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else ()
         q = self.kernels.rope_write(q, k, v, cos, sin, keys, values, slots, *norms)  # [B, H, T, K]; k, v cached
-        out = self.kernels.attention(q, keys, values, mask, slots).transpose(1, 2).reshape(b, t, -1)  # [B, T, H K]
+        out = self.kernels.attention(q, keys, values, *attend).transpose(1, 2).reshape(b, t, -1)  # [B, T, H K]
         return self.reduce(self.kernels.linear(out, self.o_proj.weight, self.o_proj.bias))
 
 
@@ -158,12 +161,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.kernels = Kernels()
 
-    def forward(self, x, delta, cos, sin, keys, values, slots, mask):
+    def forward(self, x, delta, cos, sin, keys, values, slots, attend):
         """x [B, T, hidden]: the residual stream without `delta`, the previous layer's MLP output,
         whose addition is fused with this layer's first norm. Returns this layer's (x, delta)."""
         first, second = self.input_layernorm, self.post_attention_layernorm
         x, h = self.kernels.add_rmsnorm(x, delta, first.weight, first.eps)  # x + delta, and its norm
-        attended = self.self_attn(h, cos, sin, keys, values, slots, mask)
+        attended = self.self_attn(h, cos, sin, keys, values, slots, attend)
         x, h = self.kernels.add_rmsnorm(x, attended, second.weight, second.eps)
         return x, self.mlp(h)
 
@@ -185,9 +188,10 @@ class DecoderModel(nn.Module):
         self.served_vocab = shape.vocab_size  # logits cover token ids [0, served_vocab) (less when widened)
         self.kernels = Kernels()
 
-    def new_cache(self, capacity: int, batch: int = 1, kernels: Kernels = Kernels()) -> KVCache:
+    def new_cache(self, blocks: int, block_size: int, requests: int = 1, kernels: Kernels = Kernels()) -> KVCache:
+        """A pool of `blocks` blocks of `block_size` slots for `requests` request slots (specgraph/layout.py)."""
         weight = self.embed_tokens.weight
-        return self.shape.new_cache(capacity, weight.dtype, weight.device, batch, kernels)
+        return self.shape.new_cache(blocks, block_size, requests, weight.dtype, weight.device, kernels)
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Run every fused op (the layers', and the final add + norm) through `kernels` (before compiling the layers)."""
@@ -217,13 +221,12 @@ class LlamaModel(DecoderModel):
     def __init__(self, shape: LlamaShape):
         super().__init__(shape, nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers)), shape.head_dim)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        """tokens, positions [B, T]; writes K/V at cache `slots` [T] and attends over cache slots
-        [0, S') where mask [T, S'] (bool, True = visible) allows. With S' = the cache's capacity,
-        shapes depend on T only.
-        Returns logits [B, T, V] in fp32, V = served_vocab."""
-        x, delta, cos, sin = self.stem(tokens, positions)
+    def forward(self, tokens: torch.Tensor, cache: KVCache, layout: Layout) -> torch.Tensor:
+        """tokens [1, T], packed as `layout` says (specgraph/layout.py): writes each token's K/V at its
+        slot and attends over what the layout shows it. Shapes depend on the layout's sizes only.
+        Returns logits [1, T, V] in fp32, V = served_vocab."""
+        x, delta, cos, sin = self.stem(tokens, layout.positions[None])
+        attend = layout.attention_inputs()
         for i, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, cos, sin, cache.k[i], cache.v[i], slots, mask)
+            x, delta = layer(x, delta, cos, sin, cache.k[i], cache.v[i], layout.slots, attend)
         return self.logits(x, delta)

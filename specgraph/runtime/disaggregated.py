@@ -29,25 +29,10 @@ from specgraph.runtime.channel import Link, ProtocolError, TreeMessage, VerdictM
 from specgraph.runtime.clock import Clock
 from specgraph.runtime.executor import Generation, Output
 from specgraph.runtime.sequence import Sequence
-from specgraph.runtime.stage import Graph, Stage
+from specgraph.runtime.graphs import Replays
+from specgraph.runtime.stage import Stage
 from specgraph.runtime.verifier import Verifier
 from specgraph.tree import Tree, TreeStructure
-
-
-class _Phases:
-    """A stage's phases, each replayed from one CUDA graph (recorded on first use) or run eagerly."""
-
-    def __init__(self, stage: Stage, captured: bool):
-        self.stage, self.captured = stage, captured
-        self.graphs: dict[str, Graph] = {}
-
-    def run(self, name: str, fn, *inputs: torch.Tensor):
-        if not self.captured:
-            return fn(*inputs)
-        if name not in self.graphs:
-            self.graphs[name], first = Graph.record(fn, inputs, self.stage.pool)
-            return first
-        return self.graphs[name](*inputs)
 
 
 def _read(result: torch.Tensor) -> list[int]:
@@ -74,7 +59,7 @@ class TargetWorker:
         self.proposal_buffer = torch.zeros(nodes + 1, vocab, device=self.device) if drawn_proposals else None
         self.emitted = torch.zeros((), dtype=torch.long, device=self.device)
         self.budget = torch.zeros((), dtype=torch.long, device=self.device)
-        self.phases = _Phases(verifier.stage, step_graphs)
+        self.phases = Replays(step_graphs, verifier.stage.pool)
         self.waiting = f"waiting for a tree from stage {drafter_name} (rank {trees.src_rank})"
 
     def _verify(self, packed: torch.Tensor, generator: torch.Generator | None, width: int) -> tuple[torch.Tensor, ...]:
@@ -157,7 +142,7 @@ class DraftWorker:
         self.sequence = Sequence(max_seq_len + self.nodes + 1, self.device)
         self.region = self.stage.cache.capacity - max_seq_len  # slots a step may write past the committed prefix
         self.verdict_buffer = torch.zeros(2 * self.depth + 5, dtype=torch.long, device=self.device)
-        self.phases = _Phases(self.stage, step_graphs)
+        self.phases = Replays(step_graphs, self.stage.pool)
         self.waiting = f"waiting for a verdict from stage {target_name} (rank {verdicts.src_rank})"
         self._draft: Draft | None = None  # the static drafter's last tree, for its commit
 
@@ -210,8 +195,12 @@ class DraftWorker:
         generator = None if growing else torch.Generator(self.device).manual_seed(seed + 1)
         prompt = torch.tensor(prompt_ids, device=self.device)
         self.sequence.start(prompt)
-        if prompt.numel() > CATCH_UP:  # all but the last two tokens: the first catch-up feeds those
-            self.stage.prefill(prompt[:-CATCH_UP])
+        if not growing:
+            self.drafter.prefill(prompt)
+        else:  # all but the last two tokens: the first catch-up feeds those
+            self.stage.reset()
+            if prompt.numel() > CATCH_UP:
+                self.stage.prefill(prompt[:-CATCH_UP])
         length = len(prompt_ids)
         feeds = min(CATCH_UP, length)
         rounds = survived = ungrown = 0

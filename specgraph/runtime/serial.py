@@ -22,7 +22,7 @@ from specgraph.draft import CATCH_UP, Draft, Drafter
 from specgraph.runtime.clock import Clock
 from specgraph.runtime.executor import Generation, Output
 from specgraph.runtime.sequence import Sequence
-from specgraph.runtime.stage import Graph
+from specgraph.runtime.graphs import Replays
 from specgraph.runtime.verifier import Verifier
 from specgraph.tree import Tree, TreeStructure
 
@@ -50,7 +50,7 @@ class SerialExecutor:
             raise ValueError("step graphs need every stage on the target's device with static shapes")
         assert not (step_graphs and verifier.draws), "a step that draws is not captured"
         self.step_graphs = step_graphs
-        self._graphs: dict[str, Graph] = {}
+        self._replays = Replays(step_graphs, verifier.stage.pool)
         self.max_step_tokens = 1 + (drafter.max_depth if drafter is not None else 0)  # accepted drafts + bonus
         self.lookahead = self.device.type == "cuda"  # enqueue the next step before reading this one
         pinned = self.device.type == "cuda"  # landing buffers on the host for two steps in flight
@@ -101,18 +101,12 @@ class SerialExecutor:
             return self._verify(draft, length, generator)
         if self.drafter is None:
             clock.mark()
-            return self._replay("verify", lambda: self._verify(None, length, None))
-        outputs = self._replay("draft", lambda: self._draft(length, None).tensors())
+            return self._replays.run("verify", lambda: self._verify(None, length, None))
+        outputs = self._replays.run("draft", lambda: self._draft(length, None).tensors())
         clock.mark()
         depth = self.drafter.max_depth
-        return self._replay("verify", lambda *t: self._verify(Draft.from_tensors(t, depth), length, None), *outputs)
-
-    def _replay(self, name: str, fn, *inputs: torch.Tensor):
-        """fn(*inputs) through its CUDA graph, recorded on first use (that call runs it for real)."""
-        if name not in self._graphs:
-            self._graphs[name], first = Graph.record(fn, inputs, self.verifier.stage.pool)
-            return first
-        return self._graphs[name](*inputs)
+        return self._replays.run("verify", lambda *t: self._verify(Draft.from_tensors(t, depth), length, None),
+                                 *outputs)
 
     def _launch(self, length: int, generators: tuple) -> tuple[torch.Tensor, torch.cuda.Event | None, Clock]:
         """Enqueue one step and the copy of its result to the host; returns (host copy, its event, clock)."""

@@ -1,97 +1,85 @@
-"""A stage: one model and its KV cache on its device — the unit that executors schedule.
+"""A stage: one model and its paged KV cache on its device — the unit that executors schedule.
 
-Forwards place their tokens at cache slots and attend under a mask over the first `width` slots.
-Slots and masks are built on the device from device tensors (the committed length lives there),
-so no forward needs a host read. With `width` = the cache's capacity every forward of T tokens has
-the same shapes: on a GPU the stage then replays one CUDA graph per T in its `graph_buckets`
-(planned by the capture_graphs pass), unless the whole step around it is being captured.
+A forward packs the tokens of one or more requests (specgraph/layout.py): each request is a row
+of the stage's block table, and a forward's layout says where each token is written and what it
+sees. Layouts are built on the device from device tensors (the committed lengths live there), so
+no forward needs a host read. With `width` = a request's capacity every forward has shapes that
+depend on its sizes only: on a GPU the stage then replays one CUDA graph per size in its
+`graph_buckets` (planned by the capture_graphs pass), unless the whole step around it is being
+captured.
+
+The stage's table starts with every row owning `capacity` slots of blocks of its own (what the
+executors of one request at a time use: row 0); an engine that pages its requests writes the
+rows it assigns (engine/).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
 
 import torch
 from torch import nn
 
 from specgraph.cache import KVCache
 from specgraph.kernels import Kernels
+from specgraph.layout import Layout
+from specgraph.runtime.graphs import Replays
 
-
-def step_mask(start: torch.Tensor, visible: torch.Tensor, width: int) -> torch.Tensor:
-    """[T, width] bool: row i sees every slot before `start` ([] long) and slot start + j where
-    visible[i, j] ([T, R] bool: the region of R slots from `start` that this step writes)."""
-    region = visible.shape[1]
-    offset = torch.arange(width, device=visible.device) - start  # [width]: slot - start
-    seen = visible.index_select(1, offset.clamp(0, region - 1))  # [T, width]
-    return (offset < 0) | (seen & (offset < region))
-
-
-class Graph:
-    """`fn(*inputs)` recorded as one CUDA graph and replayed from static input buffers.
-    Outputs are static: each replay overwrites them."""
-
-    def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...], pool):
-        self.inputs = inputs
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):  # recorded, not run
-            self.output = fn(*inputs)
-
-    @classmethod
-    def record(cls, fn: Callable, inputs: tuple[torch.Tensor, ...], pool):
-        """Run `fn` once for real on copies of `inputs` (capture needs a warm-up run), then record
-        it; returns the graph and that run's result."""
-        inputs = tuple(x.clone() for x in inputs)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            first = fn(*inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        return cls(fn, inputs, pool), first
-
-    def __call__(self, *inputs: torch.Tensor):
-        for buffer, value in zip(self.inputs, inputs):
-            buffer.copy_(value)
-        self.graph.replay()
-        return self.output
+BLOCK_SIZE = 64  # slots per block where the plan does not say
 
 
 class Stage:
     def __init__(self, name: str, model: nn.Module, capacity: int, device: torch.device,
                  graph_buckets: tuple[int, ...] = (), static_shapes: bool = False, kernels: Kernels = Kernels(),
-                 vocab: tuple[int, int] | None = None):
-        """`kernels`: the stage's choice of kernels, which its cache runs too; `vocab`: (rows, width)
-        where the model's logits are to be `width` wide with only the first `rows` ids proposable (a
-        drafter whose vocabulary is padded unlike its target's: the validate pass), None as they come."""
+                 vocab: tuple[int, int] | None = None, requests: int = 1, blocks: int | None = None,
+                 block_size: int = BLOCK_SIZE):
+        """`capacity`: virtual slots of one request; `requests`: the table's rows; `blocks`: the
+        pool's blocks (default: one for trash and `capacity` for each row); `kernels`: the stage's
+        choice of kernels, which its cache runs too; `vocab`: (rows, width) where the model's logits
+        are to be `width` wide with only the first `rows` ids proposable (a drafter whose vocabulary
+        is padded unlike its target's: the validate pass), None as they come."""
         self.name = name
         self.model = model
-        self.vocab = vocab
         self.device = device
-        self.cache: KVCache = model.new_cache(capacity, kernels=kernels)
+        self.vocab = vocab
+        self.capacity, self.block_size = capacity, block_size
+        per_request = -(-capacity // block_size)
+        self.cache: KVCache = model.new_cache(blocks or 1 + requests * per_request, block_size, requests, kernels)
+        self.table = (1 + torch.arange(requests * per_request, device=device)).view(requests, per_request)
+        if blocks is not None:
+            self.table.zero_()  # (rows are assigned as requests come: the trash until then)
+        self.max_step_tokens = min(capacity, self.cache.max_step_tokens)  # tokens one forward of a request may write
         self.graph_buckets = frozenset(graph_buckets)
-        self.static_shapes = static_shapes or bool(graph_buckets)  # attend over the whole cache
-        self._graphs: dict[int, Graph] = {}
+        self.static_shapes = static_shapes or bool(graph_buckets)  # attend over the whole capacity
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self._replays = Replays(device.type == "cuda", self.pool)
 
     def width(self, length: int, step_tokens: int) -> int:
-        """Slots a step's forwards attend over, `length` tokens committed and `step_tokens` written past them."""
-        return self.cache.capacity if self.static_shapes else min(self.cache.capacity, length + step_tokens)
+        """Virtual slots a step's forwards attend over, `length` tokens committed and `step_tokens` written past them."""
+        return self.capacity if self.static_shapes else min(self.capacity, length + step_tokens)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        """tokens, positions, slots [T]; mask [T, width] -> logits [T, V]. Writes K/V at `slots`."""
-        t = tokens.numel()
+    def forward(self, tokens: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """tokens [T] placed as `layout` says -> logits [T, V]. Writes their K/V."""
 
-        def run(tokens, positions, slots, mask):
-            return self._aligned(self.model(tokens[None], positions[None], self.cache, slots, mask)[0])
+        def run(tokens, slots, positions, rows, cu, starts, visible, grid):
+            placed = dataclasses.replace(layout, slots=slots, positions=positions, rows=rows, cu=cu, starts=starts,
+                                         visible=visible, grid=grid)
+            return self._aligned(self.model(tokens[None], self.cache, placed)[0])
 
-        static = mask.shape[1] == self.cache.capacity and t in self.graph_buckets
-        if not static or torch.cuda.is_current_stream_capturing():  # a captured step records the model itself
-            return run(tokens, positions, slots, mask)
-        if t not in self._graphs:
-            self._graphs[t], first = Graph.record(run, (tokens, positions, slots, mask), self.pool)
-            return first
-        return self._graphs[t](tokens, positions, slots, mask).clone()  # the next replay overwrites it
+        inputs = (tokens, layout.slots, layout.positions, layout.rows, layout.cu, layout.starts, layout.visible,
+                  layout.grid)
+        if not (layout.width == self.capacity and layout.tokens in self.graph_buckets):
+            return run(*inputs)
+        key = (layout.tokens, layout.segments, layout.region)
+        return self._replays.run(key, run, *inputs).clone()  # (the next replay overwrites it)
+
+    def forward_one(self, tokens: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, offsets: torch.Tensor,
+                    visible: torch.Tensor, width: int) -> torch.Tensor:
+        """The request of table row 0: tokens, positions, offsets [T] written at virtual slots start
+        ([] long) + offsets, each seeing the slots below `start` and the region offsets visible
+        [T, G] marks, over `width` virtual slots -> logits [T, V]."""
+        return self.forward(tokens, Layout.single(self.table, self.block_size, start, offsets, visible, positions,
+                                                  width))
 
     @property
     def logits_width(self) -> int:
@@ -109,14 +97,20 @@ class Stage:
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed tokens [T] at slots [0, T) -> logits [T, V]: eager forwards of at most the cache's
-        `max_step_tokens`, each kept, attending over the slots written so far."""
+        """Feed tokens [T] at the virtual slots [0, T) of row 0 -> logits [T, V]: eager forwards of
+        at most `max_step_tokens`, each kept, attending over the slots written so far."""
         logits = []
-        for start in range(0, tokens.numel(), self.cache.max_step_tokens):
-            chunk = tokens[start : start + self.cache.max_step_tokens]
+        row = torch.zeros(1, dtype=torch.long, device=self.device)
+        for start in range(0, tokens.numel(), self.max_step_tokens):
+            chunk = tokens[start : start + self.max_step_tokens]
             t = chunk.numel()
-            slots = start + torch.arange(t, device=self.device)
+            offsets = torch.arange(t, device=self.device)
             causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
-            logits.append(self.forward(chunk, slots, slots, step_mask(start, causal, start + t)))
-            self.cache.keep(t)
+            logits.append(self.forward_one(chunk, start + offsets, torch.tensor(start, device=self.device), offsets,
+                                           causal, start + t))
+            self.cache.keep(row, torch.full((1,), t, device=self.device))
         return torch.cat(logits)
+
+    def reset(self) -> None:
+        """Start a new request in row 0."""
+        self.cache.reset(torch.zeros(1, dtype=torch.long, device=self.device))

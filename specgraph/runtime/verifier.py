@@ -6,7 +6,7 @@ import torch
 
 from specgraph.kernels import Kernels
 from specgraph.recipe import SamplingSpec, VerifySpec
-from specgraph.runtime.stage import Stage, step_mask
+from specgraph.runtime.stage import Stage
 from specgraph.tree import Tree
 from specgraph.verify import Verdict, verify
 
@@ -24,6 +24,7 @@ class Verifier:
         self.spec = spec.model_copy(update={"rule": rule})
         self.sampling = sampling
         self.kernels = kernels
+        self._row = torch.zeros(1, dtype=torch.long, device=self.device)  # the request's row of the table
         if compile:
             self.placement = torch.compile(self.placement, fullgraph=True)
 
@@ -35,24 +36,25 @@ class Verifier:
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor) -> None:
         """Feed all but the last prompt token [L] (the root of the first tree)."""
-        self.stage.cache.reset()
+        self.stage.reset()
         if prompt.numel() > 1:
             self.stage.prefill(prompt[:-1])
 
     def score(self, tree: Tree, length: torch.Tensor, width: int) -> torch.Tensor:
         """The target's logits [N + 1, V] at every node of `tree` (root = the last of `length`
         committed tokens) over `width` cache slots."""
-        return self.stage.forward(*self.placement(tree, length, width))
+        return self.stage.forward_one(*self.placement(tree, length), width)
 
-    def placement(self, tree: Tree, length: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
-        """The forward's tokens, positions and slots [N + 1] and mask [N + 1, width]: the tree is written from the root's slot."""
+    def placement(self, tree: Tree, length: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The forward's tokens and positions [N + 1], region start [] and offsets [N + 1] and what
+        each node sees [N + 1, N + 1]: the tree is written from the root's slot, in node order."""
         root = length - 1
-        slots = root + torch.arange(tree.size, device=self.device)
-        return tree.tokens, root + tree.depths, slots, step_mask(root, tree.ancestors, width)
+        return tree.tokens, root + tree.depths, root, torch.arange(tree.size, device=self.device), tree.ancestors
 
     def verdict(self, tree: Tree, logits: torch.Tensor, generator: torch.Generator | None) -> Verdict:
         return verify(tree, logits, self.spec, self.sampling, generator, self.kernels)
 
     def commit(self, path: torch.Tensor, length: torch.Tensor) -> None:
         """Keep the accepted path (path [D + 1], root first, -1 padded): its K/V move to slots L - 1 + depth."""
-        self.stage.cache.commit(path, length - 1)
+        stage = self.stage
+        stage.cache.commit(stage.table, self._row, path[None], (length - 1).reshape(1))

@@ -1,22 +1,37 @@
-"""Reference step attention: PyTorch SDPA over the first `width` cache slots under the mask.
-
-With width = the cache's capacity (static shapes, for CUDA graphs) it reads every slot's keys and
-values whether or not any query sees them; the Triton kernel stops after the last written slot.
-"""
+"""Reference step attention over a paged cache: PyTorch SDPA per segment, over the first `width`
+virtual slots of its request gathered through the block table, under its prefix + region mask
+(specgraph/layout.py). It reads `width` slots' keys and values per segment whether or not any
+query sees them; the Triton kernels stop after each segment's last visible slot."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from specgraph.layout import physical
 
-def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
-                        slots: torch.Tensor) -> torch.Tensor:
-    """q [B, H, T, K]; k_cache, v_cache [B, Hkv, S, K]; mask [T, W] bool (True = visible, W <= S);
-    slots [T]: where the queries' own keys were written (every visible slot is at most their max).
-    Returns [B, H, T, K] in q's dtype, softmax scale 1/sqrt(K)."""
-    width = mask.shape[1]
+
+def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                        rows: torch.Tensor, cu: torch.Tensor, starts: torch.Tensor, visible: torch.Tensor,
+                        grid: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+    """q [1, H, T, K] (T packed tokens); k_cache, v_cache [1, Hkv, S, K] (S physical slots); the
+    layout's table [rows, M], rows [R], cu [R + 1], starts [R], visible [T, G], grid [R, G], block
+    size and width (Layout). Returns [1, H, T, K] in q's dtype (padding tokens: 0), softmax scale
+    1/sqrt(K)."""
+    g = visible.shape[1]
+    virtual = torch.arange(width, device=q.device)  # [W]
+    slots = physical(table, block_size, rows[:, None], virtual[None, :])  # [R, W]
+    keys = k_cache[0][:, slots].transpose(0, 1)  # [R, Hkv, W, K]
+    values = v_cache[0][:, slots].transpose(0, 1)
+    token = grid.clamp(min=0)  # [R, G]
+    queries = q[0][:, token].transpose(0, 1)  # [R, H, G, K]
+    offset = virtual[None, :] - starts[:, None]  # [R, W]: virtual slot - region start
+    seen = visible[token].gather(2, offset.clamp(0, g - 1)[:, None, :].expand(-1, g, -1))  # [R, G, W]
+    mask = (offset[:, None, :] < 0) | (seen & (offset[:, None, :] < g))
+    mask = mask | (grid < 0)[..., None]  # (rows past a segment's tokens see everything: unused, never NaN)
     # enable_gqa always (a group of one when H == Hkv): computed from the shapes it would be a
     # symbolic bool under torch.compile with dynamic head counts, which SDPA refuses
-    return F.scaled_dot_product_attention(q, k_cache[:, :, :width], v_cache[:, :, :width], attn_mask=mask,
-                                          enable_gqa=True)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None], enable_gqa=True)  # [R, H, G, K]
+    result = q.new_zeros(q.shape[1], q.shape[2] + 1, q.shape[3])  # [H, T + 1, K]: column T takes what no token is
+    result.index_copy_(1, torch.where(grid >= 0, grid, q.shape[2]).flatten(), out.transpose(0, 1).flatten(1, 2))
+    return result[None, :, : q.shape[2]]

@@ -1,0 +1,94 @@
+"""Where a forward's tokens go in a paged cache and what each of them sees.
+
+A stage's cache is a pool of blocks of `block_size` slots, shared by the requests it holds. A
+request sees its tokens at *virtual* slots 0, 1, ... (slot = position for committed tokens); its
+row of the block table maps virtual block b to a physical block: physical slot =
+table[row, v // block_size] * block_size + v % block_size. Block 0 is the pool's trash: padding
+tokens write there and rows the pool does not hold point at it.
+
+A forward packs the tokens of several requests (segments), grouped by segment: segment r's are
+tokens [cu[r], cu[r + 1]), past cu[R] padding. Each segment has a *region* of virtual slots from
+starts[r]: its tokens are written at region offsets (starts[r] + offset) and each sees every
+virtual slot below starts[r] (its committed prefix) and the region offsets `visible` marks for it
+(itself and its ancestors: a chain, a draft tree, a prompt chunk). Everything is a device tensor
+except the sizes, so a forward needs no host read and replays as a CUDA graph for fixed sizes.
+
+A recurrent (gated-DeltaNet) layer sees only the committed state and its own forward's tokens: in
+such a forward, segment r's i-th token sits at region offset i (every caller's forwards of a
+hybrid model do), so `grid` [R, G] (segment r's i-th token's packed index, -1 past its count) lays
+the segments out as a padded batch with the tree visible[grid[r, i], :G] among them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Layout:
+    tokens: int  # T, padding included
+    slots: torch.Tensor  # [T] physical slot each token writes
+    positions: torch.Tensor  # [T] rotary position of each token
+    rows: torch.Tensor  # [R] each segment's row of `table` (a hybrid's state slot)
+    cu: torch.Tensor  # [R + 1] segment r's tokens are [cu[r], cu[r + 1])
+    starts: torch.Tensor  # [R] virtual slot where each segment's region begins
+    visible: torch.Tensor  # [T, G] bool: the region offsets each token sees (padding: none)
+    grid: torch.Tensor  # [R, G] packed index of each segment's i-th token, -1 past its count
+    table: torch.Tensor  # [table rows, M] physical block of each virtual block
+    block_size: int
+    width: int  # virtual slots a reference kernel gathers per segment: at least every starts[r] + G
+
+    @property
+    def segments(self) -> int:
+        return self.rows.numel()
+
+    @property
+    def region(self) -> int:
+        """G: the region offsets a token may see."""
+        return self.visible.shape[1]
+
+    @classmethod
+    def build(cls, table: torch.Tensor, block_size: int, rows: torch.Tensor, starts: torch.Tensor,
+              counts: torch.Tensor, offsets: torch.Tensor, visible: torch.Tensor, positions: torch.Tensor,
+              width: int) -> Layout:
+        """rows, starts, counts [R] (tokens per segment); offsets, positions [T] and visible [T, G]
+        for the packed tokens (rows past sum(counts): padding, whatever they hold)."""
+        t, g = visible.shape
+        device = visible.device
+        cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # [R + 1]
+        index = torch.arange(t, device=device)
+        segment = torch.searchsorted(cu[1:], index, right=True)  # [T]: the segment of each token
+        live = index < cu[-1]
+        segment = segment.clamp(max=rows.numel() - 1)
+        virtual = torch.where(live, starts.index_select(0, segment) + offsets, 0)  # [T]
+        slots = physical(table, block_size, rows.index_select(0, segment), virtual)
+        grid = cu[:-1, None] + torch.arange(g, device=device)  # [R, G]
+        grid = torch.where(grid < cu[1:, None], grid, -1)
+        return cls(t, torch.where(live, slots, 0), torch.where(live, positions, 0), rows, cu, starts,
+                   visible & live[:, None], grid, table, block_size, width)
+
+    @classmethod
+    def single(cls, table: torch.Tensor, block_size: int, start: torch.Tensor, offsets: torch.Tensor,
+               visible: torch.Tensor, positions: torch.Tensor, width: int, row: int = 0) -> Layout:
+        """One request (table row `row`) writing T tokens at region offsets [T] from virtual slot
+        `start` ([] long), each seeing the offsets visible [T, G] marks."""
+        device = visible.device
+        return cls.build(table, block_size, torch.full((1,), row, device=device), start.reshape(1),
+                         torch.full((1,), offsets.numel(), device=device), offsets, visible, positions, width)
+
+    def attention_inputs(self) -> tuple:
+        """What the attention kernels take of the layout, after q and the layer's cache."""
+        return self.table, self.rows, self.cu, self.starts, self.visible, self.grid, self.block_size, self.width
+
+    def tree(self) -> torch.Tensor:
+        """[R, G, G] bool: within each segment, token i sees token j (a hybrid forward: see the module doc)."""
+        g = self.region
+        return self.visible.index_select(0, self.grid.clamp(min=0).flatten()).view(-1, g, g) & (self.grid >= 0)[..., None]
+
+
+def physical(table: torch.Tensor, block_size: int, rows: torch.Tensor, virtual: torch.Tensor) -> torch.Tensor:
+    """Physical slots of virtual slots `virtual` of table rows `rows` (same shape, or broadcastable)."""
+    blocks = table[rows, virtual // block_size]
+    return blocks * block_size + virtual % block_size
