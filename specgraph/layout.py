@@ -21,7 +21,7 @@ the segments out as a padded batch with the tree visible[grid[r, i], :G] among t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -77,6 +77,11 @@ class Layout:
         device = visible.device
         return cls.build(table, block_size, torch.full((1,), row, device=device), start.reshape(1),
                          torch.full((1,), offsets.numel(), device=device), offsets, visible, positions, width)
+
+    def to(self, device: torch.device | str) -> Layout:
+        tensors = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **tensors)
 
     def attention_inputs(self) -> tuple:
         """What the attention kernels take of the layout, after q and the layer's cache."""

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from specgraph.bench.widen import widen
 from specgraph.cache import KVCache
+from specgraph.layout import Layout
 from specgraph.models.hybrid import HybridModel, to_hf_norms
 from specgraph.models.llama import hf_state
 from specgraph.models.loader import load_model
@@ -271,6 +272,34 @@ def fault_ends_the_run(program, pid: int, sig: int, error: str) -> None:
 def random_tree(t: int, generator: torch.Generator) -> Tree:
     parents = [-1] + [int(torch.randint(0, i, (), generator=generator)) for i in range(1, t)]
     return Tree(torch.zeros(t, dtype=torch.long), torch.tensor(parents))
+
+
+def random_layout(counts: list[int], prefixes: list[int], generator: torch.Generator, block_size: int = 16,
+                  padding: int = 3, chains: bool = False, spare_rows: int = 2, device="cpu") -> Layout:
+    """A packed forward of one segment per entry of `counts`: segment r writes a random tree (or a
+    chain) of counts[r] tokens at virtual slots prefixes[r] + i (each sees its prefix, itself and
+    its ancestors), then `padding` tokens of padding. The block table has `spare_rows` rows no
+    segment uses and its blocks are shuffled, so every segment's slots are scattered in the pool."""
+    r, g = len(counts), max(counts)
+    capacity = max(p + c for p, c in zip(prefixes, counts))
+    per_row = -(-capacity // block_size)
+    rows_total = r + spare_rows
+    table = (1 + torch.randperm(rows_total * per_row, generator=generator)).view(rows_total, per_row)
+    rows = torch.randperm(rows_total, generator=generator)[:r]
+    visible, offsets, positions = [], [], []
+    for count, prefix in zip(counts, prefixes):
+        rows_seen = torch.zeros(count, g, dtype=torch.bool)
+        rows_seen[:, :count] = (torch.ones(count, count, dtype=torch.bool).tril() if chains
+                                else random_tree(count, generator).ancestors)
+        visible.append(rows_seen)
+        offsets.append(torch.arange(count))
+        positions.append(prefix + rows_seen[:, :count].sum(1) - 1)
+    visible.append(torch.zeros(padding, g, dtype=torch.bool))
+    offsets.append(torch.zeros(padding, dtype=torch.long))
+    positions.append(torch.zeros(padding, dtype=torch.long))
+    layout = Layout.build(table, block_size, rows, torch.tensor(prefixes), torch.tensor(counts), torch.cat(offsets),
+                          torch.cat(visible), torch.cat(positions), per_row * block_size)
+    return layout.to(device)
 
 
 def path_alone(k, v, q, mask, prefix: int, node: int):
