@@ -16,7 +16,7 @@ from specgraph.draft import Drafter
 from specgraph.models.loader import load_model
 from specgraph.recipe import DynamicTree, SamplingSpec, StaticTree
 from specgraph.program import Program
-from specgraph.runtime.stage import Stage, step_mask
+from specgraph.runtime.stage import Stage
 from specgraph.sampling import probs_from_logits
 from specgraph.tree import Tree, TreeTopology
 
@@ -56,15 +56,15 @@ def test_tree_nodes_and_committed_state_match_each_path_run_alone(hybrid, hf):
     stage = Stage("t", model, 64, torch.device("cpu"))
     with torch.no_grad():
         stage.prefill(prefix)
-        logits = stage.forward(tree.tokens, 40 + tree.depths, 40 + torch.arange(9), step_mask(torch.tensor(40), tree.ancestors, 64))
+        logits = stage.forward_one(tree.tokens, 40 + tree.depths, torch.tensor(40), torch.arange(9), tree.ancestors, 64)
         for node in range(tree.size):
             path = tree.ancestors[node].nonzero().flatten()
             assert (logits[node] - hf_last_logits(hf, torch.cat([prefix, tree.tokens[path]]))).abs().max() < LOGIT_TOL
         path = torch.tensor([0, 2, 5, 6, 7])
-        stage.cache.commit(torch.cat([path, torch.tensor([-1, -1])]), 40)  # padded, as verification gives it
+        stage.cache.commit(stage.table, torch.zeros(1, dtype=torch.long), torch.cat([path, torch.tensor([-1, -1])])[None], torch.tensor([40]))  # padded, as verification gives it
         following = torch.randint(0, 4096, (1,))
-        mask = step_mask(torch.tensor(45), torch.ones(1, 1, dtype=torch.bool), 64)
-        after = stage.forward(following, torch.tensor([45]), torch.tensor([45]), mask)[0]
+        after = stage.forward_one(following, torch.tensor([45]), torch.tensor(45), torch.tensor([0]),
+                                  torch.ones(1, 1, dtype=torch.bool), 64)[0]
     assert (after - hf_last_logits(hf, torch.cat([prefix, tree.tokens[path], following]))).abs().max() < LOGIT_TOL
 
 

@@ -10,8 +10,9 @@ from conftest import EMBEDDED
 from helpers import chain_logits
 
 from specgraph.growing import EXPANDED, UNUSED, GrowingDrafter, GrowthPlan
+from specgraph.layout import physical
 from specgraph.models.loader import load_model
-from specgraph.runtime.stage import Stage, step_mask
+from specgraph.runtime.stage import Stage
 from specgraph.tree import Tree
 
 CPU = torch.device("cpu")
@@ -23,10 +24,13 @@ def kv_from_scratch(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     stage = Stage("fresh", model, ids.numel() + 4, CPU)
     with torch.no_grad():
         stage.prefill(ids)
-    return stage.cache.k[:, 0, :, : ids.numel()], stage.cache.v[:, 0, :, : ids.numel()]
+    slots = physical(stage.table, stage.block_size, 0, torch.arange(ids.numel()))
+    return stage.cache.k[:, 0, :, slots], stage.cache.v[:, 0, :, slots]
 
 
-def assert_rows(cache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def assert_rows(stage: Stage, virtual: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The K/V at virtual slots `virtual` of the stage's request (row 0) are k, v."""
+    slots, cache = physical(stage.table, stage.block_size, 0, virtual), stage.cache
     assert torch.allclose(cache.k[:, 0, :, slots], k, atol=ATOL) and torch.allclose(cache.v[:, 0, :, slots], v, atol=ATOL)
 
 
@@ -39,10 +43,10 @@ def path_of(g: GrowingDrafter, node: int) -> list[int]:
 
 
 def check_growing_tree(g: GrowingDrafter, committed: list[int], rng: random.Random) -> None:
-    model, cache = g.stage.model, g.stage.cache
+    model = g.stage.model
     length = len(committed)
     k, v = kv_from_scratch(model, torch.tensor(committed[:-1]))
-    assert_rows(cache, torch.arange(length - 1), k, v)  # the committed prefix
+    assert_rows(g.stage, torch.arange(length - 1), k, v)  # the committed prefix
     assert int(g.tokens[0]) == committed[-1] and int(g.fed[0]) == 0  # the root: last committed, at offset 0
     fed = [n for n in range(int(g.size)) if int(g.fed[n]) >= 0]
     offsets = [int(g.fed[n]) for n in fed]
@@ -52,7 +56,7 @@ def check_growing_tree(g: GrowingDrafter, committed: list[int], rng: random.Rand
         path = path_of(g, node)
         ids = torch.tensor(committed + [int(g.tokens[n]) for n in path[1:]])
         k, v = kv_from_scratch(model, ids)
-        assert_rows(cache, torch.tensor([length - 1 + int(g.fed[node])]), k[:, :, -1:], v[:, :, -1:])
+        assert_rows(g.stage, torch.tensor([length - 1 + int(g.fed[node])]), k[:, :, -1:], v[:, :, -1:])
     for node in rng.sample(range(1, int(g.size)), min(4, int(g.size) - 1)):  # a node's score: its path's draft log-probability
         if int(g.status[node]) == UNUSED:
             continue
@@ -85,7 +89,7 @@ def test_growing_tree_keeps_its_invariant_over_random_verdicts():
     committed = torch.randint(0, 4096, (12,)).tolist()
     buffer = torch.zeros(200, dtype=torch.long)
     buffer[: len(committed)] = torch.tensor(committed)
-    width = stage.cache.capacity  # forwards attend over every slot (the masks hide what they must not see)
+    width = stage.capacity  # forwards attend over every slot (the masks hide what they must not see)
     with torch.no_grad():
         stage.prefill(torch.tensor(committed[:-2]))
         g.restart(buffer, torch.tensor(len(committed)), width)
@@ -141,16 +145,16 @@ def test_a_target_commit_keeps_the_prefix_of_every_random_tree_and_verdict():
             parents = [-1] + [rng.randrange(i) for i in range(1, n + 1)]
             tree = Tree(torch.tensor([committed[-1]] + torch.randint(0, 4096, (n,)).tolist()), torch.tensor(parents))
             root = len(committed) - 1
-            mask = step_mask(torch.tensor(root), tree.ancestors, 160)
-            stage.forward(tree.tokens, root + tree.depths, root + torch.arange(tree.size), mask)
+            stage.forward_one(tree.tokens, root + tree.depths, torch.tensor(root), torch.arange(tree.size),
+                              tree.ancestors, 160)
             path = [0]
             while tree.children(path[-1]) and rng.random() < 0.7:
                 path.append(rng.choice(tree.children(path[-1])))
             padded = path + [-1] * (tree.max_depth + 1 - len(path))
-            stage.cache.commit(torch.tensor(padded), root)
+            stage.cache.commit(stage.table, torch.zeros(1, dtype=torch.long), torch.tensor([padded]), torch.tensor([root]))
             committed += [int(tree.tokens[i]) for i in path[1:]] + [rng.randrange(4096)]  # accepted drafts, a bonus
             k, v = kv_from_scratch(model, torch.tensor(committed[:-1]))
-            assert_rows(stage.cache, torch.arange(len(committed) - 1), k, v)
+            assert_rows(stage, torch.arange(len(committed) - 1), k, v)
 
 
 class QuietMailbox:
@@ -184,12 +188,12 @@ def pipeline_stage(index: int, tree: dict | None = None):
     name = f"s{index}"
     node = graph.node(name)
     common = dict(names=["s0", "s1", "s2"], index=index, leaders=[2, 1, 0], mailbox=QuietMailbox(), window=node["window"] or 0,
-                  ahead=node["ahead"], synchronous=False, device=CPU, max_seq_len=96)
+                  ahead=node["ahead"], synchronous=False, device=CPU, max_seq_len=96, eos_ids=())
     stage = load_stage(graph, name)
     if index == 0:
         drafter = Drafter(stage, node["tree"], "greedy", graph.recipe.sampling, node["feeds"])
         return DraftingStage(drafter, tree is not None, False, node["cache_slots"], **common)
-    return VerifyingStage(verifier_of(graph, {name: stage}, name), (), False, False, **common)
+    return VerifyingStage(verifier_of(graph, {name: stage}, name), False, False, **common)
 
 
 def check_rolled_back_stage(stage, model) -> None:
@@ -197,7 +201,7 @@ def check_rolled_back_stage(stage, model) -> None:
     fed are the root and the tokens adopted from above since the last step (here at most one)."""
     assert len(stage.committed) - 2 <= stage.fed <= len(stage.committed) - 1
     k, v = kv_from_scratch(model, torch.tensor(stage.committed[: stage.fed]))
-    assert_rows(stage.stage.cache, torch.arange(stage.fed), k, v)
+    assert_rows(stage.stage, torch.arange(stage.fed), k, v)
 
 
 def greedy_after(model, tokens: list[int]) -> int:
@@ -278,5 +282,5 @@ def test_a_first_stage_drafting_trees_keeps_its_kv_through_the_paths_it_is_sent(
         stage.handle(Mail(0, [CHECK, epoch, position, len(tokens), 0], tokens, None))
         assert not stage.tree_out and len(stage.committed) == position
         k, v = kv_from_scratch(model, torch.tensor(stage.committed[: stage.fed]))
-        assert_rows(stage.stage.cache, torch.arange(stage.fed), k, v)
+        assert_rows(stage.stage, torch.arange(stage.fed), k, v)
         assert len(stage.committed) - stage.fed <= stage.drafter.max_feeds

@@ -9,7 +9,8 @@ from helpers import chain_logits
 from specgraph.errors import CheckpointError
 from specgraph.kernels import Kernels
 from specgraph.models.loader import load_model
-from specgraph.runtime.stage import Stage, step_mask
+from specgraph.layout import physical
+from specgraph.runtime.stage import Stage
 from specgraph.tree import Tree
 
 FP32_TOL = 1e-4  # max |logit difference| between our fp32 forward and transformers' fp32 forward
@@ -41,7 +42,7 @@ def test_incremental_decoding_matches_one_pass():
     one = torch.ones(1, 1, dtype=torch.bool)
     with torch.no_grad():
         steps = [stage.prefill(ids[0, :12])]  # then one token at a time, attending over all 32 slots
-        steps += [stage.forward(ids[0, i:i + 1], torch.tensor([i]), torch.tensor([i]), step_mask(torch.tensor(i), one, 32))
+        steps += [stage.forward_one(ids[0, i:i + 1], torch.tensor([i]), torch.tensor(i), torch.tensor([0]), one, 32)
                   for i in range(12, 20)]
     assert (torch.cat(steps) - full).abs().max() < FP32_TOL
 
@@ -55,7 +56,7 @@ def test_tree_attention_equals_each_path_run_alone():
     with torch.no_grad():
         stage.prefill(prefix[0])
         start = torch.tensor(10)
-        logits = stage.forward(tree.tokens, 10 + tree.depths, 10 + torch.arange(7), step_mask(start, tree.ancestors, 20))
+        logits = stage.forward_one(tree.tokens, 10 + tree.depths, start, torch.arange(7), tree.ancestors, 20)
     for node in range(tree.size):
         path = tree.ancestors[node].nonzero().flatten()
         alone = our_logits(model, torch.cat([prefix[0], tree.tokens[path]])[None])
@@ -70,11 +71,12 @@ def test_commit_moves_the_accepted_path_into_the_prefix():
     cache, fresh = stage.cache, fresh_stage.cache
     with torch.no_grad():
         stage.prefill(prefix[0])
-        stage.forward(tree.tokens, 6 + tree.depths, 6 + torch.arange(5), step_mask(torch.tensor(6), tree.ancestors, 16))
-        cache.move(6 + torch.tensor([0, 2, 3]), 6 + torch.arange(3))  # root, node 2, node 3
+        stage.forward_one(tree.tokens, 6 + tree.depths, torch.tensor(6), torch.arange(5), tree.ancestors, 16)
+        cache.move(stage.table, torch.zeros(1, dtype=torch.long), 6 + torch.tensor([[0, 2, 3]]), 6 + torch.arange(3)[None])  # root, node 2, node 3
         fresh_stage.prefill(torch.cat([prefix[0], tree.tokens[[0, 2, 3]]]))
-    assert (cache.k[:, :, :, :9] - fresh.k[:, :, :, :9]).abs().max() < 1e-5
-    assert (cache.v[:, :, :, :9] - fresh.v[:, :, :, :9]).abs().max() < 1e-5
+    slots = physical(stage.table, stage.block_size, 0, torch.arange(9))  # (both stages: row 0 over the same blocks)
+    assert (cache.k[:, :, :, slots] - fresh.k[:, :, :, slots]).abs().max() < 1e-5
+    assert (cache.v[:, :, :, slots] - fresh.v[:, :, :, slots]).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

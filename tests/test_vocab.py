@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 from conftest import EMBEDDED
-from helpers import hf_greedy, two_stage
+from helpers import chain_logits, hf_greedy, two_stage
 from safetensors.torch import load_file, save_file
 
 from specgraph.errors import CheckpointError
@@ -43,9 +43,7 @@ def greedy_draft(tmp_path_factory):
 
 def test_a_padded_drafter_never_proposes_padding_and_output_stays_exact(greedy_draft, target_reference):
     raw = load_model(greedy_draft, torch.float32, "cpu")
-    ids = torch.tensor([target_reference[0][0]])
-    logits = raw(ids, torch.arange(ids.shape[1])[None], raw.new_cache(ids.shape[1]), torch.arange(ids.shape[1]),
-                 torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril())[0]
+    logits = chain_logits(raw, torch.tensor(target_reference[0][0]))
     assert (logits.argmax(-1) >= 4096).any()  # the oracle: without the mask, padding would be proposed
 
     program = Program.from_recipe(two_stage(EMBEDDED / "target", greedy_draft, {"shape": "dynamic", "width": 3,

@@ -140,7 +140,7 @@ class DraftWorker:
         self.nodes = drafter.plan.nodes if growing else drafter.nodes
         self.depth = drafter.plan.depth if growing else drafter.max_depth
         self.sequence = Sequence(max_seq_len + self.nodes + 1, self.device)
-        self.region = self.stage.cache.capacity - max_seq_len  # slots a step may write past the committed prefix
+        self.region = self.stage.capacity - max_seq_len  # slots a step may write past the committed prefix
         self.verdict_buffer = torch.zeros(2 * self.depth + 5, dtype=torch.long, device=self.device)
         self.phases = Replays(step_graphs, self.stage.pool)
         self.waiting = f"waiting for a verdict from stage {target_name} (rank {verdicts.src_rank})"
