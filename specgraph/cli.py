@@ -433,13 +433,14 @@ def main(argv: list[str] | None = None) -> int:
     import os
     import traceback
 
-    import torch
-
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     debug = args.debug or bool(os.environ.get("SPECGRAPH_DEBUG"))
-    threads = torch.get_num_threads()
+    threads = None
     try:
+        import torch  # (seconds: in here, a Ctrl-C during it ends as quietly as one later)
+
+        threads = torch.get_num_threads()
         if args.threads is not None and args.threads < 1:
             raise SpecgraphError(f"--threads: must be at least 1 (got {args.threads})")
         torch.set_num_threads(args.threads or default_threads())
@@ -468,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         print("specgraph: interrupted", file=sys.stderr)
         return 130
     finally:
-        torch.set_num_threads(threads)  # (main may run inside a longer process, as in the tests)
+        if threads is not None:
+            torch.set_num_threads(threads)  # (main may run inside a longer process, as in the tests)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,18 @@ and `call` raises a one-line SpecgraphError naming the stage and rank. Each rank
 thread that stops it when its main thread has waited on another stage, or been in one step, for
 longer than the recipe's `timeout` (ten times that during the first request, where compilation
 and CUDA-graph capture happen), and when the client that started it is gone. Ranks ignore
-Ctrl-C; the client stops them all.
+Ctrl-C; the client stops them all. The fork server and the ranks it forks are born with SIGINT
+blocked (the terminal's Ctrl-C reaches its whole process group, and the server's import of its
+modules takes seconds); a client interrupted while its program starts stops the server too, if it
+started it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing.connection
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import signal
 import socket
@@ -42,6 +47,7 @@ from specgraph.recipe import Recipe
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FIRST_REQUEST_GRACE = 10  # the first request compiles and captures: its waits may take this many timeouts
+FORK_SERVER = multiprocessing.forkserver._forkserver  # multiprocessing's; its pid and _stop are not public
 
 
 @dataclass(frozen=True)
@@ -202,6 +208,19 @@ def _serve_client(worker, conn) -> None:
             conn.send(("error", str(exc)))
 
 
+def _start_fork_server() -> None:
+    """Start the fork server unless it is running, with SIGINT blocked in this thread meanwhile: the
+    server inherits the mask and keeps it, and so do the ranks it forks. Its own main ignores SIGINT
+    only after it has imported its preload, so a Ctrl-C during that import would print its traceback.
+    (A Ctrl-C that reaches this process meanwhile is held, not lost.)"""
+    multiprocessing.resource_tracker.ensure_running()  # (its start, also part of the server's, unblocks SIGINT)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 class Cluster:
     """The client's handle on the ranks of a multi-process program (see the module docstring)."""
 
@@ -223,7 +242,9 @@ class Cluster:
                                             self._errors, client, dict(os.environ)))
                           for r in range(len(self.names))]
         self._closed = False
+        server = FORK_SERVER._forkserver_pid  # None until a first program starts the server
         try:
+            _start_fork_server()
             for process in self.processes:
                 process.start()
             theirs.close()  # rank 0 holds it now: if rank 0 dies, our end reads end-of-file
@@ -237,6 +258,11 @@ class Cluster:
                                  "needs its code under `if __name__ == '__main__':`, as the processes import it)") from None
         except BaseException:
             self._stop()
+            if FORK_SERVER._forkserver_pid not in (None, server):
+                # we started it: it may still be importing its preload, with our fork request
+                # queued, and would fork a rank after we are gone before it noticed
+                os.kill(FORK_SERVER._forkserver_pid, signal.SIGKILL)
+                FORK_SERVER._stop()  # reaps it: the next program starts another
             raise
 
     @property

@@ -3,6 +3,7 @@ between them over torch.distributed (gloo on the CPU). Its greedy output equals 
 greedy output of the target on the fixtures (16 held-out prompts x 128 new tokens); its sampled
 output follows the target's distribution; faults end the run in one line with no process left."""
 
+import contextlib
 import json
 import os
 import signal
@@ -182,6 +183,81 @@ def test_ctrl_c_stops_every_worker(tmp_path):
     assert proc.wait(timeout=20) == 130
     assert "specgraph: interrupted" in proc.stderr.read()
     assert len(processes) >= 3 and gone(processes), processes
+
+
+def in_session(sid: int) -> dict[int, tuple[int, str]]:
+    """The running processes of session `sid`: pid -> (parent pid, command line). A process keeps
+    its session when its parent dies, where it is no longer a descendant of anyone we know."""
+    found = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline") as f:
+                command = f.read().replace("\0", " ")
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found[int(entry)] = (int(fields[1]), command)
+    return found
+
+
+def importing_torch(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()  # mapped early in the import, about a second before it ends
+    except OSError:
+        return False
+
+
+def fork_servers(processes: dict[int, tuple[int, str]]) -> set[int]:
+    """The fork server and the ranks forked from it (they share its command line)."""
+    return {pid for pid, (_, command) in processes.items() if "multiprocessing.forkserver" in command}
+
+
+def forked_ranks(processes: dict[int, tuple[int, str]]) -> int:
+    servers = fork_servers(processes)
+    return sum(parent in servers for parent, _ in processes.values())
+
+
+STARTING = {  # moments of a start to press Ctrl-C at: (client pid, its session's processes) -> reached
+    "client-imports-torch": lambda client, processes: importing_torch(client),  # about a second in
+    # its preload, seconds long (at its birth, before Python's own SIGINT handler, Ctrl-C kills it quietly)
+    "fork-server-imports-torch": lambda client, processes: any(map(importing_torch, fork_servers(processes))),
+    "ranks-load": lambda client, processes: forked_ranks(processes) >= 2,
+}
+
+
+@pytest.mark.parametrize("moment", STARTING)
+def test_ctrl_c_while_the_program_starts_is_one_line_and_leaves_no_process(tmp_path, moment):
+    """Ctrl-C (to the whole process group, as a terminal sends it) at a moment of `specgraph run`'s
+    start: exit status 130, the one line and no traceback from any process, and within seconds no
+    process of its session left, the fork server included (it imports specgraph, torch and
+    transformers for seconds before its own main ignores SIGINT)."""
+    recipe = disaggregated_recipe(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "specgraph", "run", str(recipe), "--prompt", PROMPT,
+                             "--max-new-tokens", "2000", "--set", "max_seq_len=2048"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=interruptible)
+    try:
+        deadline = time.monotonic() + 120
+        while not STARTING[moment](proc.pid, in_session(proc.pid)):
+            assert proc.poll() is None and time.monotonic() < deadline, f"{moment} not reached"
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=60)  # (until every process that holds its stderr has ended)
+        assert proc.returncode == 130, err
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+        assert err.splitlines()[-1:] == ["specgraph: interrupted"], err
+        while in_session(proc.pid) and time.monotonic() < sent + 10:
+            time.sleep(0.1)
+        assert not (left := in_session(proc.pid)), left
+    finally:
+        for pid in in_session(proc.pid):
+            with contextlib.suppress(ProcessLookupError):  # (ended meanwhile)
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 CLIENT = """
