@@ -1,11 +1,12 @@
-"""Drafting: grow one draft tree per step on a drafting stage.
+"""Drafting: grow one draft tree per request per step on a drafting stage, for R requests at once.
 
-With L tokens committed, the draft cache holds committed[:L - 2]: each step's catch-up feeds the
-last two committed tokens (the last accepted draft, which may not have been fed, and the bonus,
-which is the new root; re-feeding a fed token rewrites the same K/V). Every node that gets
+With L tokens committed, a request's draft cache holds committed[:L - 2]: each step's catch-up
+feeds the last two committed tokens (the last accepted draft, which may not have been fed, and the
+bonus, which is the new root; re-feeding a fed token rewrites the same K/V). Every node that gets
 children is then fed once, in batches (one per depth for static trees, one per expansion step for
-dynamic trees), at draft-cache slots L + i, under a mask that shows it the prefix and its own fed
-ancestors. After verification, `commit` moves the K/V of the accepted nodes to slots L - 1 + depth.
+dynamic trees), at draft-cache virtual slots L + i, under a mask that shows it the prefix and its
+own fed ancestors. Each batch holds every request's nodes: one forward for all of them. After
+verification, `commit` moves the K/V of the accepted nodes to slots L - 1 + depth.
 
 A recurrent drafter (a hybrid model: its DeltaNet layers see, besides the committed state, only
 the tokens of their own forward) re-feeds the catch-up and every node fed so far with each batch,
@@ -17,13 +18,16 @@ Every tree is grown on the device with no host reads, so a whole draft can be ca
 CUDA graph. A static tree's shape is known: its feed batches, masks, positions and child slots are
 constants planned once (`_StaticPlan`). A dynamic tree's growth has a known size too: each
 expansion step feeds `width` leaves into fixed slots and gives each `width` children in a fixed
-pool of nodes (`_DynamicPlan`); which leaves, and which nodes are kept, are chosen on the device.
+pool of nodes (`_DynamicPlan`); which leaves, and which nodes are kept, are chosen on the device,
+per request — or, with a verification budget (engine/budget.py), the most likely nodes over the
+whole batch.
 
 Children are chosen per node either deterministically (top-k of the draft logits: greedy and
 typical rules, and dynamic trees) or, for the sampling rule on chain and static trees, drawn
-without replacement from the draft distribution q. `Tree.proposals` records the distribution
-each node was drawn from, which is what lossless verification needs: q minus the earlier
-siblings for draws, the node's own one-hot for deterministic choices.
+without replacement from the draft distribution q (a request at temperature 0 draws its argmax
+first). `Tree.proposals` records the distribution each node was drawn from, which is what
+lossless verification needs: q minus the earlier siblings for draws; deterministic choices carry
+none (each node's own one-hot).
 """
 
 from __future__ import annotations
@@ -33,10 +37,13 @@ from typing import NamedTuple
 
 import torch
 
-from specgraph.recipe import DynamicTree, SamplingSpec
+from specgraph.draws import Draws
+from specgraph.recipe import DynamicTree
 from specgraph.runtime.stage import Stage
-from specgraph.sampling import draw_without_replacement, probs_from_logits
+from specgraph.sampling import SamplingRows, draw_without_replacement, probs_from_logits
 from specgraph.tree import Tree, TreeStructure, TreeTopology
+
+CATCH_UP = 2  # committed tokens a catch-up feeds: the last accepted draft (maybe never fed) and the new root
 
 
 class _DynamicPlan:
@@ -81,7 +88,7 @@ class _StaticPlan:
                 lineage[row, fed_at[u]] = True
                 u = topo.parents[u]
         self.fed = torch.tensor(fed, dtype=torch.long, device=device)  # [F]
-        self.fed_depths = self.structure.depths[self.fed]  # [F]
+        self.fed_depths = self.structure.depths[0, self.fed]  # [F]
         self.lineage = lineage.to(device)  # [F, F] each fed node's fed ancestors and itself
         self.levels: list[_Level] = []
         fed_so_far = 0
@@ -95,204 +102,271 @@ class _StaticPlan:
         self.fed_at = torch.tensor([fed_at.get(n, -1) for n in range(len(topo.parents))], device=device)  # [N + 1]
 
 
-CATCH_UP = 2  # committed tokens a catch-up feeds: the last accepted draft (maybe never fed) and the new root
+class Requests(NamedTuple):
+    """The requests of a step, on the device: their rows of the stage's table, the committed tokens
+    of every row (tokens [rows, capacity]), each one's committed count, and how many committed
+    tokens its catch-up feeds (feeds [R], at most `max_feeds`)."""
+
+    rows: torch.Tensor  # [R]
+    tokens: torch.Tensor  # [rows, capacity]
+    lengths: torch.Tensor  # [R]
+    feeds: torch.Tensor  # [R]
+    max_feeds: int
+
+    @classmethod
+    def one(cls, tokens: torch.Tensor, length: torch.Tensor, feeds: int = CATCH_UP) -> Requests:
+        """One request, in table row 0: its committed tokens [capacity], their count [] and the catch-up's."""
+        device = tokens.device
+        return cls(torch.zeros(1, dtype=torch.long, device=device), tokens[None], length.reshape(1),
+                   torch.full((1,), feeds, device=device), feeds)
+
+    @property
+    def size(self) -> int:
+        return self.rows.numel()
+
+    def last(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last `count` committed virtual slots of each request, oldest first, and their tokens [R, count]."""
+        slots = (self.lengths[:, None] - count + torch.arange(count, device=self.rows.device)).clamp(min=0)
+        return slots, self.tokens[self.rows[:, None], slots]
 
 
-def catch_up(stage: Stage, committed: torch.Tensor, length: torch.Tensor, width: int, feeds: int = CATCH_UP
-             ) -> torch.Tensor:
-    """Feed the last `feeds` of the `length` ([] long) tokens of `committed` [capacity] at their
-    slots, over `width` virtual slots -> the root's logits [V]."""
-    start = length - feeds
-    offsets = torch.arange(feeds, device=stage.device)
-    causal = torch.ones(feeds, feeds, dtype=torch.bool, device=stage.device).tril()
-    return stage.forward_one(committed.index_select(0, start + offsets), start + offsets, start, offsets, causal,
-                             width)[-1]
-
-
-class _Step(NamedTuple):
-    """What a draft step's forwards share: the committed tokens [capacity] and their count
-    ([] long), the slots they attend over, and how many committed tokens the catch-up fed."""
-
-    committed: torch.Tensor
-    length: torch.Tensor
-    width: int
-    feeds: int
+def catch_up(stage: Stage, requests: Requests, width: int) -> torch.Tensor:
+    """Feed each request's last feeds[r] committed tokens at their slots -> the roots' logits [R, V]."""
+    slots, tokens = requests.last(requests.max_feeds)  # [R, F]: a request feeding fewer takes its last ones
+    lag = requests.max_feeds - requests.feeds  # [R]: leading columns a request does not feed
+    index = (torch.arange(requests.max_feeds, device=slots.device) + lag[:, None]).clamp(max=requests.max_feeds - 1)
+    slots, tokens = slots.gather(1, index), tokens.gather(1, index)  # each request's fed tokens first
+    offsets = torch.arange(requests.max_feeds, device=slots.device).expand(requests.size, -1)
+    causal = torch.ones(requests.max_feeds, requests.max_feeds, dtype=torch.bool, device=slots.device).tril()
+    logits = stage.forward_rows(tokens, slots, requests.rows, requests.lengths - requests.feeds, offsets,
+                                causal.expand(requests.size, -1, -1), width, requests.feeds)
+    return logits.gather(1, (requests.feeds - 1)[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
 
 
 @dataclass
 class Draft:
-    """A grown tree and where its nodes were fed: the handle that `Drafter.commit` takes, so that
-    nothing about a step is kept in the drafter between its draft and its commit."""
+    """The grown trees and where their nodes were fed: the handle that `Drafter.commit` takes, so
+    that nothing about a step is kept in the drafter between its draft and its commit."""
 
     tree: Tree
-    fed_at: torch.Tensor  # [N + 1] draft-cache slot past L of each node, -1 if not fed
-    feeds: int = CATCH_UP  # committed tokens its catch-up fed
+    fed_at: torch.Tensor  # [R, N + 1] draft-cache slot past L of each node, -1 if not fed
+    feeds: torch.Tensor  # [R] committed tokens each catch-up fed
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The tree's tensors, then fed_at: a deterministic draft as a CUDA graph's outputs."""
-        return (*self.tree.tensors(), self.fed_at)
+        """The trees' tensors, then fed_at and feeds: a deterministic draft as a CUDA graph's outputs."""
+        return (*self.tree.tensors(), self.fed_at, self.feeds)
 
     @classmethod
     def from_tensors(cls, tensors: tuple[torch.Tensor, ...], max_depth: int) -> Draft:
-        return cls(Tree.from_tensors(tensors[:-1], max_depth), tensors[-1])
+        return cls(Tree.from_tensors(tensors[:-2], max_depth), *tensors[-2:])
+
+
+class _Grown(NamedTuple):
+    """A dynamic growth's pool, per request: what selecting the trees to verify reads."""
+
+    tokens: torch.Tensor  # [R, P]
+    parents: torch.Tensor  # [R, P]
+    depths: torch.Tensor  # [R, P]
+    scores: torch.Tensor  # [R, P] cumulative draft log-probability (fp64: exact sums)
+    lineage: torch.Tensor  # [R, P, P] row i: i and its ancestors
+    fed_at: torch.Tensor  # [R, P]
 
 
 class Drafter:
-    def __init__(self, stage: Stage, plan: TreeTopology | DynamicTree, rule: str, sampling: SamplingSpec,
-                 max_feeds: int = CATCH_UP):
+    def __init__(self, stage: Stage, plan: TreeTopology | DynamicTree, rule: str, max_feeds: int = CATCH_UP):
         """`max_feeds`: the most committed tokens a catch-up feeds (a pipeline's first stage may
         have adopted one token from each stage above since its last step)."""
-        self.stage, self.plan, self.rule, self.sampling, self.max_feeds = stage, plan, rule, sampling, max_feeds
+        self.stage, self.plan, self.rule, self.max_feeds = stage, plan, rule, max_feeds
         device = stage.device
         self.static = None if isinstance(plan, DynamicTree) else _StaticPlan(plan, device)  # the constants of a fixed shape
         self.dynamic = _DynamicPlan(plan) if isinstance(plan, DynamicTree) else None
         self.nodes = plan.nodes if isinstance(plan, DynamicTree) else len(plan.parents) - 1
         self.max_depth = plan.depth if isinstance(plan, DynamicTree) else plan.max_depth
-        self._causal = {t: torch.ones(t, t, dtype=torch.bool, device=device).tril() for t in range(1, max_feeds + 1)}
         self.refeeds = stage.cache.recurrent  # each forward re-feeds the catch-up and every fed node (module doc)
-        self._row = torch.zeros(1, dtype=torch.long, device=device)  # the request's row of the table
+        self.span = self.dynamic.fed if self.dynamic is not None else len(self.static.fed)  # slots fed past L
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor) -> None:
-        """Feed all but the last two prompt tokens [L] (the first catch-up feeds those)."""
+        """A new request in table row 0: feed all but the last two prompt tokens [L] (the first catch-up feeds those)."""
         self.stage.reset()
         if prompt.numel() > CATCH_UP:
             self.stage.prefill(prompt[:-CATCH_UP])
 
     @torch.inference_mode()
-    def draft(self, committed: torch.Tensor, length: torch.Tensor, width: int, generator: torch.Generator | None,
-              feeds: int = CATCH_UP) -> Draft:
-        """A draft tree rooted at the last of the `length` ([] long) tokens of `committed` [capacity];
-        forwards attend over `width` cache slots. The catch-up feeds the last `feeds` committed tokens
-        (fewer than two only right after a one-token prompt)."""
-        root_logits = self.catch_up(committed, length, width, feeds)
-        root = committed.index_select(0, length.reshape(1) - 1)  # [1]
-        step = _Step(committed, length, width, feeds)
+    def draft(self, requests: Requests, width: int, sampling: SamplingRows | None = None, draws: Draws | None = None,
+              budget: int | None = None) -> Draft:
+        """A draft tree per request, rooted at its last committed token; forwards attend over `width`
+        virtual slots. `sampling` and `draws`: the requests' settings and random streams, where the
+        sampling rule draws the children of chain and static trees. `budget`: a dynamic tree's
+        nodes over the whole batch (each request at most the plan's `nodes`), None: each its own."""
+        root_logits = catch_up(self.stage, requests, width)  # [R, V]
+        roots = requests.last(1)[1]  # [R, 1]
         if self.static is not None:
-            return Draft(self._grow_static(root, root_logits, step, generator), self.static.fed_at, feeds)
-        return Draft(*self._grow_dynamic(root, root_logits, step), feeds)
+            return Draft(self._grow_static(roots, root_logits, requests, width, sampling, draws),
+                         self.static.fed_at.expand(requests.size, -1), requests.feeds)
+        grown = self._grow_dynamic(roots, root_logits, requests, width)
+        return select(grown, self.dynamic.nodes, self.dynamic.depth, self.dynamic.width, budget, requests.feeds)
 
-    def catch_up(self, committed: torch.Tensor, length: torch.Tensor, width: int, feeds: int = CATCH_UP) -> torch.Tensor:
-        return catch_up(self.stage, committed, length, width, feeds)
-
-    def commit(self, draft: Draft, path: torch.Tensor, length: torch.Tensor) -> None:
-        """Move the draft K/V of `draft`'s accepted nodes (path [D + 1], root first, -1 padded) to
-        slots L - 1 + depth, L = `length` before this step's tokens."""
-        nodes = path[1:]  # [D]
-        dst = length - 1 + torch.arange(1, path.numel(), device=path.device)
-        offset = draft.fed_at.index_select(0, nodes.clamp(min=0))
-        src = torch.where((nodes >= 0) & (offset >= 0), length + offset, dst)  # unfed or rejected: stay
-        stage, row = self.stage, self._row
-        stage.cache.move(stage.table, row, src[None], dst[None])
+    def commit(self, draft: Draft, paths: torch.Tensor, requests: Requests) -> None:
+        """Move the draft K/V of each request's accepted nodes (paths [R, D + 1], root first, -1
+        padded) to slots L - 1 + depth, L = its committed count before this step's tokens."""
+        nodes = paths[:, 1:]  # [R, D]
+        lengths, device = requests.lengths[:, None], paths.device
+        dst = lengths - 1 + torch.arange(1, paths.shape[1], device=device)  # [R, D]
+        offset = draft.fed_at.gather(1, nodes.clamp(min=0))
+        src = torch.where((nodes >= 0) & (offset >= 0), lengths + offset, dst)  # unfed or rejected: stay
+        self.stage.cache.move(self.stage.table, requests.rows, src, dst)
         if self.refeeds:  # the state to committed[:L' - 2]: the catch-up and the accepted nodes but the last
-            fed = torch.cat([torch.arange(draft.feeds, device=path.device), draft.feeds + offset])  # [feeds + D]
-            folded = draft.feeds + (nodes >= 0).sum() - 1  # (the accepted nodes but the last were fed: they have children)
-            stage.cache.fold(row, torch.where(torch.arange(fed.numel(), device=path.device) < folded, fed, -1)[None])
+            column = torch.arange(requests.max_feeds + nodes.shape[1], device=device)  # [F + D]
+            feeds = draft.feeds[:, None]
+            fed = torch.where(column < feeds, column, feeds + offset.gather(1, (column - feeds).clamp(
+                0, nodes.shape[1] - 1).expand(requests.size, -1)))  # [R, F + D]: rows of the last forward
+            folded = feeds + (nodes >= 0).sum(1, keepdim=True) - 1  # (the accepted nodes but the last were fed)
+            self.stage.cache.fold(requests.rows, torch.where(column < folded, fed, -1))
 
     def _feed(self, tokens: torch.Tensor, depths: torch.Tensor, lineage: torch.Tensor, new: int,
-              step: _Step) -> torch.Tensor:
-        """Feed the last `new` of the F nodes fed so far this step (tokens, depths [F], in feed order;
-        lineage [F, F] bool: each one's fed ancestors and itself) at draft-cache slots L + offset ->
-        their logits [new, V]. A recurrent stage re-feeds the catch-up and all F, as one tree."""
-        length, f = step.length, tokens.numel()
-        positions, offsets = length - 1 + depths, torch.arange(f, device=tokens.device)  # [F]
+              requests: Requests, width: int) -> torch.Tensor:
+        """Feed the last `new` of the F nodes each request fed so far this step (tokens, depths [R, F],
+        in feed order; lineage [R, F, F] bool: each one's fed ancestors and itself) at draft-cache
+        slots L + offset -> their logits [R, new, V]. A recurrent stage re-feeds the catch-up and all
+        F, as one tree."""
+        r, f = tokens.shape
+        lengths, device = requests.lengths, tokens.device
+        positions, offsets = lengths[:, None] - 1 + depths, torch.arange(f, device=device).expand(r, -1)  # [R, F]
         if not self.refeeds:
-            return self.stage.forward_one(tokens[-new:], positions[-new:], length, offsets[-new:], lineage[-new:],
-                                          step.width)
-        feeds = step.feeds
-        start = length - feeds
-        caught = start + torch.arange(feeds, device=tokens.device)  # [feeds] the catch-up's slots
-        visible = torch.cat([torch.cat([self._causal[feeds], lineage.new_zeros(feeds, f)], 1),
-                             torch.cat([lineage.new_ones(f, feeds), lineage], 1)])  # [feeds + F, feeds + F]
-        logits = self.stage.forward_one(torch.cat([step.committed.index_select(0, caught), tokens]),
-                                        torch.cat([caught, positions]), start,
-                                        torch.arange(feeds + f, device=tokens.device), visible, step.width)
-        return logits[-new:]
+            return self.stage.forward_rows(tokens[:, -new:], positions[:, -new:], requests.rows, lengths,
+                                           offsets[:, -new:], lineage[:, -new:], width)
+        feeds, most = requests.feeds, requests.max_feeds
+        slots, caught = requests.last(most)  # [R, most]
+        lag = most - feeds
+        index = (torch.arange(most, device=device) + lag[:, None]).clamp(max=most - 1)
+        slots, caught = slots.gather(1, index), caught.gather(1, index)  # each request's fed tokens first
+        # each request's forward: its feeds[r] catch-up tokens (causal), then the F nodes (seeing the
+        # whole catch-up and their lineage), at region offsets 0, 1, ... from its catch-up's first slot
+        column = torch.arange(most + f, device=device)
+        catch = column[None] < feeds[:, None]  # [R, C]
+        node = column[None] - feeds[:, None]  # [R, C]: node index of a node column
+        is_node = (node >= 0) & (node < f)
+        at_catch, at_node = column.clamp(max=most - 1).expand(r, -1), node.clamp(0, f - 1)
+        tokens_all = torch.where(catch, caught.gather(1, at_catch), tokens.gather(1, at_node))
+        positions_all = torch.where(catch, slots.gather(1, at_catch), positions.gather(1, at_node))
+        ancestry = lineage.gather(1, at_node[..., None].expand(-1, -1, f)).gather(2, at_node[:, None, :].expand(
+            -1, most + f, -1))  # [R, C, C]: lineage between the columns' nodes
+        visible = ((catch[:, :, None] & catch[:, None, :] & (column[None, None, :] <= column[None, :, None]))
+                   | (is_node[:, :, None] & catch[:, None, :])
+                   | (is_node[:, :, None] & is_node[:, None, :] & ancestry))
+        logits = self.stage.forward_rows(tokens_all, positions_all, requests.rows, lengths - feeds,
+                                         column.expand(r, -1), visible, width, feeds + f)  # [R, most + F, V]
+        last = feeds[:, None] + f - new + torch.arange(new, device=device)  # [R, new]: the new nodes' columns
+        return logits.gather(1, last[..., None].expand(-1, -1, logits.shape[-1]))
 
-    def _choose(self, logits: torch.Tensor, k: int, draw: bool,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """k children of each of E nodes of a static tree with draft logits [E, V]: tokens [E, k]
-        and, where they are drawn (the sampling rule), the distribution each was drawn from [E, k, V]
-        (None for the top-k)."""
-        if not draw:
-            return logits.topk(k, dim=-1).indices, None  # [E, k]
-        remaining = probs_from_logits(logits, self.sampling)  # [E, V]
-        tokens = draw_without_replacement(remaining, k, generator)  # [E, k]
+    def _choose(self, logits: torch.Tensor, k: int, sampling: SamplingRows | None,
+                draws: Draws | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """k children of each of E nodes of R static trees with draft logits [R, E, V]: tokens [R, E,
+        k] and, where they are drawn (the sampling rule), the distribution each was drawn from [R, E,
+        k, V] (None for the top-k)."""
+        if self.rule != "sampling":
+            return logits.topk(k, dim=-1).indices, None  # [R, E, k]
+        remaining = probs_from_logits(logits, sampling)  # [R, E, V]
+        tokens = draw_without_replacement(remaining, k, draws)  # [R, E, k]
         proposals = []
         for rank in range(k):
-            token = tokens[:, rank : rank + 1]  # [E, 1]
-            left = remaining.gather(1, token) > 0  # q's support not used up: the child was a draw
-            fixed = torch.nn.functional.one_hot(token[:, 0], logits.shape[-1]).to(logits.dtype)
+            token = tokens[..., rank : rank + 1]  # [R, E, 1]
+            left = remaining.gather(-1, token) > 0  # q's support not used up: the child was a draw
+            fixed = torch.zeros_like(remaining).scatter_(-1, token, 1.0)
             proposals.append(torch.where(left, remaining / remaining.sum(-1, keepdim=True), fixed))
-            remaining = remaining.scatter(1, token, 0.0)
-        return tokens, torch.stack(proposals, dim=1)
+            remaining = remaining.scatter(-1, token, 0.0)
+        return tokens, torch.stack(proposals, dim=2)
 
-    def _grow_static(self, root: torch.Tensor, root_logits: torch.Tensor, step: _Step,
-                     generator: torch.Generator | None) -> Tree:
-        plan, device = self.static, self.stage.device
-        tokens = torch.empty(len(self.plan.parents), dtype=torch.long, device=device)  # [N + 1]
-        tokens[:1] = root
+    def _grow_static(self, roots: torch.Tensor, root_logits: torch.Tensor, requests: Requests, width: int,
+                     sampling: SamplingRows | None, draws: Draws | None) -> Tree:
+        plan, device, r = self.static, self.stage.device, requests.size
+        tokens = torch.empty(r, len(self.plan.parents), dtype=torch.long, device=device)  # [R, N + 1]
+        tokens[:, :1] = roots
         proposals = None
         for depth, level in enumerate(plan.levels):
             if depth == 0:
-                logits = root_logits[None]  # [1, V]
+                logits = root_logits[:, None]  # [R, 1, V]
             else:
                 fed = plan.fed[: level.fed]
-                logits = self._feed(tokens[fed], plan.fed_depths[: level.fed], plan.lineage[: level.fed, : level.fed],
-                                    level.expanding.numel(), step)  # [E, V]
-            chosen, drawn_from = self._choose(logits, level.width, self.rule == "sampling", generator)
-            tokens[level.kids] = chosen[level.rows, level.ranks]
+                logits = self._feed(tokens[:, fed], plan.fed_depths[: level.fed].expand(r, -1),
+                                    plan.lineage[: level.fed, : level.fed].expand(r, -1, -1), level.expanding.numel(),
+                                    requests, width)  # [R, E, V]
+            chosen, drawn_from = self._choose(logits, level.width, sampling, draws)
+            tokens[:, level.kids] = chosen[:, level.rows, level.ranks]
             if drawn_from is not None:
                 if proposals is None:
-                    proposals = torch.zeros(tokens.numel(), logits.shape[-1], device=device)
-                proposals[level.kids] = drawn_from[level.rows, level.ranks]
-        return Tree(tokens, plan.parents, proposals, plan.structure)
+                    proposals = torch.zeros(r, tokens.shape[1], logits.shape[-1], device=device)
+                proposals[:, level.kids] = drawn_from[:, level.rows, level.ranks]
+        return Tree(tokens, plan.parents.expand(r, -1), proposals, plan.structure.expand(r))
 
-    def _grow_dynamic(self, root: torch.Tensor, root_logits: torch.Tensor, step: _Step) -> tuple[Tree, torch.Tensor]:
-        """Maximum-likelihood expansion: each step feeds the W leaves of highest cumulative draft
-        log-probability (ties: the earlier created) and gives each its W most likely children;
-        the tree keeps the `nodes` most likely nodes. Returns it and each node's fed-slot offset past L."""
-        plan, device = self.dynamic, self.stage.device
+    def _grow_dynamic(self, roots: torch.Tensor, root_logits: torch.Tensor, requests: Requests, width: int) -> _Grown:
+        """Maximum-likelihood expansion, per request: each step feeds the W leaves of highest
+        cumulative draft log-probability (ties: the earlier created) and gives each its W most
+        likely children."""
+        plan, device, r = self.dynamic, self.stage.device, requests.size
         w, size = plan.width, plan.pool
-        tokens = torch.zeros(size, dtype=torch.long, device=device)  # [P]
-        tokens[:1] = root
-        parents = torch.full((size,), -1, dtype=torch.long, device=device)
-        depths = torch.zeros(size, dtype=torch.long, device=device)
-        scores = torch.zeros(size, dtype=torch.float64, device=device)  # cumulative log-probability (fp64: exact sums)
-        lineage = torch.eye(size, dtype=torch.bool, device=device)  # [P, P] row i: i and its ancestors
-        lineage[:, 0].fill_(True)  # (fill_: no host value copied in)
-        leaf = torch.zeros(size, dtype=torch.bool, device=device)  # created and not expanded
-        fed = torch.zeros(plan.fed, dtype=torch.long, device=device)  # fed slot -> node
-        fed_at = torch.full((size,), -1, dtype=torch.long, device=device)  # node -> fed slot
-        expanding, logits = torch.zeros(1, dtype=torch.long, device=device), root_logits[None]  # [E], [E, V]
+        rows = torch.arange(r, device=device)[:, None]
+        tokens = torch.zeros(r, size, dtype=torch.long, device=device)  # [R, P]
+        tokens[:, :1] = roots
+        parents = torch.full((r, size), -1, dtype=torch.long, device=device)
+        depths = torch.zeros(r, size, dtype=torch.long, device=device)
+        scores = torch.zeros(r, size, dtype=torch.float64, device=device)
+        lineage = torch.eye(size, dtype=torch.bool, device=device).repeat(r, 1, 1)  # [R, P, P]
+        lineage[:, :, 0].fill_(True)  # (fill_: no host value copied in)
+        leaf = torch.zeros(r, size, dtype=torch.bool, device=device)  # created and not expanded
+        fed = torch.zeros(r, plan.fed, dtype=torch.long, device=device)  # fed slot -> node
+        fed_at = torch.full((r, size), -1, dtype=torch.long, device=device)  # node -> fed slot
+        expanding, logits = torch.zeros(r, 1, dtype=torch.long, device=device), root_logits[:, None]  # [R, E], [R, E, V]
         for s in range(plan.depth):
             if s > 0:
-                best = torch.where(leaf, scores, float("-inf")).sort(descending=True, stable=True).indices
-                expanding = best[:w]  # [W]
-                leaf.index_fill_(0, expanding, False)
+                best = torch.where(leaf, scores, float("-inf")).sort(dim=1, descending=True, stable=True).indices
+                expanding = best[:, :w]  # [R, W]
+                leaf.scatter_(1, expanding, False)
                 offsets = (s - 1) * w + torch.arange(w, device=device)  # [W]
-                fed[offsets] = expanding
-                fed_at[expanding] = offsets
-                so_far = fed[: s * w]  # [F]
-                logits = self._feed(tokens[so_far], depths[so_far], lineage[so_far][:, so_far], w, step)  # [W, V]
-            chosen = logits.topk(w, dim=-1).indices  # [E, W]
-            gained = logits.log_softmax(-1).gather(1, chosen)  # [E, W]
-            kids = slice(plan.first_child(s), plan.first_child(s) + chosen.numel())
-            parent = expanding.repeat_interleave(w)  # [E W]
-            tokens[kids], parents[kids], depths[kids] = chosen.flatten(), parent, depths[parent] + 1
-            scores[kids] = scores[parent] + gained.flatten().double()
-            leaf[kids].fill_(True)
-            lineage[kids] |= lineage[parent]
-        # Children never outscore parents and ties keep creation order, so the top set is ancestor-closed.
-        top = scores[1:].sort(descending=True, stable=True).indices[: plan.nodes] + 1
-        keep = torch.cat([torch.zeros(1, dtype=torch.long, device=device), top.sort().values])  # [N + 1], parents first
-        index = torch.full((size,), -1, dtype=torch.long, device=device)
-        index[keep] = torch.arange(keep.numel(), device=device)
-        kept_parents = parents[keep]
-        tree_parents = torch.where(kept_parents >= 0, index[kept_parents.clamp(min=0)], -1)  # [N + 1]
-        structure = TreeStructure.on_device(tree_parents, depths[keep], lineage[keep][:, keep], plan.depth, w)
-        proposals = None
-        if self.rule == "sampling":  # children are chosen, not drawn: each node's proposal is its own one-hot
-            proposals = torch.nn.functional.one_hot(tokens[keep], logits.shape[-1]).to(logits.dtype)
-            proposals[0].zero_()
-        return Tree(tokens[keep], tree_parents, proposals, structure), fed_at[keep]
+                fed[:, offsets] = expanding
+                fed_at.scatter_(1, expanding, offsets.expand(r, -1))
+                so_far = fed[:, : s * w]  # [R, F]
+                seen = lineage[rows, so_far].gather(2, so_far[:, None, :].expand(-1, s * w, -1))  # [R, F, F]
+                logits = self._feed(tokens.gather(1, so_far), depths.gather(1, so_far), seen, w, requests, width)
+            chosen = logits.topk(w, dim=-1).indices  # [R, E, W]
+            gained = logits.float().log_softmax(-1).gather(2, chosen)  # [R, E, W]
+            kids = slice(plan.first_child(s), plan.first_child(s) + chosen.shape[1] * w)
+            parent = expanding.repeat_interleave(w, dim=1)  # [R, E W]
+            tokens[:, kids], parents[:, kids] = chosen.flatten(1), parent
+            depths[:, kids] = depths.gather(1, parent) + 1
+            scores[:, kids] = scores.gather(1, parent) + gained.flatten(1).double()
+            leaf[:, kids].fill_(True)
+            lineage[:, kids] |= lineage[rows, parent]
+        return _Grown(tokens, parents, depths, scores, lineage, fed_at)
+
+
+def select(grown: _Grown, nodes: int, depth: int, width: int, budget: int | None, feeds: torch.Tensor) -> Draft:
+    """The trees to verify: each request's `nodes` most likely nodes or, with a `budget`, the
+    `budget` most likely over the whole batch (each request at most `nodes`), in pool order (parents
+    first) -> a Draft of trees [R, nodes + 1] whose rows hold sizes[r] nodes. Children never
+    outscore parents and ties keep creation order, so every selection is ancestor-closed."""
+    r, size = grown.scores.shape
+    device = grown.scores.device
+    ranked = grown.scores[:, 1:].sort(dim=1, descending=True, stable=True)
+    top = ranked.indices[:, :nodes] + 1  # [R, N]: each request's most likely, best first
+    chosen = torch.ones(r, nodes, dtype=torch.bool, device=device)
+    if budget is not None:  # the budget's nodes: the best of all requests' candidates (ties: request order)
+        flat = ranked.values[:, :nodes].flatten().sort(descending=True, stable=True).indices[:budget]
+        chosen = torch.zeros(r * nodes, dtype=torch.bool, device=device).index_fill_(0, flat, True).view(r, nodes)
+    sizes = 1 + chosen.sum(1)  # [R]
+    order = torch.where(chosen, top, size + top).sort(dim=1).values  # [R, N]: chosen in pool order, the rest after
+    keep = torch.cat([torch.zeros(r, 1, dtype=torch.long, device=device), order.clamp(max=size - 1)], 1)  # [R, N + 1]
+    live = torch.arange(nodes + 1, device=device)[None] < sizes[:, None]
+    index = torch.full((r, size), -1, dtype=torch.long, device=device)
+    index.scatter_(1, torch.where(live, keep, 0), torch.where(live, torch.arange(nodes + 1, device=device), 0))
+    kept_parents = grown.parents.gather(1, keep)
+    parents = torch.where(kept_parents >= 0, index.gather(1, kept_parents.clamp(min=0)), -1)
+    parents = torch.where(live, parents, 0)  # padding: children of the root, never verified (sizes)
+    rows = torch.arange(r, device=device)[:, None]
+    lineage = grown.lineage[rows, keep].gather(2, keep[:, None, :].expand(-1, nodes + 1, -1))  # [R, N + 1, N + 1]
+    lineage = lineage & live[:, None, :] & live[:, :, None] | torch.eye(nodes + 1, dtype=torch.bool, device=device)
+    structure = TreeStructure.on_device(parents, torch.where(live, grown.depths.gather(1, keep), 1), lineage, depth,
+                                        width, sizes)
+    tree = Tree(grown.tokens.gather(1, keep), parents, None, structure, None if budget is None else sizes)
+    return Draft(tree, torch.where(live, grown.fed_at.gather(1, keep), -1), feeds)

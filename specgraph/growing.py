@@ -25,9 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specgraph.draft import CATCH_UP, catch_up
+from specgraph.draft import CATCH_UP, Requests, catch_up
 from specgraph.runtime.stage import Stage
-from specgraph.tree import TreeStructure
 
 UNUSED, LEAF, EXPANDED = 0, 1, 2
 
@@ -92,7 +91,7 @@ class GrowingDrafter:
     def restart(self, committed: torch.Tensor, length: torch.Tensor, width: int, feeds: int = CATCH_UP) -> None:
         """A fresh tree rooted at the last of the `length` committed tokens: the catch-up feeds the last
         `feeds` of them (the root at region offset 0), then the root's children and `first` - 1 expansion steps."""
-        logits = catch_up(self.stage, committed, length, width, feeds)[None]  # [1, V]
+        logits = catch_up(self.stage, Requests.one(committed, length, feeds), width)  # [1, V]
         self.status.zero_()
         self.parents.fill_(-1)
         self.fed.fill_(-1)
@@ -236,7 +235,3 @@ class GrowingDrafter:
         self._fed_node.index_put_((torch.where(self.fed >= 0, self.fed, f),), self._index)
         self.size.copy_(kept.sum())
         self.fed_count.copy_((self.fed >= 0).sum())
-
-    def structure(self, parents: torch.Tensor) -> TreeStructure:
-        """The sent tree's structure from its parents [N + 1] (see TreeStructure.of_parents)."""
-        return TreeStructure.of_parents(parents, self.plan.depth, self.plan.nodes)

@@ -53,8 +53,9 @@ class Layout:
     def build(cls, table: torch.Tensor, block_size: int, rows: torch.Tensor, starts: torch.Tensor,
               counts: torch.Tensor, offsets: torch.Tensor, visible: torch.Tensor, positions: torch.Tensor,
               width: int) -> Layout:
-        """rows, starts, counts [R] (tokens per segment); offsets, positions [T] and visible [T, G]
-        for the packed tokens (rows past sum(counts): padding, whatever they hold)."""
+        """rows, starts, counts [R] (tokens per segment: at most G, as each sits at an offset of its
+        own); offsets, positions [T] and visible [T, G] for the packed tokens (rows past sum(counts):
+        padding, whatever they hold)."""
         t, g = visible.shape
         device = visible.device
         cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # [R + 1]

@@ -7,6 +7,9 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from specgraph.draft import Drafter
+from specgraph.engine.engine import Engine
+from specgraph.engine.pool import BlockPool
+from specgraph.engine.runner import Runner
 from specgraph.errors import PromptError, SpecgraphError
 from specgraph.graph import SpecGraph
 from specgraph.kernels import Kernels
@@ -17,7 +20,6 @@ from specgraph.passes.place import world_size
 from specgraph.recipe import Recipe
 from specgraph.runtime.executor import Executor, Generation
 from specgraph.runtime.ranks import Ranks
-from specgraph.runtime.serial import SerialExecutor
 from specgraph.runtime.stage import Stage
 from specgraph.runtime.verifier import Verifier
 
@@ -77,8 +79,10 @@ def stage_over(graph: SpecGraph, name: str, model: nn.Module) -> Stage:
     `graph_buckets` and `static_shapes` (one lowered model serves the plans of several trees:
     `specgraph tune`)."""
     node = graph.node(name)
+    paged = graph.recipe.execution == "serial"  # (the engine assigns the table's rows; the others use row 0)
     return Stage(name, model, node["cache_slots"], node["device"], node["graph_buckets"], node["static_shapes"],
-                 Kernels.select(node["kernels"]), node["vocab"])
+                 Kernels.select(node["kernels"]), node["vocab"], node["requests"], node["kv_blocks"] if paged else None,
+                 node["block_size"])
 
 
 def make_executor(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks = Ranks()) -> Executor:
@@ -87,9 +91,7 @@ def make_executor(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks = Ran
     program, or its stage of a pipeline."""
     recipe = graph.recipe
     if recipe.execution == "serial":
-        target = graph.node(graph.target)
-        return SerialExecutor(verifier_of(graph, stages), drafter_of(graph, stages), target["eos_ids"],
-                              recipe.max_seq_len, target["step_graphs"], target["compile"])
+        return engine_of(graph, verifier_of(graph, stages), drafter_of(graph, stages))
     if recipe.execution == "disaggregated":
         from specgraph.runtime.disaggregated import disaggregated_executor
 
@@ -101,12 +103,22 @@ def make_executor(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks = Ran
     raise SpecgraphError(f"execution: {recipe.execution!r} has no executor yet")
 
 
+def engine_of(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None) -> Engine:
+    """The engine of a serial program over its loaded verifier and drafter (None: the target alone)."""
+    recipe, serving = graph.recipe, graph.recipe.serving
+    target = graph.node(graph.target)
+    region = max(graph.node(n)["cache_slots"] for n in graph.stages()) - recipe.max_seq_len
+    runner = Runner(verifier, drafter, serving.max_batch, recipe.max_seq_len + region)
+    pool = BlockPool(target["kv_blocks"], target["block_size"])
+    return Engine(runner, target["eos_ids"], recipe.max_seq_len, serving.max_batch, pool, region,
+                  serving.prefill_chunk, recipe.sampling)
+
+
 def verifier_of(graph: SpecGraph, stages: dict[str, Stage], name: str | None = None) -> Verifier:
     """The Verifier of stage `name` (default: the target)."""
     name = name or graph.target
     node = graph.node(name)
-    return Verifier(stages[name], node["spec"].verify, node["rule"], graph.recipe.sampling,
-                    Kernels.select(node["kernels"]), node["compile"])
+    return Verifier(stages[name], node["spec"].verify, node["rule"], Kernels.select(node["kernels"]), node["compile"])
 
 
 def drafter_of(graph: SpecGraph, stages: dict[str, Stage], name: str | None = None) -> Drafter | None:
@@ -114,8 +126,7 @@ def drafter_of(graph: SpecGraph, stages: dict[str, Stage], name: str | None = No
     draft_name = graph.drafter_of(name or graph.target)
     if draft_name is None:
         return None
-    return Drafter(stages[draft_name], graph.node(draft_name)["tree"], graph.node(graph.target)["rule"],
-                   graph.recipe.sampling)
+    return Drafter(stages[draft_name], graph.node(draft_name)["tree"], graph.node(graph.target)["rule"])
 
 
 def widened_models(graph: SpecGraph, names: list[str], shape: str | None, ranks: Ranks = Ranks()) -> dict[str, nn.Module]:
@@ -179,12 +190,9 @@ class Program:
             return self.autoregressive()
         raise SpecgraphError(f"system {name!r}: a one-process program runs specgraph and ar")
 
-    def autoregressive(self) -> SerialExecutor:
-        """The target alone, one token per step, on the same loaded stage (the `ar` baseline), its
-        steps captured wherever the plan says a step of the target alone can be."""
-        target = self.graph.node(self.graph.target)
-        return SerialExecutor(self.executor.verifier, None, target["eos_ids"], self.recipe.max_seq_len,
-                              target["alone_step_graphs"], target["compile"])
+    def autoregressive(self) -> Engine:
+        """The target alone, one token per step, on the same loaded stage (the `ar` baseline)."""
+        return engine_of(self.graph, self.executor.runner.verifier, None)
 
     def close(self) -> None:
         """Stop the program's processes, if it has any."""

@@ -181,6 +181,26 @@ class PipelineSpec(_Strict):
                                       "verified; default: twice the window above (one window when synchronous)")
 
 
+class ServingSpec(_Strict):
+    """How the serial executor serves many requests at once (specgraph/engine/)."""
+
+    max_batch: PositiveInt = Field(1, description="requests decoded together at most; more wait their turn "
+                                   "(`specgraph run --batch N`)")
+    block_size: PositiveInt = Field(64, description="KV slots per block of the pool: a power of two, at least 16")
+    kv_blocks: PositiveInt | None = Field(None, description="blocks of the KV pool (each stage holds as many, of its "
+                                          "own size); default: enough for max_batch requests of max_seq_len tokens. "
+                                          "A request is admitted once the blocks of its prompt and new tokens are free")
+    prefill_chunk: PositiveInt = Field(512, description="most prompt tokens fed in one step: a newcomer delays the "
+                                       "requests being decoded by one chunk at most")
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, size: int) -> int:
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"must be a power of two of at least 16, e.g. 64 (got {size})")
+        return size
+
+
 class Recipe(_Strict):
     """A decoding topology (docs/design.md). `name` is required in a dict or Python recipe; a YAML
     file's defaults to the file's stem."""
@@ -195,6 +215,7 @@ class Recipe(_Strict):
     prompt: str | None = Field(None, description="prompt used when the command line gives none")
     lowering: LoweringSpec = LoweringSpec()
     pipeline: PipelineSpec = PipelineSpec()
+    serving: ServingSpec = ServingSpec()
     timeout: float = Field(120.0, gt=0, description="multi-process runs: seconds a process may wait on another stage, "
                            "or spend in one step, before the run stops with an error naming the stage and rank "
                            "(ten times this during the first request, where compilation and graph capture happen)")
@@ -294,7 +315,7 @@ def _fields_at(loc: tuple) -> list[str]:
     """Field names of the schema object found by walking `loc` from Recipe."""
     model: Any = Recipe
     walk = {"models": ModelSpec, "stages": StageSpec, "sampling": SamplingSpec, "verify": VerifySpec, "grow": GrowSpec,
-            "lowering": LoweringSpec, "pipeline": PipelineSpec,
+            "lowering": LoweringSpec, "pipeline": PipelineSpec, "serving": ServingSpec,
             "chain": ChainTree, "static": StaticTree, "dynamic": DynamicTree}
     for part in loc:
         model = walk.get(part, model) if isinstance(part, str) else model

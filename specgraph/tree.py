@@ -76,10 +76,10 @@ class TreeTopology:
 
 @dataclass(frozen=True)
 class TreeStructure:
-    """What verification and masking need of a tree's shape: `ancestors` [N + 1, N + 1] bool (i
-    itself included), `depths` [N + 1], `child_table` [N + 1, C] (children in rank order, -1
-    padded) and `max_depth` (at least the deepest node's depth), so that verification walks the
-    tree in a fixed number of tensor steps."""
+    """What verification and masking need of the shapes of R trees: `ancestors` [R, N + 1, N + 1]
+    bool (i itself included), `depths` [R, N + 1], `child_table` [R, N + 1, C] (children in rank
+    order, -1 padded) and `max_depth` (at least the deepest node's depth), so that verification
+    walks the trees in a fixed number of tensor steps."""
 
     max_depth: int
     depths: torch.Tensor
@@ -88,7 +88,7 @@ class TreeStructure:
 
     @classmethod
     def of(cls, parents: list[int] | tuple[int, ...], device: torch.device | str) -> TreeStructure:
-        """From a parent list on the host (trees are small); C = the most children of any node."""
+        """One tree's, from its parent list on the host (trees are small); C = the most children of any node."""
         n = len(parents)
         depth, kids, rows = [0] * n, [[] for _ in range(n)], [{0}]
         for i in range(1, n):
@@ -96,38 +96,48 @@ class TreeStructure:
             kids[parents[i]].append(i)
             rows.append(rows[parents[i]] | {i})
         width = max(len(k) for k in kids)
-        table = torch.tensor([k + [-1] * (width - len(k)) for k in kids], dtype=torch.long).reshape(n, width)
-        ancestors = torch.zeros(n, n, dtype=torch.bool)
+        table = torch.tensor([k + [-1] * (width - len(k)) for k in kids], dtype=torch.long).reshape(1, n, width)
+        ancestors = torch.zeros(1, n, n, dtype=torch.bool)
         for i, row in enumerate(rows):
-            ancestors[i, list(row)] = True
-        return cls(max(depth), torch.tensor(depth, device=device), table.to(device), ancestors.to(device))
+            ancestors[0, i, list(row)] = True
+        return cls(max(depth), torch.tensor([depth], device=device), table.to(device), ancestors.to(device))
 
     @classmethod
     def on_device(cls, parents: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor, max_depth: int,
-                  children: int) -> TreeStructure:
-        """From device tensors, with no host read: parents [N + 1] (topological, siblings in rank
-        order), their depths and ancestors; `max_depth` and `children` (C) are bounds."""
-        n = parents.numel()
+                  children: int, sizes: torch.Tensor | None = None) -> TreeStructure:
+        """From device tensors, with no host read: parents [R, N + 1] (topological, siblings in rank
+        order), their depths and ancestors; `max_depth` and `children` (C) are bounds; nodes past
+        sizes [R] (padding) are nobody's children."""
+        r, n = parents.shape
         order = torch.arange(n, device=parents.device)
-        siblings = (parents[:, None] == parents[None, :]) & (order[None, :] < order[:, None])  # [N + 1, N + 1]
-        rank = siblings.sum(1)  # among the earlier nodes of the same parent
-        table = torch.full((n, children), -1, dtype=torch.long, device=parents.device)
-        table[parents[1:], rank[1:]] = order[1:]
-        return cls(max_depth, depths, table, ancestors)
+        siblings = (parents[:, :, None] == parents[:, None, :]) & (order[None, None, :] < order[None, :, None])
+        rank = siblings.sum(2)  # [R, N + 1]: among the earlier nodes of the same parent
+        table = torch.full((r, n * children + 1), -1, dtype=torch.long, device=parents.device)  # (a spare column)
+        child = (order[None] > 0) & (rank < children)
+        if sizes is not None:
+            child = child & (order[None] < sizes[:, None])
+        place = torch.where(child, parents.clamp(min=0) * children + rank, n * children)
+        table.scatter_(1, place, order.expand(r, -1))
+        return cls(max_depth, depths, table[:, :-1].view(r, n, children), ancestors)
 
     @classmethod
     def of_parents(cls, parents: torch.Tensor, max_depth: int, children: int) -> TreeStructure:
-        """From parents [N + 1] on the device (topological, siblings in rank order, no node deeper
-        than `max_depth`), with no host read: each step climbs every node's chain one level."""
-        n = parents.numel()
-        index = torch.arange(n, device=parents.device)
+        """From parents [R, N + 1] on the device (topological, siblings in rank order, no node
+        deeper than `max_depth`), with no host read: each step climbs every node's chain one level."""
+        r, n = parents.shape
+        index = torch.arange(n, device=parents.device).expand(r, -1)
         up = parents.clamp(min=0)  # the root climbs to itself
-        ancestors = torch.eye(n, dtype=torch.bool, device=parents.device)
+        ancestors = torch.eye(n, dtype=torch.bool, device=parents.device).repeat(r, 1, 1)
         node = index
         for _ in range(max_depth):
-            node = up.index_select(0, node)
-            ancestors.index_put_((index, node), torch.ones_like(index, dtype=torch.bool))
-        return cls.on_device(parents, ancestors.sum(1) - 1, ancestors, max_depth, children)
+            node = up.gather(1, node)
+            ancestors.scatter_(2, node[..., None], True)
+        return cls.on_device(parents, ancestors.sum(2) - 1, ancestors, max_depth, children)
+
+    def expand(self, rows: int) -> TreeStructure:
+        """One tree's structure as that of `rows` trees of its shape (views)."""
+        return TreeStructure(self.max_depth, *(x.expand(rows, *x.shape[1:]) for x in
+                                               (self.depths, self.child_table, self.ancestors)))
 
     def to(self, device: torch.device) -> TreeStructure:
         return TreeStructure(self.max_depth, self.depths.to(device), self.child_table.to(device), self.ancestors.to(device))
@@ -135,20 +145,29 @@ class TreeStructure:
 
 @dataclass
 class Tree:
-    """One step's draft tree of N + 1 nodes (root included), in topological order."""
+    """R draft trees (one per request of a step) of up to N + 1 nodes each (root included), in
+    topological order; tree r has sizes[r] nodes, its slots past them padding (children of the
+    root, never verified)."""
 
-    tokens: torch.Tensor  # [N + 1] long
-    parents: torch.Tensor  # [N + 1] long, root -1
-    proposals: torch.Tensor | None = None  # [N + 1, V]: the distribution each node's token was drawn from
-    structure: TreeStructure | None = None  # derived from parents (with a host read) when not given
+    tokens: torch.Tensor  # [R, N + 1] long
+    parents: torch.Tensor  # [R, N + 1] long, root -1
+    proposals: torch.Tensor | None = None  # [R, N + 1, V]: the distribution each node's token was drawn from
+    structure: TreeStructure | None = None  # derived from parents (with a host read: one tree) when not given
+    sizes: torch.Tensor | None = None  # [R] nodes of each tree, None: all N + 1
 
     def __post_init__(self) -> None:
         if self.structure is None:
-            self.structure = TreeStructure.of(self.parents.tolist(), self.tokens.device)
+            assert self.tokens.shape[0] == 1, "a structure is derived on the host for one tree only"
+            self.structure = TreeStructure.of(self.parents[0].tolist(), self.tokens.device)
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
 
     @property
     def size(self) -> int:
-        return self.tokens.numel()
+        """N + 1: node slots per tree."""
+        return self.tokens.shape[1]
 
     @property
     def ancestors(self) -> torch.Tensor:
@@ -166,24 +185,31 @@ class Tree:
     def max_depth(self) -> int:
         return self.structure.max_depth
 
-    def children(self, node: int) -> list[int]:
-        """`node`'s children in rank order (a host read: for tests and inspection)."""
-        return [c for c in self.child_table[node].tolist() if c >= 0]
+    def counts(self) -> torch.Tensor:
+        """[R] nodes of each tree."""
+        if self.sizes is None:
+            return torch.full((self.rows,), self.size, dtype=torch.long, device=self.tokens.device)
+        return self.sizes
+
+    def children(self, node: int, row: int = 0) -> list[int]:
+        """`node`'s children in rank order in tree `row` (a host read: for tests and inspection)."""
+        return [c for c in self.child_table[row, node].tolist() if c >= 0]
 
     def to(self, device: torch.device) -> Tree:
         if device == self.tokens.device:
             return self
         return Tree(self.tokens.to(device), self.parents.to(device),
-                    None if self.proposals is None else self.proposals.to(device), self.structure.to(device))
+                    None if self.proposals is None else self.proposals.to(device), self.structure.to(device),
+                    None if self.sizes is None else self.sizes.to(device))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """tokens, parents, depths, child_table, ancestors: a deterministic draft's tree as a CUDA graph's outputs."""
-        return self.tokens, self.parents, self.depths, self.child_table, self.ancestors
+        """tokens, parents, depths, child_table, ancestors, counts: a deterministic draft's trees as a CUDA graph's outputs."""
+        return self.tokens, self.parents, self.depths, self.child_table, self.ancestors, self.counts()
 
     @classmethod
     def random(cls, t: int, depth: int, generator: torch.Generator) -> Tree:
-        """t nodes (tokens 0), parents first, the deepest path `depth` nodes long: a chain, then random
-        parents above the deepest level (tests and kernel benchmarks)."""
+        """One tree of t nodes (tokens 0), parents first, the deepest path `depth` nodes long: a
+        chain, then random parents above the deepest level (tests and kernel benchmarks)."""
         assert depth > 1 or t == 1, "a tree of depth 1 is its root alone"
         parents, depths = [], []
         for i in range(t):
@@ -191,9 +217,9 @@ class Tree:
             parent = i - 1 if i < depth else shallow[int(torch.randint(0, len(shallow), (), generator=generator))]
             parents.append(parent)
             depths.append(0 if parent < 0 else depths[parent] + 1)
-        return cls(torch.zeros(t, dtype=torch.long), torch.tensor(parents))
+        return cls(torch.zeros(1, t, dtype=torch.long), torch.tensor([parents]))
 
     @classmethod
     def from_tensors(cls, tensors: tuple[torch.Tensor, ...], max_depth: int) -> Tree:
-        tokens, parents, depths, child_table, ancestors = tensors
-        return cls(tokens, parents, None, TreeStructure(max_depth, depths, child_table, ancestors))
+        tokens, parents, depths, child_table, ancestors, sizes = tensors
+        return cls(tokens, parents, None, TreeStructure(max_depth, depths, child_table, ancestors), sizes)

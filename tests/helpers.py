@@ -15,14 +15,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from specgraph.bench.widen import widen
 from specgraph.cache import KVCache
+from specgraph.draft import Drafter
+from specgraph.engine.engine import Engine
+from specgraph.engine.pool import BlockPool
+from specgraph.engine.runner import Runner
 from specgraph.layout import Layout
 from specgraph.models.hybrid import HybridModel, to_hf_norms
 from specgraph.models.llama import hf_state
 from specgraph.models.loader import load_model
-from specgraph.recipe import Recipe
+from specgraph.recipe import Recipe, SamplingSpec, VerifySpec
 from specgraph.runtime.stage import Stage
+from specgraph.runtime.verifier import Verifier
 from specgraph.tree import Tree
-
 
 # A prompt longer than an exported package's 64-token step (91 tokens for the embedded pair): a
 # loaded program must feed it in chunks.
@@ -54,6 +58,23 @@ class MarkovModel(nn.Module):
 
     def forward(self, tokens, cache, layout):
         return self.log_table[tokens]  # [1, T, V]
+
+
+def markov_engine(target: torch.Tensor, draft: torch.Tensor | None = None, plan=None, rule: str = "greedy",
+                  sampling: SamplingSpec = SamplingSpec(), eos: tuple[int, ...] = (), max_seq_len: int = 64,
+                  batch: int = 1, block_size: int = 16, kv_blocks: int | None = None) -> Engine:
+    """An engine over Markov 'models' of next-token tables [V, V] (`draft` None: the target alone),
+    drafting `plan` (a TreeTopology or DynamicTree), decoding up to `batch` requests at once."""
+    cpu, capacity = torch.device("cpu"), max_seq_len + 32
+    blocks = kv_blocks or 1 + batch * -(-capacity // block_size)
+
+    def stage(name: str, table: torch.Tensor) -> Stage:
+        return Stage(name, MarkovModel(table), capacity, cpu, requests=batch + 1, blocks=blocks, block_size=block_size)
+
+    verifier = Verifier(stage("target", target), VerifySpec(), rule)
+    drafter = None if draft is None else Drafter(stage("draft", draft), plan, rule)
+    return Engine(Runner(verifier, drafter, batch, capacity), eos, max_seq_len, batch, BlockPool(blocks, block_size),
+                  capacity - max_seq_len, 64, sampling)
 
 
 @torch.no_grad()
@@ -271,7 +292,7 @@ def fault_ends_the_run(program, pid: int, sig: int, error: str) -> None:
 
 def random_tree(t: int, generator: torch.Generator) -> Tree:
     parents = [-1] + [int(torch.randint(0, i, (), generator=generator)) for i in range(1, t)]
-    return Tree(torch.zeros(t, dtype=torch.long), torch.tensor(parents))
+    return Tree(torch.zeros(1, t, dtype=torch.long), torch.tensor([parents]))
 
 
 def random_layout(counts: list[int], prefixes: list[int], generator: torch.Generator, block_size: int = 16,
@@ -290,7 +311,7 @@ def random_layout(counts: list[int], prefixes: list[int], generator: torch.Gener
     for count, prefix in zip(counts, prefixes):
         rows_seen = torch.zeros(count, g, dtype=torch.bool)
         rows_seen[:, :count] = (torch.ones(count, count, dtype=torch.bool).tril() if chains
-                                else random_tree(count, generator).ancestors)
+                                else random_tree(count, generator).ancestors[0])
         visible.append(rows_seen)
         offsets.append(torch.arange(count))
         positions.append(prefix + rows_seen[:, :count].sum(1) - 1)
@@ -305,7 +326,9 @@ def random_layout(counts: list[int], prefixes: list[int], generator: torch.Gener
 def path_alone(k, v, q, mask, prefix: int, node: int):
     """Node `node` of a tree step at slots [prefix, prefix + T) decoded alone: its ancestors' K/V
     copied to slots prefix, prefix + 1, ... (committed, at their positions), the node last."""
-    from specgraph.kernels.attention.invariant import attention_invariant  # a Triton module: imported when used
+    from specgraph.kernels.attention.invariant import (
+        attention_invariant,  # a Triton module: imported when used
+    )
 
     path = mask[node, prefix:].nonzero().flatten().tolist()
     k2, v2 = k.clone(), v.clone()
@@ -321,7 +344,10 @@ def path_alone(k, v, q, mask, prefix: int, node: int):
 def one_token_steps(args: tuple, steps: tuple, path: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """The tokens of `path` (nodes of the step `args`) decoded one at a time, each step committed:
     their outputs [B, H, dv], and the state and conv window after the last."""
-    from specgraph.kernels.gated_delta.invariant import gated_delta_commit_invariant, gated_delta_step_invariant
+    from specgraph.kernels.gated_delta.invariant import (
+        gated_delta_commit_invariant,
+        gated_delta_step_invariant,
+    )
     from specgraph.models.hybrid import conv_windows
 
     inputs, write, decay_input, conv, conv_weight, a_log, dt_bias, _, _, state = args

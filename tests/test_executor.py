@@ -1,16 +1,10 @@
-"""The serial executor's bookkeeping: end-of-sequence, token budget, accepted lengths."""
+"""The engine's bookkeeping: end-of-sequence, token budget, accepted lengths, many requests at once."""
 
 import torch
-from helpers import MarkovModel
+from helpers import markov_engine
 
-from specgraph.draft import Drafter
-from specgraph.recipe import ChainTree, SamplingSpec, VerifySpec
-from specgraph.runtime.serial import SerialExecutor
-from specgraph.runtime.verifier import Verifier
-from specgraph.runtime.stage import Stage
+from specgraph.recipe import ChainTree
 from specgraph.tree import TreeTopology
-
-CPU = torch.device("cpu")
 
 
 def cycle_table(v: int = 5) -> torch.Tensor:
@@ -21,11 +15,10 @@ def cycle_table(v: int = 5) -> torch.Tensor:
     return table / table.sum(-1, keepdim=True)
 
 
-def executor(eos=(0,), draft_table=None, length=3, max_seq_len=64, plan=None):
-    verifier = Verifier(Stage("t", MarkovModel(cycle_table()), max_seq_len + 8, CPU), VerifySpec(), "greedy", SamplingSpec())
-    drafter = Drafter(Stage("d", MarkovModel(cycle_table() if draft_table is None else draft_table), max_seq_len + 8, CPU),
-                      plan or TreeTopology.from_spec(ChainTree(length=length)), "greedy", SamplingSpec())
-    return SerialExecutor(verifier, drafter, eos_ids=eos, max_seq_len=max_seq_len)
+def executor(eos=(0,), draft_table=None, length=3, max_seq_len=64, plan=None, batch=1):
+    return markov_engine(cycle_table(), cycle_table() if draft_table is None else draft_table,
+                         plan or TreeTopology.from_spec(ChainTree(length=length)), eos=eos, max_seq_len=max_seq_len,
+                         batch=batch)
 
 
 def test_generation_stops_at_end_of_sequence_inclusive():
@@ -73,32 +66,75 @@ def test_output_keeps_the_budget_and_the_first_end_of_sequence_token():
     assert output.take([1, 2, 3, 4, 5, 9]) and gen.output_ids == [1, 2, 3, 4, 5] and gen.clipped
 
 
-def test_a_static_tree_step_touches_only_device_tensors():
-    """What a captured step needs: no host reads and no host values copied in, in either phase."""
+def test_a_step_touches_only_device_tensors():
+    """What a captured step needs: no host reads and no host values copied in, in either phase,
+    for static and dynamic trees and the target alone."""
     from helpers import HostReads
 
-    from specgraph.runtime.clock import Clock
+    from specgraph.draft import CATCH_UP, Requests
+    from specgraph.recipe import DynamicTree
 
-    speculative = executor(eos=(), length=3)
-    autoregressive = SerialExecutor(speculative.verifier, None, eos_ids=(), max_seq_len=64)
-    for ex, depth in ((speculative, 3), (autoregressive, 0)):
-        ex.generate([1, 2], 4)  # prefill and a first step
-        length = int(ex.sequence.length)
+    for plan in (TreeTopology.from_spec(ChainTree(length=3)), DynamicTree(width=2, depth=3, nodes=4), None):
+        engine = executor(eos=(), plan=plan, batch=2)
+        runner = engine.runner
+        if plan is None:
+            runner.drafter = None
+        for prompt in ([1, 2], [3]):
+            engine.add_request(prompt, 8)
+        engine.step()
+        engine.step()  # both prompts in, a first step decoded
+        rows = torch.tensor([0, 1])
+        lengths = runner.lengths[rows]
+        requests = Requests(rows, runner.tokens, lengths, lengths.clamp(max=CATCH_UP), CATCH_UP)
+        sampling, draws = runner.sampling.take(rows), runner.draws
         with HostReads() as reads:
-            result = ex._step(length, (None, None), Clock(CPU))
-        assert reads.seen == [] and result.shape == (depth + 2,)
+            draft = None if runner.drafter is None else runner.drafter.draft(requests, 40, sampling, draws)
+            tree = runner._roots(requests) if draft is None else draft.tree
+            result = runner._settle(tree, draft, requests, sampling, draws, 30)
+        assert reads.seen == [] and result.shape == (2, (0 if plan is None else 3) + 2)
 
 
-def test_enqueueing_ahead_changes_no_token():
-    """The GPU's lookahead (next step enqueued before this one is read), forced on here: same tokens,
-    for static and dynamic trees (whose verdicts vary in length) and at an end-of-sequence token."""
+def test_many_requests_at_once_end_each_where_it_ends_alone():
+    """Requests of different prompts and budgets, four at a time, six in all: each request's output
+    is the one it gets alone; the first four finish at different steps and the last two take their places."""
+    half_wrong = torch.roll(cycle_table(), 1, dims=1) * 0.5 + cycle_table() * 0.5
+    jobs = [([1], 40), ([2, 3], 3), ([4], 11), ([0, 1, 2], 7), ([3], 1), ([2], 20)]
+    alone = [executor(eos=(0,), draft_table=half_wrong).generate(prompt, budget).output_ids for prompt, budget in jobs]
+    engine = executor(eos=(0,), draft_table=half_wrong, batch=4)
+    requests = [engine.add_request(prompt, budget) for prompt, budget in jobs]
+    admitted = []
+    while engine.busy:
+        engine.step()
+        admitted.append(sum(r.status != "waiting" for r in requests))
+    assert [r.generation.output_ids for r in requests] == alone
+    assert admitted[0] == 4 and admitted[-1] == 6  # the last two waited for places
+
+
+def test_a_full_pool_makes_requests_wait_and_loses_none():
+    """A pool that holds two requests' blocks: the third waits, then runs; every output is whole."""
+    engine = markov_engine(cycle_table(), cycle_table(), TreeTopology.from_spec(ChainTree(length=3)), eos=(),
+                           max_seq_len=64, batch=3, block_size=16, kv_blocks=1 + 2 * 4)  # 4 blocks each: 40 + 32 slots
+    requests = [engine.add_request([1], 30) for _ in range(3)]
+    running = []
+    while engine.busy:
+        engine.step()
+        running.append(sum(r.status == "decode" for r in requests))
+    assert max(running) == 2  # never three at once: the pool held two
+    assert all(len(r.generation.output_ids) == 30 for r in requests)
+
+
+def test_requests_decoded_together_keep_their_own_tokens_for_every_tree_shape():
+    """Requests decoded together (their steps interleaved with each other's admission and
+    prefill) give the tokens each gets alone, for static and dynamic trees (whose verdicts vary in
+    length) and at an end-of-sequence token."""
     from specgraph.recipe import DynamicTree
 
     for plan in (TreeTopology.from_spec(ChainTree(length=3)), DynamicTree(width=2, depth=3, nodes=4)):
         half_wrong = torch.roll(cycle_table(), 1, dims=1) * 0.5 + cycle_table() * 0.5
-        outputs = []
-        for lookahead in (False, True):
-            ex = executor(eos=(0,), draft_table=half_wrong, plan=plan)
-            ex.lookahead = lookahead
-            outputs.append([ex.generate([1], 40).output_ids, ex.generate([2, 3], 3).output_ids])
-        assert outputs[0] == outputs[1] and outputs[0][0][-1] == 0
+        alone = [executor(eos=(0,), draft_table=half_wrong, plan=plan).generate(p, n).output_ids
+                 for p, n in (([1], 40), ([2, 3], 3))]
+        engine = executor(eos=(0,), draft_table=half_wrong, plan=plan, batch=2)
+        requests = [engine.add_request(p, n) for p, n in (([1], 40), ([2, 3], 3))]
+        while engine.busy:
+            engine.step()
+        assert [r.generation.output_ids for r in requests] == alone and alone[0][-1] == 0

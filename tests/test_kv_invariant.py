@@ -13,6 +13,7 @@ from specgraph.growing import EXPANDED, UNUSED, GrowingDrafter, GrowthPlan
 from specgraph.layout import physical
 from specgraph.models.loader import load_model
 from specgraph.runtime.stage import Stage
+from specgraph.sampling import SamplingRows
 from specgraph.tree import Tree
 
 CPU = torch.device("cpu")
@@ -188,7 +189,8 @@ def pipeline_stage(index: int, tree: dict | None = None):
     name = f"s{index}"
     node = graph.node(name)
     common = dict(names=["s0", "s1", "s2"], index=index, leaders=[2, 1, 0], mailbox=QuietMailbox(), window=node["window"] or 0,
-                  ahead=node["ahead"], synchronous=False, device=CPU, max_seq_len=96, eos_ids=())
+                  ahead=node["ahead"], synchronous=False, device=CPU, max_seq_len=96, eos_ids=(),
+                  sampling=SamplingRows.of([graph.recipe.sampling], CPU))
     stage = load_stage(graph, name)
     if index == 0:
         drafter = Drafter(stage, node["tree"], "greedy", graph.recipe.sampling, node["feeds"])

@@ -7,7 +7,8 @@ After:  + `step_tokens`: the most tokens one step writes past the committed pref
         + `cache_slots`: KV slots = max_seq_len + step_tokens (in a pipeline, + a slack: a stage's
         committed tokens may pass the last stage's by what the stages may run ahead of each other
         and overshoot in one step); `kv_bytes` and `weight_bytes`, for the report and for
-        placement checks.
+        placement checks; `block_size`, `kv_blocks` and `requests`: the pool's blocks and the rows
+        of its block table (_plan_pool).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from specgraph.growing import GrowthPlan
 from specgraph.models.hybrid import STEP_TOKENS, HybridShape
 from specgraph.models.loader import model_shape
 from specgraph.passes.base import graph_pass
+from specgraph.recipe import DynamicTree
 
 
-@graph_pass(requires=("config", "dtype", "tree_nodes", "window", "ahead", "feeds"), provides=("step_tokens", "cache_slots", "kv_bytes", "weight_bytes"))
+@graph_pass(requires=("config", "dtype", "tree_nodes", "window", "ahead", "feeds"), provides=("step_tokens", "cache_slots", "kv_bytes", "weight_bytes", "block_size", "kv_blocks", "requests"))
 def plan_memory(graph: SpecGraph) -> SpecGraph:
     max_seq_len = graph.recipe.max_seq_len
     stages = graph.stages()
@@ -44,8 +46,9 @@ def plan_memory(graph: SpecGraph) -> SpecGraph:
             step_tokens = 1 + graph.node(drafter)["tree_nodes"]
         elif isinstance(node["tree"], GrowthPlan):
             step_tokens = node["tree"].region
-        else:  # a drafter (or a target alone, as if it were one)
-            step_tokens = (node["feeds"] or CATCH_UP) + node["tree_nodes"]
+        else:  # a drafter (or a target alone, as if it were one): its catch-up and the nodes it feeds
+            fed = (node["tree"].depth - 1) * node["tree"].width if isinstance(node["tree"], DynamicTree) else 0
+            step_tokens = (node["feeds"] or CATCH_UP) + max(node["tree_nodes"], fed)
         shape = model_shape(node["config"])
         if isinstance(shape, HybridShape) and step_tokens > STEP_TOKENS:
             if node["window"]:
@@ -61,8 +64,26 @@ def plan_memory(graph: SpecGraph) -> SpecGraph:
         node["kv_bytes"] = shape.cache_bytes(node["cache_slots"], itemsize)
         tied = bool(node["config"].tie_word_embeddings)
         node["weight_bytes"] = shape.parameter_count(tied) * itemsize
+    _plan_pool(graph)
     _warn_of_large_drafters(graph)
     return graph
+
+
+def _plan_pool(graph: SpecGraph) -> None:
+    """Every stage's KV pool: its blocks of `serving.block_size` slots and its table's rows. The
+    serial executor's engine shares one block numbering among its stages (engine/pool.py) and has
+    a row per request it decodes at once, plus a padding row; the other executors decode one
+    request at a time, in row 0 of a pool of their own."""
+    serving, size = graph.recipe.serving, graph.recipe.serving.block_size
+    longest = max(graph.node(n)["cache_slots"] for n in graph.stages())
+    for name in graph.stages():
+        node = graph.node(name)
+        node["block_size"] = size
+        if graph.recipe.execution == "serial":
+            node["requests"] = serving.max_batch + 1
+            node["kv_blocks"] = serving.kv_blocks or 1 + serving.max_batch * -(-longest // size)
+        else:
+            node["requests"], node["kv_blocks"] = 1, 1 + -(-node["cache_slots"] // size)
 
 
 def _warn_of_large_drafters(graph: SpecGraph) -> None:

@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from specgraph.draft import CATCH_UP, Draft, Drafter
+from specgraph.draft import CATCH_UP, Draft, Drafter, Requests
+from specgraph.draws import Draws
 from specgraph.growing import GrowingDrafter
 from specgraph.launch import PROGRESS
 from specgraph.runtime.channel import Link, ProtocolError, TreeMessage, VerdictMessage
@@ -32,6 +33,7 @@ from specgraph.runtime.sequence import Sequence
 from specgraph.runtime.graphs import Replays
 from specgraph.runtime.stage import Stage
 from specgraph.runtime.verifier import Verifier
+from specgraph.sampling import SamplingRows
 from specgraph.tree import Tree, TreeStructure
 
 
@@ -44,10 +46,11 @@ class TargetWorker:
     """The target's part: verify each tree the drafter sends, send back the verdict."""
 
     def __init__(self, verifier: Verifier, trees: Link, verdicts: Link, drafter_name: str, nodes: int, depth: int,
-                 drawn_proposals: bool, eos_ids: tuple[int, ...], max_seq_len: int, step_graphs: bool):
+                 drawn_proposals: bool, eos_ids: tuple[int, ...], max_seq_len: int, step_graphs: bool,
+                 sampling: SamplingRows):
         """`nodes`, `depth`: the trees' N and depth bound; `drawn_proposals`: trees come with the
         distributions their children were drawn from (else each node's proposal is its one-hot)."""
-        self.verifier, self.trees, self.verdicts = verifier, trees, verdicts
+        self.verifier, self.trees, self.verdicts, self.sampling = verifier, trees, verdicts, sampling
         self.device = verifier.device
         self.nodes, self.depth = nodes, depth
         self.max_seq_len = max_seq_len
@@ -62,33 +65,33 @@ class TargetWorker:
         self.phases = Replays(step_graphs, verifier.stage.pool)
         self.waiting = f"waiting for a tree from stage {drafter_name} (rank {trees.src_rank})"
 
-    def _verify(self, packed: torch.Tensor, generator: torch.Generator | None, width: int) -> tuple[torch.Tensor, ...]:
+    def _verify(self, packed: torch.Tensor, sampling: SamplingRows, draws: Draws | None,
+                width: int) -> tuple[torch.Tensor, ...]:
         """One tree (packed as its message) -> (the verdict's message packed, [ok, stop, count, *new])."""
         message = TreeMessage.unpack(packed, self.proposal_buffer)
         seq = self.sequence
-        structure = TreeStructure.of_parents(message.parents, self.depth, self.nodes)
-        proposals = message.proposals
-        if proposals is None and self.verifier.spec.rule == "sampling":  # chosen children: each its own one-hot
-            proposals = torch.nn.functional.one_hot(message.tokens, self.verifier.stage.logits_width).float()
-            proposals[0].zero_()
-        tree = Tree(message.tokens, message.parents, proposals, structure)
+        structure = TreeStructure.of_parents(message.parents[None], self.depth, self.nodes)
+        proposals = None if message.proposals is None else message.proposals[None]  # (None: chosen, each its one-hot)
+        tree = Tree(message.tokens[None], message.parents[None], proposals, structure)
         ok = message.continues(seq.length)
-        logits = self.verifier.score(tree, seq.length, width)
-        verdict = self.verifier.verdict(tree, logits, generator)
-        count, new = verdict.accepted(tree)
+        row = torch.zeros(1, dtype=torch.long, device=self.device)
+        logits, layout = self.verifier.score(tree, row, seq.length.reshape(1), width)
+        verdict = self.verifier.verdict(tree, logits, layout, sampling, draws)
+        counts, news = verdict.accepted(tree)
+        count, new, path = counts[0], news[0], verdict.paths[0]
         base = seq.length.clone()
-        self.verifier.commit(verdict.path, seq.length)
+        self.verifier.commit(verdict.paths, row, base.reshape(1))
         seq.append(new, count)
         self.emitted += count
         ends = (new[None, :] == self.eos[:, None]).any(0) & (torch.arange(new.numel(), device=self.device) < count)
         stop = (self.emitted >= self.budget) | ends.any()
-        reply = VerdictMessage(base, count, stop, verdict.path, new).pack()
+        reply = VerdictMessage(base, count, stop, path, new).pack()
         return reply, torch.cat([torch.stack([ok.long(), stop.long(), count]), new])
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
         start = time.perf_counter()
-        generator = torch.Generator(self.device).manual_seed(seed) if self.verifier.draws else None
+        draws = Draws.of([seed], self.device) if self.verifier.draws else None
         prompt = torch.tensor(prompt_ids, device=self.device)
         self.sequence.start(prompt)
         self.verifier.prefill(prompt)
@@ -106,7 +109,8 @@ class TargetWorker:
             self.trees.recv(*buffers)
             clock.mark()
             width = self.verifier.stage.width(length, self.nodes + 1)
-            reply, result = self.phases.run("verify", lambda t: self._verify(t, generator, width), self.tree_buffer)
+            reply, result = self.phases.run("verify", lambda t: self._verify(t, self.sampling, draws, width),
+                                            self.tree_buffer)
             clock.mark()
             self.verdicts.send(reply)
             ok, stop, count, *new = _read(result)
@@ -132,8 +136,9 @@ class DraftWorker:
     """The drafter's part: send a tree, grow while it is verified, re-root at its verdict."""
 
     def __init__(self, drafter: GrowingDrafter | Drafter, trees: Link, verdicts: Link, target_name: str,
-                 max_seq_len: int, step_graphs: bool):
-        self.drafter, self.trees, self.verdicts = drafter, trees, verdicts
+                 max_seq_len: int, step_graphs: bool, sampling: SamplingRows):
+        """`sampling`: the recipe's settings, with which a static drafter draws."""
+        self.drafter, self.trees, self.verdicts, self.sampling = drafter, trees, verdicts, sampling
         self.stage = drafter.stage
         self.device = self.stage.device
         growing = isinstance(drafter, GrowingDrafter)
@@ -144,7 +149,8 @@ class DraftWorker:
         self.verdict_buffer = torch.zeros(2 * self.depth + 5, dtype=torch.long, device=self.device)
         self.phases = Replays(step_graphs, self.stage.pool)
         self.waiting = f"waiting for a verdict from stage {target_name} (rank {verdicts.src_rank})"
-        self._draft: Draft | None = None  # the static drafter's last tree, for its commit
+        self._draft: Draft | None = None  # the static drafter's last tree and request, for its commit
+        self._request: Requests | None = None
 
     def _width(self, length: int) -> int:
         """Slots the drafter's forwards attend over, `length` tokens committed."""
@@ -173,18 +179,19 @@ class DraftWorker:
         return torch.stack([ok.long(), verdict.stop.long(), verdict.count, survived.long(), present.long()])
 
     # -- a static tree: drafted anew after each verdict
-    def _static_draft(self, length: int, feeds: int, generator) -> tuple[torch.Tensor, ...]:
+    def _static_draft(self, length: int, feeds: int, draws: Draws | None) -> tuple[torch.Tensor, ...]:
         seq = self.sequence
-        self._draft = self.drafter.draft(seq.tokens, seq.length, self._width(length), generator, feeds)
+        self._request = Requests.one(seq.tokens, seq.length, feeds)
+        self._draft = self.drafter.draft(self._request, self._width(length), self.sampling, draws)
         tree = self._draft.tree
-        packed = TreeMessage(seq.length, tree.tokens, tree.parents).pack()
-        return (packed,) if tree.proposals is None else (packed, tree.proposals.float())
+        packed = TreeMessage(seq.length, tree.tokens[0], tree.parents[0]).pack()
+        return (packed,) if tree.proposals is None else (packed, tree.proposals[0].float())
 
     def _static_settle(self, packed: torch.Tensor) -> torch.Tensor:
         verdict = VerdictMessage.unpack(packed)
         seq = self.sequence
         ok = verdict.continues(seq.length)
-        self.drafter.commit(self._draft, verdict.path, seq.length)
+        self.drafter.commit(self._draft, verdict.path[None], self._request)
         seq.append(verdict.new, verdict.count)
         none = torch.zeros_like(verdict.count)
         return torch.stack([ok.long(), verdict.stop.long(), verdict.count, none, none])
@@ -192,7 +199,7 @@ class DraftWorker:
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
         growing = isinstance(self.drafter, GrowingDrafter)
-        generator = None if growing else torch.Generator(self.device).manual_seed(seed + 1)
+        draws = None if growing else Draws.of([seed + 1], self.device)
         prompt = torch.tensor(prompt_ids, device=self.device)
         self.sequence.start(prompt)
         if not growing:
@@ -207,7 +214,7 @@ class DraftWorker:
         clock = Clock(self.device)
         clock.mark()
         tree = (self.phases.run(f"restart{feeds}", lambda: self._restart(length, feeds)) if growing
-                else self._static_draft(length, feeds, generator))
+                else self._static_draft(length, feeds, draws))
         while True:
             PROGRESS.enter("drafting")
             self.trees.send(*(tree if isinstance(tree, tuple) else (tree,)))
@@ -231,7 +238,7 @@ class DraftWorker:
                 break
             PROGRESS.enter("drafting")
             if not growing:
-                tree = self._static_draft(length, CATCH_UP, generator)
+                tree = self._static_draft(length, CATCH_UP, draws)
             elif kept:
                 survived += 1
                 tree = self.phases.run("select", self._select)
@@ -263,12 +270,14 @@ def disaggregated_executor(graph, stages: dict[str, Stage], ranks) -> TargetWork
     node, draft_node = graph.node(target), graph.node(drafter)
     plan = draft_node["tree"]
     recipe = graph.recipe
+    sampling = SamplingRows.of([recipe.sampling], graph.node(target if ranks.runs(target) else drafter)["device"])
     if ranks.runs(target):
         drawn = not isinstance(plan, GrowthPlan) and node["rule"] == "sampling"
         return TargetWorker(verifier_of(graph, stages), trees, verdicts, drafter, draft_node["tree_nodes"],
-                            draft_node["tree_depth"], drawn, node["eos_ids"], recipe.max_seq_len, node["step_graphs"])
+                            draft_node["tree_depth"], drawn, node["eos_ids"], recipe.max_seq_len, node["step_graphs"],
+                            sampling)
     if isinstance(plan, GrowthPlan):
         grower = GrowingDrafter(stages[drafter], plan)
     else:
-        grower = Drafter(stages[drafter], plan, node["rule"], recipe.sampling)
-    return DraftWorker(grower, trees, verdicts, target, recipe.max_seq_len, draft_node["step_graphs"])
+        grower = Drafter(stages[drafter], plan, node["rule"])
+    return DraftWorker(grower, trees, verdicts, target, recipe.max_seq_len, draft_node["step_graphs"], sampling)

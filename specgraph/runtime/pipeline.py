@@ -50,24 +50,24 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from specgraph.draft import CATCH_UP, Drafter
+from specgraph.draft import CATCH_UP, Drafter, Requests
+from specgraph.draws import Draws
 from specgraph.launch import PROGRESS as WATCHDOG
 from specgraph.recipe import ChainTree
 from specgraph.runtime.channel import Mail, Mailbox, ProtocolError
 from specgraph.runtime.executor import Generation, Output
 from specgraph.runtime.sequence import Sequence
 from specgraph.runtime.verifier import Verifier
-from specgraph.sampling import probs_from_logits
+from specgraph.sampling import SamplingRows, probs_from_logits
 from specgraph.tree import Tree, TreeStructure
 
 TOKENS, TREE, PROGRESS, CHECK, STOP, DONE = range(6)
 
 
-def stream(seed: int, index: int, device: torch.device) -> torch.Generator:
+def stream(seed: int, index: int, device: torch.device) -> Draws:
     """Stage `index`'s random numbers for a request of `seed`: a stream of its own (two stages
-    drawing the same uniforms would accept together, which biases what the stage above sees; the
-    CPU generator keeps only 32 bits of a seed, so the streams differ in those)."""
-    return torch.Generator(device).manual_seed((seed * 1009 + index) % (1 << 32))
+    drawing the same uniforms would accept together, which biases what the stage above sees)."""
+    return Draws.of([seed * 1009 + index], device)
 
 
 @dataclass
@@ -131,11 +131,12 @@ class PipelineStage:
 
     def __init__(self, names: list[str], index: int, leaders: list[int], mailbox: Mailbox | None, window: int,
                  ahead: int, synchronous: bool, device: torch.device, max_seq_len: int, eos_ids: tuple[int, ...],
-                 followers: Followers | None = None):
+                 sampling: SamplingRows, followers: Followers | None = None):
         """`names`, `leaders`: every stage's name and rank, first stage first; `mailbox`: the
         leader's (None on the other ranks of a tensor-parallel stage, which follow its decisions
         through `followers`); `window`: tokens verified per step (stage > 0); `ahead`: own tokens
-        that may be unverified above (stage < last); `eos_ids`: where the last stage's output ends."""
+        that may be unverified above (stage < last); `eos_ids`: where the last stage's output ends;
+        `sampling`: the request's settings (the recipe's)."""
         self.name, self.index, self.mailbox, self.followers = names[index], index, mailbox, followers
         self.below = leaders[index - 1] if index > 0 else None
         self.above = leaders[index + 1] if index + 1 < len(leaders) else None
@@ -145,7 +146,7 @@ class PipelineStage:
         if mailbox is None:
             self.waiting = f"waiting for the decisions of its leader (rank {leaders[index]})"
         self.window, self.ahead, self.synchronous = window, ahead, synchronous
-        self.device, self.max_seq_len, self.eos_ids = device, max_seq_len, tuple(eos_ids)
+        self.device, self.max_seq_len, self.eos_ids, self.sampling = device, max_seq_len, tuple(eos_ids), sampling
 
     # -- per request state
     def start(self, prompt_ids: list[int]) -> None:
@@ -379,7 +380,7 @@ class DraftingStage(PipelineStage):
         self.sequence.start(prompt)
         self.drafter.prefill(prompt)
         self.fed = max(0, len(prompt_ids) - CATCH_UP)
-        self.generator = stream(seed, self.index, self.device) if self.draws else None
+        self.stream = stream(seed, self.index, self.device) if self.draws else None
         self.tree_out = False  # a tree is out, its CHECK not in yet
 
     def can_step(self) -> bool:
@@ -390,24 +391,26 @@ class DraftingStage(PipelineStage):
         feeds = length - self.fed
         assert 1 <= feeds <= self.drafter.max_feeds, f"stage {self.name}: {feeds} tokens to catch up"
         seq = self.sequence
-        draft = self.drafter.draft(seq.tokens, seq.length, self.stage.width(length, self.nodes + feeds),
-                                   self.generator, feeds)
+        request = Requests.one(seq.tokens, seq.length, feeds)
+        draft = self.drafter.draft(request, self.stage.width(length, self.drafter.span + feeds), self.sampling,
+                                   self.stream)
         tree = draft.tree
+        tokens = tree.tokens[0]
         rows = None
         if self.draws:  # the distribution each node was drawn from (chosen, not drawn: its one-hot)
-            rows = tree.proposals.float() if tree.proposals is not None else (
-                torch.nn.functional.one_hot(tree.tokens, self.vocab).float())
+            rows = tree.proposals[0].float() if tree.proposals is not None else (
+                torch.nn.functional.one_hot(tokens, self.vocab).float())
             rows[0] = 0.0
         if self.trees:
-            payload = torch.cat([tree.tokens, tree.parents]).tolist()  # the step's host read
+            payload = torch.cat([tokens, tree.parents[0]]).tolist()  # the step's host read
             self.fed = length  # the catch-up fed up to the root; the nodes wait for their CHECK
             self.tree_out = True
             self.counts.proposed += self.nodes
             self.send(self.above, [TREE, self.epoch_seen, length, len(payload), 0 if rows is None else len(rows)],
                       payload, None if rows is None else rows.cpu())
             return
-        self.drafter.commit(draft, self.path, seq.length)
-        new = tree.tokens[1:]  # [k]
+        self.drafter.commit(draft, self.path[None], request)
+        new = tokens[1:]  # [k]
         seq.append(new, self.chain_count)
         tokens = new.tolist()  # the step's host read
         if rows is not None:
@@ -442,7 +445,7 @@ class VerifyingStage(PipelineStage):
     def begin(self, prompt_ids: list[int], seed: int) -> None:
         self.verifier.prefill(torch.tensor(prompt_ids, device=self.device))
         self.fed = len(prompt_ids) - 1
-        self.generator = stream(seed, self.index, self.device) if self.verifier.draws else None
+        self.stream = stream(seed, self.index, self.device) if self.verifier.draws else None
         self.tree: tuple[list[int], list[int], torch.Tensor | None] | None = None  # a tree from below, unverified
 
     def can_step(self) -> bool:
@@ -486,19 +489,21 @@ class VerifyingStage(PipelineStage):
                 proposals[1 + i, token] = 1.0
             if n:
                 proposals[1 + f :] = torch.stack(drafted_proposals[1:]).to(self.device)
-        tree = Tree(token_tensor, torch.tensor(parents, device=self.device), proposals, structure)
-        base_tensor = torch.tensor(base, device=self.device)
-        logits = self.verifier.score(tree, base_tensor, self.stage.width(base, len(tokens)))
+        tree = Tree(token_tensor[None], torch.tensor([parents], device=self.device),
+                    None if proposals is None else proposals[None], structure)
+        row, lengths = torch.zeros(1, dtype=torch.long, device=self.device), torch.tensor([base], device=self.device)
+        logits, layout = self.verifier.score(tree, row, lengths, self.stage.width(base, len(tokens)))
         if forced:  # a token adopted from above is certain at its parent
             logits = logits.clone()
             certain = torch.full_like(logits[:f], float("-inf"))
             certain[torch.arange(f), token_tensor[1 : 1 + f]] = 0.0
             logits[:f] = certain
-        verdict = self.verifier.verdict(tree, logits, self.generator)
-        count, new = verdict.accepted(tree)
-        self.verifier.commit(verdict.path, base_tensor)
-        probs = probs_from_logits(logits.float(), self.verifier.sampling) if self.sends_proposals else None
-        read = torch.cat([count.reshape(1), new, verdict.path]).tolist()  # the step's host read
+        verdict = self.verifier.verdict(tree, logits, layout, self.sampling, self.stream)
+        counts, news = verdict.accepted(tree)
+        count, new = counts[0], news[0]
+        self.verifier.commit(verdict.paths, row, lengths)
+        probs = probs_from_logits(logits[None], self.sampling)[0] if self.sends_proposals else None
+        read = torch.cat([count.reshape(1), new, verdict.paths[0]]).tolist()  # the step's host read
         count, new, path = read[0], read[1 : 1 + new.numel()], read[1 + new.numel() :]
         new = new[:count]
         assert new[:f] == forced, "an adopted token was not kept"
@@ -560,9 +565,10 @@ def pipeline_executor(graph, stages: dict, ranks) -> PipelineStage:
         followers = Followers(ranks.groups[name], ranks.leader(name), node["device"], capacity, vocab)
     common = dict(names=names, index=index, leaders=[ranks.leader(n) for n in names], mailbox=mailbox,
                   window=node["window"] or 0, ahead=node["ahead"] or 0, synchronous=recipe.pipeline.synchronous,
-                  device=node["device"], max_seq_len=recipe.max_seq_len, eos_ids=node["eos_ids"], followers=followers)
+                  device=node["device"], max_seq_len=recipe.max_seq_len, eos_ids=node["eos_ids"],
+                  sampling=SamplingRows.of([recipe.sampling], node["device"]), followers=followers)
     if index == 0:
-        drafter = Drafter(stages[name], node["tree"], graph.node(names[1])["rule"], recipe.sampling, node["feeds"])
+        drafter = Drafter(stages[name], node["tree"], graph.node(names[1])["rule"], node["feeds"])
         return DraftingStage(drafter, trees, draws, node["cache_slots"], **common)
     return VerifyingStage(verifier_of(graph, stages, name), draws and index + 1 < len(names),
                           trees and index == 1, **common)

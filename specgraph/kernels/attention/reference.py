@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specgraph.layout import physical
 
 
 def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
@@ -18,16 +17,15 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     layout's table [rows, M], rows [R], cu [R + 1], starts [R], visible [T, G], grid [R, G], block
     size and width (Layout). Returns [1, H, T, K] in q's dtype (padding tokens: 0), softmax scale
     1/sqrt(K)."""
-    g = visible.shape[1]
-    virtual = torch.arange(width, device=q.device)  # [W]
-    slots = physical(table, block_size, rows[:, None], virtual[None, :])  # [R, W]
-    keys = k_cache[0][:, slots].transpose(0, 1)  # [R, Hkv, W, K]
-    values = v_cache[0][:, slots].transpose(0, 1)
-    token = grid.clamp(min=0)  # [R, G]
-    queries = q[0][:, token].transpose(0, 1)  # [R, H, G, K]
-    offset = virtual[None, :] - starts[:, None]  # [R, W]: virtual slot - region start
-    seen = visible[token].gather(2, offset.clamp(0, g - 1)[:, None, :].expand(-1, g, -1))  # [R, G, W]
-    mask = (offset[:, None, :] < 0) | (seen & (offset[:, None, :] < g))
+    (r, g), (hkv, k) = grid.shape, k_cache.shape[1::2]
+    blocks = table.index_select(0, rows)[:, : -(-width // block_size)].flatten()  # [R M']: each segment's first blocks
+    keys, values = (cache[0].view(hkv, -1, block_size, k).index_select(1, blocks).view(hkv, r, -1, k)[:, :, :width]
+                    .transpose(0, 1) for cache in (k_cache, v_cache))  # [R, Hkv, W, K]: each segment's virtual slots
+    token = grid.clamp(min=0).flatten()  # [R G]
+    queries = q[0].index_select(1, token).view(q.shape[1], r, g, -1).transpose(0, 1)  # [R, H, G, K]
+    offset = torch.arange(width, device=q.device)[None, :] - starts[:, None]  # [R, W]: virtual slot - region start
+    seen = visible.index_select(0, token).view(r, g, g).gather(2, offset.clamp(0, g - 1)[:, None, :].expand(-1, g, -1))
+    mask = (offset[:, None, :] < 0) | (seen & (offset[:, None, :] < g))  # [R, G, W]
     mask = mask | (grid < 0)[..., None]  # (rows past a segment's tokens see everything: unused, never NaN)
     # enable_gqa always (a group of one when H == Hkv): computed from the shapes it would be a
     # symbolic bool under torch.compile with dynamic head counts, which SDPA refuses

@@ -1,0 +1,114 @@
+"""The engine: requests in, tokens out, many requests at once.
+
+Each `step` admits the waiting requests that fit (a request slot and the blocks of its longest
+sequence: scheduler.py), feeds one chunk of the prompt of the earliest one still prefilling, and
+decodes every request whose prompt is in, together (runner.py): a finished request's place goes to
+the next waiting one at the next step. `Program.generate`, `specgraph run --batch`, `bench` and
+the HTTP server all drive it. Tokenizing lives at the edges; the engine sees token ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from specgraph.engine.pool import BlockPool
+from specgraph.engine.request import DECODE, FINISHED, Request
+from specgraph.engine.runner import Runner
+from specgraph.engine.scheduler import Scheduler
+from specgraph.errors import PromptError
+from specgraph.recipe import SamplingSpec
+from specgraph.runtime.executor import Generation, Output
+
+
+class Engine:
+    def __init__(self, runner: Runner, eos_ids: tuple[int, ...], max_seq_len: int, slots: int, pool: BlockPool,
+                 region: int, prefill_chunk: int, sampling: SamplingSpec):
+        """`slots`: requests in flight at most; `region`: virtual slots a step writes past a
+        request's committed tokens (the largest of its stages'); `sampling`: the recipe's settings,
+        which requests take where they give none."""
+        self.runner, self.eos_ids, self.max_seq_len = runner, tuple(eos_ids), max_seq_len
+        self.region, self.prefill_chunk, self.sampling = region, prefill_chunk, sampling
+        self.scheduler = Scheduler(pool, slots, self._slots_needed)
+        self.device = runner.device
+        self._ids = itertools.count()
+        self.requests: dict[str, Request] = {}
+
+    def _slots_needed(self, request: Request) -> int:
+        return min(len(request.prompt) + request.max_new_tokens, self.max_seq_len) + self.region
+
+    def add_request(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingSpec | None = None,
+                    request_id: str | None = None) -> Request:
+        """Queue a request (its settings: the recipe's where not given) -> its handle; a prompt that
+        cannot be decoded is refused here (PromptError), before it takes any place."""
+        if not 0 < len(prompt_ids) < self.max_seq_len:
+            raise PromptError(f"a prompt of {len(prompt_ids)} tokens does not fit: prompts need 1 to "
+                              f"{self.max_seq_len - 1} tokens (max_seq_len {self.max_seq_len})")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise PromptError(f"max_new_tokens: must be a whole number of at least 1 (got {max_new_tokens!r})")
+        sampling = sampling or self.sampling
+        if (sampling.temperature > 0) != (self.sampling.temperature > 0):
+            raise PromptError(f"temperature {sampling.temperature}: this program verifies "
+                              f"{'by sampling' if self.sampling.temperature > 0 else 'greedily'}; give a temperature "
+                              f"{'above 0' if self.sampling.temperature > 0 else 'of 0'}, or a recipe that does")
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise PromptError(f"request id {request_id!r} is in use")
+        generation = Generation(output_ids=[])
+        output = Output(generation, len(prompt_ids), max_new_tokens, self.max_seq_len, self.eos_ids)
+        request = Request(request_id, list(prompt_ids), max_new_tokens, sampling, output)
+        self.scheduler.add(request)
+        self.requests[request_id] = request
+        return request
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is; its place goes to the next."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.finish(request)
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.busy
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """One step -> the requests that got tokens in it (each finished one is out of the engine)."""
+        for request in self.scheduler.admit():
+            self.runner.start(request.slot, request.blocks, request.prompt, request.sampling)
+        newcomer = self.scheduler.prefilling()
+        if newcomer is not None:
+            end = min(newcomer.fed + self.prefill_chunk, len(newcomer.prompt) - 1)
+            self.runner.prefill(newcomer.slot, newcomer.fed, end)
+            newcomer.fed = end
+            if end >= len(newcomer.prompt) - 1:
+                newcomer.status = DECODE
+        running = self.scheduler.decoding()
+        if not running:
+            return []
+        news, clock = self.runner.decode([r.slot for r in running])
+        draft_s, verify_s = clock.seconds()
+        now = time.perf_counter()
+        for request, new in zip(running, news):
+            gen = request.generation
+            request.steps += 1
+            gen.target_steps += 1
+            gen.draft_seconds += draft_s
+            gen.verify_seconds += verify_s
+            done = request.output.take(new)
+            if request.steps == 1:
+                gen.first_token_seconds = now - request.arrival
+            if done:
+                gen.seconds = now - request.arrival
+                self.scheduler.finish(request)
+                del self.requests[request.id]
+        return running
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
+        """One request, decoded to its end (with whatever else is in flight) -> its Generation."""
+        request = self.add_request(prompt_ids, max_new_tokens, self.sampling.model_copy(update={"seed": seed}))
+        while request.status != FINISHED:
+            self.step()
+        return request.generation

@@ -1,0 +1,135 @@
+"""The device side of an engine: every request slot's committed tokens, sampling settings and
+random stream, the stages' block tables, and the batched work of a step.
+
+A decoding step over R requests is two phases that read and write only device tensors:
+  draft   - every request's catch-up and tree growth, one forward per tree level for all of them;
+  verify  - the target scores the concatenation of all trees in one forward (ragged where a
+            budget sizes them), the rule picks each request's path and bonus, both caches move the
+            accepted K/V into place and the new tokens are appended.
+The host reads once per step: each request's count of new tokens and the tokens. With no drafter
+it is plain autoregressive decoding through the same path (root-only trees).
+
+Slot `slots` (one past the last request slot) is the padding row a step may add to reach a
+captured size: its table row points at the trash block, and its committed length is put back
+after every step, so whatever it computes stays there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specgraph.draft import CATCH_UP, Draft, Drafter, Requests
+from specgraph.draws import Draws
+from specgraph.recipe import SamplingSpec
+from specgraph.runtime.clock import Clock
+from specgraph.runtime.verifier import Verifier
+from specgraph.sampling import SamplingRows
+from specgraph.tree import Tree, TreeStructure
+
+
+class Runner:
+    def __init__(self, verifier: Verifier, drafter: Drafter | None, slots: int, capacity: int):
+        """`slots`: request slots (rows of the stages' tables, less the padding row); `capacity`:
+        committed tokens a request may reach, and a step's worth past them."""
+        self.verifier, self.drafter = verifier, drafter
+        self.device = verifier.device
+        self.stages = [verifier.stage] + ([drafter.stage] if drafter is not None else [])
+        self.padding = slots
+        rows = slots + 1
+        self.tokens = torch.zeros(rows, capacity, dtype=torch.long, device=self.device)  # [rows, capacity]
+        self.lengths = torch.full((rows,), CATCH_UP, dtype=torch.long, device=self.device)  # [rows]
+        self.host_lengths = [CATCH_UP] * rows
+        self.sampling = SamplingRows.of([SamplingSpec()] * rows, self.device)
+        self.draws = Draws(torch.zeros(rows, dtype=torch.long, device=self.device),
+                           torch.zeros(rows, dtype=torch.long, device=self.device))
+        self._root = TreeStructure.of([-1], self.device)
+        for stage in self.stages:
+            stage.table[self.padding].zero_()
+
+    # -- a request's slot
+    def start(self, slot: int, blocks: list[int], prompt: list[int], sampling: SamplingSpec) -> None:
+        """A request takes `slot`: its blocks in every stage's table, its prompt committed, its
+        settings and stream (seeded by sampling.seed), its recurrent state (hybrid) zeroed."""
+        rows = torch.tensor([slot], device=self.device)
+        for stage in self.stages:
+            stage.table[slot].zero_()
+            stage.table[slot, : len(blocks)] = torch.tensor(blocks, device=self.device)
+            stage.cache.reset(rows)
+        self.tokens[slot, : len(prompt)] = torch.tensor(prompt, device=self.device)
+        self.lengths[slot] = len(prompt)
+        self.host_lengths[slot] = len(prompt)
+        settings = SamplingRows.of([sampling], self.device)
+        for name in ("temperature", "top_p", "top_k"):
+            getattr(self.sampling, name)[slot] = getattr(settings, name)[0]
+        self.sampling.filters = self.sampling.filters or settings.filters
+        self.draws.seeds[slot], self.draws.counters[slot] = sampling.seed, 0
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, start: int, end: int) -> None:
+        """Feed the prompt tokens [start, end) of `slot`'s request to the target, and those below the
+        drafter's share (all but the last two) to the drafter, each chunk kept."""
+        stages = [(self.verifier.stage, self.host_lengths[slot] - 1)]
+        if self.drafter is not None:
+            stages.append((self.drafter.stage, self.host_lengths[slot] - CATCH_UP))
+        rows = torch.tensor([slot], device=self.device)
+        for stage, share in stages:
+            stop = min(end, share)
+            if stop <= start:
+                continue
+            count = stop - start
+            offsets = torch.arange(count, device=self.device)
+            causal = torch.ones(count, count, dtype=torch.bool, device=self.device).tril()
+            stage.forward_rows(self.tokens[slot, start:stop][None], (start + offsets)[None], rows,
+                               torch.tensor([start], device=self.device), offsets[None], causal[None], stop)
+            stage.cache.keep(rows, torch.tensor([count], device=self.device))
+
+    # -- decoding
+    @torch.inference_mode()
+    def decode(self, slots: list[int], budget: int | None = None) -> tuple[list[list[int]], Clock]:
+        """One step of the requests in `slots` -> each one's new tokens (accepted drafts and the
+        bonus, past its end as the step made them) and the step's clock (draft, verify marks).
+        `budget`: draft nodes verified over the whole batch (a dynamic drafter), None: each its tree's."""
+        rows = torch.tensor(slots, device=self.device)
+        longest = max(self.host_lengths[s] for s in slots)
+        clock = Clock(self.device)
+        clock.mark()
+        draws = Draws(self.draws.seeds[rows], self.draws.counters[rows])
+        requests = Requests(rows, self.tokens, self.lengths[rows], self.lengths[rows].clamp(max=CATCH_UP), CATCH_UP)
+        sampling = self.sampling.take(rows)
+        draft = None
+        if self.drafter is not None:
+            width = self.drafter.stage.width(longest, self.drafter.span)
+            draft = self.drafter.draft(requests, width, sampling, draws, budget)
+        clock.mark()
+        tree = self._roots(requests) if draft is None else draft.tree
+        result = self._settle(tree, draft, requests, sampling, draws, longest)  # [R, D + 2]
+        clock.mark()
+        self.draws.counters.index_copy_(0, rows, draws.counters)
+        out = []
+        for slot, (count, *new) in zip(slots, result.tolist()):  # the step's one host read
+            self.host_lengths[slot] += count
+            out.append(new[:count])
+        return out, clock
+
+    def _settle(self, tree: Tree, draft: Draft | None, requests: Requests, sampling: SamplingRows, draws: Draws,
+                longest: int) -> torch.Tensor:
+        """The target's forward of the trees and what follows it: verdicts, both caches' commits and
+        the append -> [R, D + 2]: each request's count of new tokens, then the new tokens (padded)."""
+        verifier = self.verifier
+        width = verifier.stage.width(longest, tree.size)
+        logits, layout = verifier.score(tree, requests.rows, requests.lengths, width)
+        verdict = verifier.verdict(tree, logits, layout, sampling, draws if verifier.draws else None)
+        counts, new = verdict.accepted(tree)
+        verifier.commit(verdict.paths, requests.rows, requests.lengths)
+        if draft is not None:
+            self.drafter.commit(draft, verdict.paths, requests)
+        at = requests.lengths[:, None] + torch.arange(new.shape[1], device=self.device)  # [R, D + 1]
+        self.tokens[requests.rows[:, None], at] = new  # (past the count: garbage the next step overwrites)
+        self.lengths.index_copy_(0, requests.rows, requests.lengths + counts)
+        return torch.cat([counts[:, None], new], 1)
+
+    def _roots(self, requests: Requests) -> Tree:
+        """An autoregressive step's trees: each request's last committed token alone."""
+        r = requests.size
+        return Tree(requests.last(1)[1], torch.full((r, 1), -1, dtype=torch.long, device=self.device), None,
+                    self._root.expand(r))
