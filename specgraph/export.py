@@ -32,6 +32,7 @@ from specgraph.cache import KVCache
 from specgraph.errors import SpecgraphError
 from specgraph.files import check_output, read_json, write_output
 from specgraph.kernels import Kernels
+from specgraph.layout import Layout
 from specgraph.models.hybrid import HybridModel, HybridShape
 from specgraph.models.llama import LlamaShape
 from specgraph.models.loader import DTYPES
@@ -63,14 +64,22 @@ def program_key(recipe: Recipe) -> str:
 
 
 class _StepModule(nn.Module):
-    """A stage's forward with the cache as plain tensor inputs (what torch.export takes)."""
+    """A stage's forward with its layout and cache as plain tensor inputs (what torch.export takes)."""
 
-    def __init__(self, model: nn.Module, cache_type: type[KVCache]):
+    def __init__(self, model: nn.Module, cache_type: type[KVCache], block_size: int):
         super().__init__()
-        self.model, self.cache_type = model, cache_type
+        self.model, self.cache_type, self.block_size = model, cache_type, block_size
 
-    def forward(self, tokens, positions, slots, mask, cache: tuple[tuple[torch.Tensor, ...], ...]):
-        return self.model(tokens, positions, self.cache_type.wrap(*cache), slots, mask)
+    def forward(self, tokens, slots, positions, rows, cu, starts, visible, grid, table,
+                cache: tuple[tuple[torch.Tensor, ...], ...]):
+        layout = Layout(tokens.shape[1], slots, positions, rows, cu, starts, visible, grid, table, self.block_size)
+        return self.model(tokens, self.cache_type.wrap(*cache), layout)
+
+
+def _inputs(layout: Layout) -> tuple[torch.Tensor, ...]:
+    """A layout as a package's inputs after the tokens (see _StepModule)."""
+    return (layout.slots, layout.positions, layout.rows, layout.cu, layout.starts, layout.visible, layout.grid,
+            layout.table.contiguous())  # (the layout's is a view of the stage's: its strides would be guarded)
 
 
 def closed_form_commits(graph):
@@ -93,13 +102,13 @@ class ExportedModel:
         self.shape, self.served_vocab, self.dtype, self.device = shape, served_vocab, dtype, device
         self.max_step_tokens = max_step_tokens
 
-    def new_cache(self, capacity: int, batch: int = 1, kernels: Kernels = Kernels()) -> KVCache:
-        cache = self.shape.new_cache(capacity, self.dtype, self.device, batch, kernels)
-        cache.max_step_tokens = min(cache.max_step_tokens, self.max_step_tokens)  # the package's T range
+    def new_cache(self, blocks: int, block_size: int, requests: int = 1, kernels: Kernels = Kernels()) -> KVCache:
+        cache = self.shape.new_cache(blocks, block_size, requests, self.dtype, self.device, kernels)
+        cache.max_step_tokens = min(cache.max_step_tokens, self.max_step_tokens)  # the package's T range per request
         return cache
 
-    def __call__(self, tokens, positions, cache: KVCache, slots, mask) -> torch.Tensor:
-        return self.runner(tokens, positions, slots, mask, cache.tensors())
+    def __call__(self, tokens, cache: KVCache, layout: Layout) -> torch.Tensor:
+        return self.runner(tokens, *_inputs(layout), cache.tensors())
 
 
 def _first_difference(old, new, where: str = "") -> str | None:
@@ -185,13 +194,21 @@ def export_program(program, out: Path) -> dict:
         stage.model.use_kernels(Kernels())  # AOTInductor compiles the plain-PyTorch ops (ours are Python custom ops)
         node = program.graph.node(name)
         step_tokens = max(MAX_STEP_TOKENS, node["step_tokens"])
-        t, kv = Dim("t", min=1, max=step_tokens), Dim("kv", min=1, max=stage.cache.capacity)
+        requests = stage.table.shape[0]
+        t, r = Dim("t", min=1, max=requests * step_tokens), Dim("r", min=1, max=requests)
+        g, m = Dim("g", min=1, max=step_tokens), Dim("m", min=1, max=stage.table.shape[1])
         cache = stage.cache.tensors()
-        example = (torch.zeros(1, 2, dtype=torch.long, device=stage.device), torch.arange(2, device=stage.device)[None],
-                   torch.arange(2, device=stage.device), torch.ones(2, 4, dtype=torch.bool, device=stage.device), cache)
-        dims = ({1: t}, {1: t}, {0: t}, {0: t, 1: kv}, tuple(tuple(None for _ in layers) for layers in cache))
-        _log(f"exporting stage {name} (T 1..{step_tokens}, up to {stage.cache.capacity} cache slots)")
-        exported = torch.export.export(_StepModule(stage.model, type(stage.cache)), example, dynamic_shapes=dims)
+        example = Layout.build(stage.table, stage.block_size, torch.arange(2, device=stage.device),
+                               torch.tensor([3, 5], device=stage.device), torch.tensor([2, 2], device=stage.device),
+                               torch.tensor([0, 1, 0, 1], device=stage.device),
+                               torch.ones(4, 3, dtype=torch.bool, device=stage.device).tril(),
+                               torch.arange(4, device=stage.device), 2 * stage.block_size)
+        inputs = (torch.zeros(1, 4, dtype=torch.long, device=stage.device), *_inputs(example), cache)
+        dims = ({1: t}, {0: t}, {0: t}, {0: r}, {0: r + 1}, {0: r}, {0: t, 1: g}, {0: r, 1: g}, {1: m},
+                tuple(tuple(None for _ in layers) for layers in cache))
+        _log(f"exporting stage {name} (up to {step_tokens} tokens of {requests} requests, {stage.capacity} slots each)")
+        exported = torch.export.export(_StepModule(stage.model, type(stage.cache), stage.block_size), inputs,
+                                       dynamic_shapes=dims)
         _log(f"compiling stage {name} with AOTInductor")
         package = f"{name}.pt2"
         torch._inductor.aoti_compile_and_package(exported, package_path=str(out / package))

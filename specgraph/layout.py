@@ -36,9 +36,13 @@ class Layout:
     starts: torch.Tensor  # [R] virtual slot where each segment's region begins
     visible: torch.Tensor  # [T, G] bool: the region offsets each token sees (padding: none)
     grid: torch.Tensor  # [R, G] packed index of each segment's i-th token, -1 past its count
-    table: torch.Tensor  # [table rows, M] physical block of each virtual block
+    table: torch.Tensor  # [table rows, M] physical block of each virtual block: a segment's slots are below M blocks
     block_size: int
-    width: int  # virtual slots a reference kernel gathers per segment: at least every starts[r] + G
+
+    @property
+    def width(self) -> int:
+        """Virtual slots a segment may see (the table's columns): a reference kernel gathers that many."""
+        return self.table.shape[1] * self.block_size
 
     @property
     def segments(self) -> int:
@@ -55,8 +59,10 @@ class Layout:
               width: int) -> Layout:
         """rows, starts, counts [R] (tokens per segment: at most G, as each sits at an offset of its
         own); offsets, positions [T] and visible [T, G] for the packed tokens (rows past sum(counts):
-        padding, whatever they hold)."""
+        padding, whatever they hold); `width`: at least every starts[r] + G (the table is cut to the
+        blocks that hold it: a view)."""
         t, g = visible.shape
+        table = table[:, : -(-width // block_size)]
         device = visible.device
         cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # [R + 1]
         index = torch.arange(t, device=device)
@@ -68,7 +74,7 @@ class Layout:
         grid = cu[:-1, None] + torch.arange(g, device=device)  # [R, G]
         grid = torch.where(grid < cu[1:, None], grid, -1)
         return cls(t, torch.where(live, slots, 0), torch.where(live, positions, 0), rows, cu, starts,
-                   visible & live[:, None], grid, table, block_size, width)
+                   visible & live[:, None], grid, table, block_size)
 
     @classmethod
     def single(cls, table: torch.Tensor, block_size: int, start: torch.Tensor, offsets: torch.Tensor,
@@ -86,7 +92,7 @@ class Layout:
 
     def attention_inputs(self) -> tuple:
         """What the attention kernels take of the layout, after q and the layer's cache."""
-        return self.table, self.rows, self.cu, self.starts, self.visible, self.grid, self.block_size, self.width
+        return self.table, self.rows, self.cu, self.starts, self.visible, self.grid, self.block_size
 
     def tree(self) -> torch.Tensor:
         """[R, G, G] bool: within each segment, token i sees token j (a hybrid forward: see the module doc)."""

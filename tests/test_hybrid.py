@@ -12,12 +12,13 @@ import transformers
 from conftest import EMBEDDED, NEW_TOKENS, REPO, shared_models
 from helpers import LONG_PROMPT, grown_on_the_host, hf_greedy, run_noting_projections, two_stage
 
-from specgraph.draft import Drafter
+from specgraph.draft import Drafter, Requests
+from specgraph.draws import Draws
 from specgraph.models.loader import load_model
 from specgraph.recipe import DynamicTree, SamplingSpec, StaticTree
 from specgraph.program import Program
 from specgraph.runtime.stage import Stage
-from specgraph.sampling import probs_from_logits
+from specgraph.sampling import SamplingRows, probs_from_logits
 from specgraph.tree import Tree, TreeTopology
 
 LOGIT_TOL = 1e-4  # fp32: transformers runs a prompt through its chunked algorithm, we through the closed form
@@ -52,20 +53,21 @@ def test_tree_nodes_and_committed_state_match_each_path_run_alone(hybrid, hf):
     state (and conv window) from which the next token's logits equal the path run alone."""
     model = load_model(hybrid, torch.float32, "cpu")
     prefix = torch.randint(0, 4096, (40,))
-    tree = Tree(tokens=torch.randint(0, 4096, (9,)), parents=torch.tensor([-1, 0, 0, 1, 1, 2, 5, 6, 3]))
+    tree = Tree(tokens=torch.randint(0, 4096, (1, 9)), parents=torch.tensor([[-1, 0, 0, 1, 1, 2, 5, 6, 3]]))
     stage = Stage("t", model, 64, torch.device("cpu"))
     with torch.no_grad():
         stage.prefill(prefix)
-        logits = stage.forward_one(tree.tokens, 40 + tree.depths, torch.tensor(40), torch.arange(9), tree.ancestors, 64)
+        logits = stage.forward_one(tree.tokens[0], 40 + tree.depths[0], torch.tensor(40), torch.arange(9),
+                                   tree.ancestors[0], 64)
         for node in range(tree.size):
-            path = tree.ancestors[node].nonzero().flatten()
-            assert (logits[node] - hf_last_logits(hf, torch.cat([prefix, tree.tokens[path]]))).abs().max() < LOGIT_TOL
+            path = tree.ancestors[0, node].nonzero().flatten()
+            assert (logits[node] - hf_last_logits(hf, torch.cat([prefix, tree.tokens[0, path]]))).abs().max() < LOGIT_TOL
         path = torch.tensor([0, 2, 5, 6, 7])
         stage.cache.commit(stage.table, torch.zeros(1, dtype=torch.long), torch.cat([path, torch.tensor([-1, -1])])[None], torch.tensor([40]))  # padded, as verification gives it
         following = torch.randint(0, 4096, (1,))
         after = stage.forward_one(following, torch.tensor([45]), torch.tensor(45), torch.tensor([0]),
                                   torch.ones(1, 1, dtype=torch.bool), 64)[0]
-    assert (after - hf_last_logits(hf, torch.cat([prefix, tree.tokens[path], following]))).abs().max() < LOGIT_TOL
+    assert (after - hf_last_logits(hf, torch.cat([prefix, tree.tokens[0, path], following]))).abs().max() < LOGIT_TOL
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +117,10 @@ def test_a_hybrid_drafter_grows_its_own_models_trees_after_any_verdicts(small_hy
     each node's first child is drawn from that node's distribution."""
     hf_small = transformers.AutoModelForCausalLM.from_pretrained(small_hybrid, dtype=torch.float32).eval()
     logits_after = torch.no_grad()(lambda ids: hf_small(ids[None]).logits[0, -1])
-    d = Drafter(Stage("draft", load_model(small_hybrid, torch.float32, "cpu"), 160, torch.device("cpu")), plan,
-                "greedy", SamplingSpec())
-    sampling, generator = SamplingSpec(temperature=1.0, top_k=20), torch.Generator().manual_seed(0)
-    sampler = Drafter(d.stage, plan, "sampling", sampling) if isinstance(plan, TreeTopology) else None
+    d = Drafter(Stage("draft", load_model(small_hybrid, torch.float32, "cpu"), 160, torch.device("cpu")), plan, "greedy")
+    sampling = SamplingSpec(temperature=1.0, top_k=20)
+    rows, draws = SamplingRows.of([sampling], "cpu"), Draws.of([0], "cpu")
+    sampler = Drafter(d.stage, plan, "sampling") if isinstance(plan, TreeTopology) else None
     rng = random.Random(1)
     for committed in ([17], torch.randint(0, 4096, (30,)).tolist()):
         buffer = torch.zeros(128, dtype=torch.long)
@@ -126,24 +128,24 @@ def test_a_hybrid_drafter_grows_its_own_models_trees_after_any_verdicts(small_hy
         d.prefill(torch.tensor(committed))
         for step in range(6):
             length, ids = len(committed), torch.tensor(committed)
+            request = Requests.one(buffer, torch.tensor(length), min(2, length))
             if sampler is not None:  # (before the draft that is committed: a commit folds the last forward's factors)
-                drawn = sampler.draft(buffer, torch.tensor(length), d.stage.width(length, 40), generator,
-                                      min(2, length)).tree
+                drawn = sampler.draft(request, d.stage.width(length, 40), rows, draws).tree
                 for node in filter(drawn.children, range(drawn.size)):
-                    path = drawn.ancestors[node].nonzero().flatten()[1:]
-                    expected = probs_from_logits(logits_after(torch.cat([ids, drawn.tokens[path]])), sampling)
-                    assert (drawn.proposals[drawn.children(node)[0]] - expected).abs().max() < 1e-4
-            draft = d.draft(buffer, torch.tensor(length), d.stage.width(length, 40), None, min(2, length))
+                    path = drawn.ancestors[0, node].nonzero().flatten()[1:]
+                    expected = probs_from_logits(logits_after(torch.cat([ids, drawn.tokens[0, path]]))[None], rows)[0]
+                    assert (drawn.proposals[0, drawn.children(node)[0]] - expected).abs().max() < 1e-4
+            draft = d.draft(request, d.stage.width(length, 40))
             tree = draft.tree
             if isinstance(plan, DynamicTree):
-                assert (tree.tokens.tolist(), tree.parents.tolist()) == grown_on_the_host(logits_after, ids, plan)
+                assert (tree.tokens[0].tolist(), tree.parents[0].tolist()) == grown_on_the_host(logits_after, ids, plan)
             else:
-                assert tree.tokens.tolist() == static_tree_by_definition(logits_after, ids, plan)
+                assert tree.tokens[0].tolist() == static_tree_by_definition(logits_after, ids, plan)
             path = [0]
             while tree.children(path[-1]) and (step > 0 or length > 1) and rng.random() < 0.7:
                 path.append(rng.choice(tree.children(path[-1])))
-            new = tree.tokens[path[1:]].tolist() + [rng.randrange(4096)]
-            d.commit(draft, torch.tensor(path + [-1] * (d.max_depth + 1 - len(path))), torch.tensor(length))
+            new = tree.tokens[0, path[1:]].tolist() + [rng.randrange(4096)]
+            d.commit(draft, torch.tensor([path + [-1] * (d.max_depth + 1 - len(path))]), request)
             committed += new
             buffer[: len(committed)] = torch.tensor(committed)
 

@@ -51,29 +51,29 @@ def test_tree_attention_equals_each_path_run_alone():
     """Every tree node's logits equal those of its root-to-node path appended to the prefix."""
     model = load_model(EMBEDDED / "target", torch.float32, "cpu")
     prefix = torch.randint(0, 4096, (1, 10))
-    tree = Tree(tokens=torch.randint(0, 4096, (7,)), parents=torch.tensor([-1, 0, 0, 1, 1, 2, 5]))
+    tree = Tree(tokens=torch.randint(0, 4096, (1, 7)), parents=torch.tensor([[-1, 0, 0, 1, 1, 2, 5]]))
     stage = Stage("t", model, 32, torch.device("cpu"))
     with torch.no_grad():
         stage.prefill(prefix[0])
         start = torch.tensor(10)
-        logits = stage.forward_one(tree.tokens, 10 + tree.depths, start, torch.arange(7), tree.ancestors, 20)
+        logits = stage.forward_one(tree.tokens[0], 10 + tree.depths[0], start, torch.arange(7), tree.ancestors[0], 20)
     for node in range(tree.size):
-        path = tree.ancestors[node].nonzero().flatten()
-        alone = our_logits(model, torch.cat([prefix[0], tree.tokens[path]])[None])
+        path = tree.ancestors[0, node].nonzero().flatten()
+        alone = our_logits(model, torch.cat([prefix[0], tree.tokens[0, path]])[None])
         assert (logits[node] - alone[-1]).abs().max() < FP32_TOL
 
 
 def test_commit_moves_the_accepted_path_into_the_prefix():
     model = load_model(EMBEDDED / "draft", torch.float32, "cpu")
     prefix = torch.randint(0, 4096, (1, 6))
-    tree = Tree(tokens=torch.randint(0, 4096, (5,)), parents=torch.tensor([-1, 0, 0, 2, 3]))
+    tree = Tree(tokens=torch.randint(0, 4096, (1, 5)), parents=torch.tensor([[-1, 0, 0, 2, 3]]))
     stage, fresh_stage = Stage("a", model, 16, torch.device("cpu")), Stage("b", model, 16, torch.device("cpu"))
     cache, fresh = stage.cache, fresh_stage.cache
     with torch.no_grad():
         stage.prefill(prefix[0])
-        stage.forward_one(tree.tokens, 6 + tree.depths, torch.tensor(6), torch.arange(5), tree.ancestors, 16)
+        stage.forward_one(tree.tokens[0], 6 + tree.depths[0], torch.tensor(6), torch.arange(5), tree.ancestors[0], 16)
         cache.move(stage.table, torch.zeros(1, dtype=torch.long), 6 + torch.tensor([[0, 2, 3]]), 6 + torch.arange(3)[None])  # root, node 2, node 3
-        fresh_stage.prefill(torch.cat([prefix[0], tree.tokens[[0, 2, 3]]]))
+        fresh_stage.prefill(torch.cat([prefix[0], tree.tokens[0, [0, 2, 3]]]))
     slots = physical(stage.table, stage.block_size, 0, torch.arange(9))  # (both stages: row 0 over the same blocks)
     assert (cache.k[:, :, :, slots] - fresh.k[:, :, :, slots]).abs().max() < 1e-5
     assert (cache.v[:, :, :, slots] - fresh.v[:, :, :, slots]).abs().max() < 1e-5

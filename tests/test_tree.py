@@ -5,11 +5,13 @@ import torch
 from conftest import EMBEDDED
 from helpers import HostReads, chain_logits, grown_on_the_host
 
-from specgraph.draft import Drafter
+from specgraph.draft import Drafter, Requests
+from specgraph.draws import Draws
 from specgraph.models.loader import load_model
 from specgraph.recipe import ChainTree, DynamicTree, SamplingSpec, StaticTree
 from specgraph.runtime.stage import Stage
-from specgraph.tree import Tree, TreeTopology
+from specgraph.sampling import SamplingRows
+from specgraph.tree import Tree, TreeStructure, TreeTopology
 
 
 def test_chain_branching_and_paths_topologies():
@@ -22,35 +24,46 @@ def test_chain_branching_and_paths_topologies():
 
 
 def test_ancestor_mask_and_depths():
-    tree = Tree(tokens=torch.arange(6), parents=torch.tensor([-1, 0, 0, 1, 3, 2]))
+    tree = Tree(tokens=torch.arange(6)[None], parents=torch.tensor([[-1, 0, 0, 1, 3, 2]]))
     expected = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
                              [1, 1, 0, 1, 0, 0], [1, 1, 0, 1, 1, 0], [1, 0, 1, 0, 0, 1]], dtype=torch.bool)
-    assert torch.equal(tree.ancestors, expected)
-    assert tree.depths.tolist() == [0, 1, 1, 2, 3, 2]
+    assert torch.equal(tree.ancestors[0], expected)
+    assert tree.depths.tolist() == [[0, 1, 1, 2, 3, 2]]
 
 
-def drafter(plan, rule="greedy", sampling=SamplingSpec()):
+def test_structures_built_on_the_device_match_the_host_ones():
+    parents = [[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2, 0, 4]]
+    device = TreeStructure.of_parents(torch.tensor(parents), 5, 3)
+    for row, tree in enumerate(parents):
+        host = TreeStructure.of(tree, "cpu")
+        assert torch.equal(device.depths[row], host.depths[0]) and torch.equal(device.ancestors[row], host.ancestors[0])
+        assert [[c for c in kids if c >= 0] for kids in device.child_table[row].tolist()] == [
+            [c for c in kids if c >= 0] for kids in host.child_table[0].tolist()]
+
+
+def drafter(plan, rule="greedy"):
     model = load_model(EMBEDDED / "draft", torch.float32, "cpu")
-    return Drafter(Stage("draft", model, 128, torch.device("cpu")), plan, rule, sampling)
+    return Drafter(Stage("draft", model, 128, torch.device("cpu")), plan, rule)
 
 
-def draft(d: Drafter, committed: torch.Tensor, seed: int = 0, prefill: bool = True) -> Tree:
+def draft(d: Drafter, committed: torch.Tensor, seed: int = 0, prefill: bool = True,
+          sampling: SamplingSpec = SamplingSpec()) -> Tree:
     """A tree from `committed` [L] (prefilled into the draft cache first unless `prefill` is False)."""
     buffer = torch.zeros(64, dtype=torch.long)
     buffer[: committed.numel()] = committed
     if prefill:
         d.prefill(committed)
     length = committed.numel()
-    return d.draft(buffer, torch.tensor(length), d.stage.width(length, 40), torch.Generator().manual_seed(seed),
-                   min(2, length)).tree
+    request = Requests.one(buffer, torch.tensor(length), min(2, length))
+    return d.draft(request, d.stage.width(length, 40), SamplingRows.of([sampling], "cpu"), Draws.of([seed], "cpu")).tree
 
 
 def check_well_formed(tree: Tree, size: int):
-    assert tree.size == size
-    assert all(0 <= int(p) < i for i, p in enumerate(tree.parents.tolist()) if i > 0)  # topological
+    assert tree.size == size and tree.rows == 1
+    assert all(0 <= int(p) < i for i, p in enumerate(tree.parents[0].tolist()) if i > 0)  # topological
     for node in range(tree.size):  # siblings carry distinct tokens
         kids = tree.children(node)
-        assert len(set(tree.tokens[kids].tolist())) == len(kids)
+        assert len(set(tree.tokens[0, kids].tolist())) == len(kids)
 
 
 def test_static_drafts_follow_the_draft_models_ranking():
@@ -60,10 +73,10 @@ def test_static_drafts_follow_the_draft_models_ranking():
     check_well_formed(tree, 1 + 3 + 6)
     model = d.stage.model
     logits = chain_logits(model, committed)[-1]
-    assert tree.tokens[1:4].tolist() == logits.topk(3).indices.tolist()
+    assert tree.tokens[0, 1:4].tolist() == logits.topk(3).indices.tolist()
     # the children of node 1 are the top-2 after appending node 1's token
-    logits = chain_logits(model, torch.cat([committed, tree.tokens[1:2]]))[-1]
-    assert tree.tokens[tree.children(1)].tolist() == logits.topk(2).indices.tolist()
+    logits = chain_logits(model, torch.cat([committed, tree.tokens[0, 1:2]]))[-1]
+    assert tree.tokens[0, tree.children(1)].tolist() == logits.topk(2).indices.tolist()
 
 
 def test_dynamic_tree_keeps_the_most_likely_nodes():
@@ -73,17 +86,16 @@ def test_dynamic_tree_keeps_the_most_likely_nodes():
     tree = draft(d, committed)
     check_well_formed(tree, 11)
     assert int(tree.depths.max()) >= 2  # expansion went deeper than the root's children
-    assert (tree.tokens.tolist(), tree.parents.tolist()) == grown_on_the_host(
+    assert (tree.tokens[0].tolist(), tree.parents[0].tolist()) == grown_on_the_host(
         lambda ids: chain_logits(d.stage.model, ids)[-1], committed, spec)
 
 
 def test_sampling_drafts_record_their_proposals():
-    d = drafter(TreeTopology.from_spec(StaticTree(branching=[3])), rule="sampling",
-                sampling=SamplingSpec(temperature=1.0, top_k=50))
-    tree = draft(d, torch.randint(0, 4096, (5,)), seed=3)
-    q = tree.proposals  # [4, V]
+    d = drafter(TreeTopology.from_spec(StaticTree(branching=[3])), rule="sampling")
+    tree = draft(d, torch.randint(0, 4096, (5,)), seed=3, sampling=SamplingSpec(temperature=1.0, top_k=50))
+    q, tokens = tree.proposals[0], tree.tokens[0]  # [4, V], [4]
     assert torch.allclose(q[1:].sum(-1), torch.ones(3))
-    assert q[2, tree.tokens[1]] == 0 and q[3, tree.tokens[1]] == 0 and q[3, tree.tokens[2]] == 0  # without replacement
+    assert q[2, tokens[1]] == 0 and q[3, tokens[1]] == 0 and q[3, tokens[2]] == 0  # without replacement
     assert (q[1] > 0).sum() == 50  # top-k applied to the draft as to the target
 
 
@@ -91,14 +103,15 @@ def test_sampling_drafts_record_their_proposals():
                                         (DynamicTree(width=3, depth=3, nodes=10), 11)], ids=["static", "dynamic"])
 def test_drafting_reads_nothing_on_the_host(plan, size):
     for rule, sampling in (("greedy", SamplingSpec()), ("sampling", SamplingSpec(temperature=0.9, top_k=40))):
-        d = drafter(plan, rule, sampling)
+        d = drafter(plan, rule)
         committed = torch.randint(0, 4096, (10,))
         d.prefill(committed)
         buffer = torch.cat([committed, torch.tensor([7, 8]), torch.zeros(20, dtype=torch.long)])
-        first = d.draft(buffer, torch.tensor(10), d.stage.width(10, 40), torch.Generator().manual_seed(0))
-        path, old, new = torch.tensor([0, 1, -1, -1]), torch.tensor(10), torch.tensor(12)  # one draft accepted
-        generator = torch.Generator().manual_seed(1)
+        rows, draws = SamplingRows.of([sampling], "cpu"), Draws.of([0], "cpu")
+        first = d.draft(Requests.one(buffer, torch.tensor(10)), d.stage.width(10, 40), rows, draws)
+        path = torch.tensor([[0, 1, -1, -1]])  # one draft accepted
+        old, new = Requests.one(buffer, torch.tensor(10)), Requests.one(buffer, torch.tensor(12))
         with HostReads() as reads:
             d.commit(first, path, old)
-            tree = d.draft(buffer, new, d.stage.width(12, 40), generator).tree
+            tree = d.draft(new, d.stage.width(12, 40), rows, draws).tree
         assert reads.seen == [] and tree.size == size

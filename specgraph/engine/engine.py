@@ -30,7 +30,9 @@ class Engine:
         request's committed tokens (the largest of its stages'); `sampling`: the recipe's settings,
         which requests take where they give none."""
         self.runner, self.eos_ids, self.max_seq_len = runner, tuple(eos_ids), max_seq_len
-        self.region, self.prefill_chunk, self.sampling = region, prefill_chunk, sampling
+        # (a hybrid stage folds at most its step buffers' tokens per forward)
+        self.prefill_chunk = min(prefill_chunk, *(stage.max_step_tokens for stage in runner.stages))
+        self.region, self.sampling = region, sampling
         self.scheduler = Scheduler(pool, slots, self._slots_needed)
         self.device = runner.device
         self._ids = itertools.count()

@@ -68,7 +68,7 @@ class Stage:
 
         inputs = (tokens, layout.slots, layout.positions, layout.rows, layout.cu, layout.starts, layout.visible,
                   layout.grid)
-        if not (layout.width == self.capacity and layout.tokens in self.graph_buckets):
+        if not (layout.table.shape[1] == self.table.shape[1] and layout.tokens in self.graph_buckets):
             return run(*inputs)
         key = (layout.tokens, layout.segments, layout.region)
         return self._replays.run(key, run, *inputs).clone()  # (the next replay overwrites it)

@@ -1,7 +1,8 @@
-"""Reference step attention over a paged cache: PyTorch SDPA per segment, over the first `width`
-virtual slots of its request gathered through the block table, under its prefix + region mask
-(specgraph/layout.py). It reads `width` slots' keys and values per segment whether or not any
-query sees them; the Triton kernels stop after each segment's last visible slot."""
+"""Reference step attention over a paged cache: PyTorch SDPA per segment, over the virtual slots of
+the blocks its table row holds (the layout cuts the table to the blocks a step may see), gathered
+through the block table, under its prefix + region mask (specgraph/layout.py). It reads those
+blocks' keys and values whether or not any query sees them; the Triton kernels stop after each
+segment's last visible slot."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import torch.nn.functional as F
 
 def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                         rows: torch.Tensor, cu: torch.Tensor, starts: torch.Tensor, visible: torch.Tensor,
-                        grid: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+                        grid: torch.Tensor, block_size: int) -> torch.Tensor:
     """q [1, H, T, K] (T packed tokens); k_cache, v_cache [1, Hkv, S, K] (S physical slots); the
     layout's table [rows, M], rows [R], cu [R + 1], starts [R], visible [T, G], grid [R, G], block
-    size and width (Layout). Returns [1, H, T, K] in q's dtype (padding tokens: 0), softmax scale
+    size (Layout). Returns [1, H, T, K] in q's dtype (padding tokens: 0), softmax scale
     1/sqrt(K)."""
     (r, g), (hkv, k) = grid.shape, k_cache.shape[1::2]
-    blocks = table.index_select(0, rows)[:, : -(-width // block_size)].flatten()  # [R M']: each segment's first blocks
-    keys, values = (cache[0].view(hkv, -1, block_size, k).index_select(1, blocks).view(hkv, r, -1, k)[:, :, :width]
+    width = table.shape[1] * block_size
+    blocks = table.index_select(0, rows).flatten()  # [R M]: each segment's blocks
+    keys, values = (cache[0].view(hkv, -1, block_size, k).index_select(1, blocks).view(hkv, r, width, k)
                     .transpose(0, 1) for cache in (k_cache, v_cache))  # [R, Hkv, W, K]: each segment's virtual slots
     token = grid.clamp(min=0).flatten()  # [R G]
     queries = q[0].index_select(1, token).view(q.shape[1], r, g, -1).transpose(0, 1)  # [R, H, G, K]
