@@ -6,6 +6,7 @@ import argparse
 import functools
 import json
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -52,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--program", type=Path, metavar="DIR", help="run the packages of `specgraph compile` instead")
     _prompt_args(run)
     run.add_argument("--json", type=Path, metavar="OUT", help="write results and summary as JSON")
+    run.add_argument("--batch", type=int, metavar="N", help="decode up to N prompts at once (serial recipes; same as "
+                     "--set serving.max_batch=N; default: the recipe's, 1)")
 
     bench = sub.add_parser("bench", help="measure the recipe against baselines in one run")
     _recipe_args(bench)
@@ -138,9 +141,10 @@ def read_prompts(args: argparse.Namespace, default: str | None) -> list[dict]:
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
-    """The command's --set and its lowering flags, as recipe overrides."""
+    """The command's --set, its lowering flags and --batch, as recipe overrides."""
     lowering = [f"lowering.compile={str(args.compile).lower()}"] if args.compile is not None else []
-    return [*args.overrides, *lowering, *([] if args.cuda_graphs else ["lowering.cuda_graphs=false"])]
+    batch = [f"serving.max_batch={args.batch}"] if getattr(args, "batch", None) is not None else []
+    return [*args.overrides, *lowering, *([] if args.cuda_graphs else ["lowering.cuda_graphs=false"]), *batch]
 
 
 def _anchored(overrides: list[str], folder: Path) -> list[str]:
@@ -179,6 +183,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.program is not None:
         if args.recipe is not None:
             raise SpecgraphError("--program: give a compiled folder or a recipe, not both")
+        if args.batch is not None:
+            raise SpecgraphError("--batch: a compiled program decodes as many requests at once as its recipe's "
+                                 "serving.max_batch; compile with --set serving.max_batch=N")
         if args.overrides:
             raise SpecgraphError("--set: a compiled program runs the recipe it was compiled from; compile again "
                                  "with the change (`specgraph compile RECIPE --set KEY=VALUE -o DIR`)")
@@ -189,33 +196,41 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.recipe is None:
             raise SpecgraphError("run: give a RECIPE file or --program DIR")
         recipe, prompts = _load_recipe(args)
+        if args.batch is not None and args.batch > 1 and recipe.execution != "serial":
+            raise SpecgraphError(f"--batch: execution {recipe.execution!r} decodes one request at a time; give --batch 1, "
+                                 "or a serial recipe")
         print(f"specgraph: loading {recipe.name} ({', '.join(s.name for s in recipe.stages)})", file=sys.stderr)
         program = Program.from_recipe(recipe)
         if any(program.graph.node(name)["compile"] for name in program.graph.stages()):
             print("specgraph: step functions compile with torch.compile during the first steps "
                   "(--no-compile skips it)", file=sys.stderr)
     results, errors, stop = [], [], {}
+    began = time.perf_counter()
     try:
         with program:
-            for row in tqdm(prompts, desc="prompts", unit="prompt", disable=len(prompts) == 1, file=sys.stderr):
-                ids = program.encode(row["prompt"])
-                try:
-                    gen = program.generate(ids, args.max_new_tokens)
-                except PromptError as exc:
-                    print(f"specgraph: error: prompt {row['id']}: {exc}; skipped", file=sys.stderr)
-                    errors.append({"id": row["id"], "error": str(exc)})
-                    continue
-                result = {"id": row["id"], "prompt_tokens": len(ids), "output_ids": gen.output_ids,
-                          "text": program.decode(gen.output_ids), "target_steps": gen.target_steps,
-                          "accepted_lengths": gen.accepted_lengths, "wall_seconds": gen.seconds,
-                          "first_seconds": gen.first_token_seconds}
-                if gen.stats:
-                    result["stats"] = gen.stats  # the executor's own measurements (per stage, for a pipeline)
-                if gen.clipped:
-                    result["clipped"] = True
-                    print(f"specgraph: note: prompt {row['id']}: max_seq_len {recipe.max_seq_len} cut it to "
-                          f"{len(gen.output_ids)} new tokens", file=sys.stderr)
-                results.append(result)
+            encoded = [program.encode(row["prompt"]) for row in prompts]
+            began, done = time.perf_counter(), {}
+            with tqdm(total=len(prompts), desc="prompts", unit="prompt", disable=len(prompts) == 1,
+                      file=sys.stderr) as bar:
+                for index, gen in program.generate_many(encoded, args.max_new_tokens):
+                    bar.update()
+                    row = prompts[index]
+                    if isinstance(gen, PromptError):
+                        print(f"specgraph: error: prompt {row['id']}: {gen}; skipped", file=sys.stderr)
+                        errors.append((index, {"id": row["id"], "error": str(gen)}))
+                        continue
+                    result = {"id": row["id"], "prompt_tokens": len(encoded[index]), "output_ids": gen.output_ids,
+                              "text": program.decode(gen.output_ids), "target_steps": gen.target_steps,
+                              "accepted_lengths": gen.accepted_lengths, "wall_seconds": gen.seconds,
+                              "first_seconds": gen.first_token_seconds, "finish_reason": gen.finish_reason}
+                    if gen.stats:
+                        result["stats"] = gen.stats  # the executor's own measurements (per stage, for a pipeline)
+                    if gen.clipped:
+                        result["clipped"] = True
+                        print(f"specgraph: note: prompt {row['id']}: max_seq_len {recipe.max_seq_len} cut it to "
+                              f"{len(gen.output_ids)} new tokens", file=sys.stderr)
+                    done[index] = result
+                    results[:] = [done[i] for i in sorted(done)]  # file order, whatever order they finish in
     except KeyboardInterrupt:
         stop = {"interrupted": True}
         raise
@@ -223,7 +238,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         stop = {"failed": str(exc)}
         raise
     finally:  # also on Ctrl-C or a failed process: what finished is kept, marked as cut short
-        _report_run(args, recipe.name, prompts, results, errors, stop)
+        errors = [error for _, error in sorted(errors, key=lambda e: e[0])]
+        _report_run(args, recipe.name, prompts, results, errors, stop, time.perf_counter() - began)
     if errors:
         raise SpecgraphError(f"{len(errors)} of {len(prompts)} prompts failed (first: prompt {errors[0]['id']}: "
                              f"{errors[0]['error']})")
@@ -231,17 +247,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _report_run(args: argparse.Namespace, name: str, prompts: list[dict], results: list[dict], errors: list[dict],
-                stop: dict) -> None:
+                stop: dict, wall: float) -> None:
     """The summary line, the completion of a single prompt, and the --json report (`stop`: how the run
-    was cut short, {} if it was not: {"interrupted": true} for Ctrl-C, {"failed": why} for a fault)."""
+    was cut short, {} if it was not: {"interrupted": true} for Ctrl-C, {"failed": why} for a fault;
+    `wall`: the seconds the prompts took, from the first one in to the last one out)."""
     from specgraph.bench.pipespec import stage_table
     from specgraph.files import write_output
     from specgraph.runtime.executor import total_stats
 
     steps = [n for r in results for n in r["accepted_lengths"]]
     new_tokens = sum(len(r["output_ids"]) for r in results)
-    wall = sum(r.pop("wall_seconds") for r in results)
-    first = sum(r.pop("first_seconds") for r in results)  # prefill; compilation and capture happen in the first steps
+    for r in results:
+        r.pop("wall_seconds")
+    firsts = [r.pop("first_seconds") for r in results]  # prefill; compilation and capture happen in the first steps
     summary = {"new_tokens": new_tokens, "wall_seconds": round(wall, 4),
                "tokens_per_second": round(new_tokens / wall, 2) if wall > 0 else 0.0,
                "mean_accepted_length": round(sum(steps) / len(steps), 3) if steps else 0.0}
@@ -252,8 +270,10 @@ def _report_run(args: argparse.Namespace, name: str, prompts: list[dict], result
         print(prompts[0]["prompt"] + results[0]["text"])
     if results:
         done = "" if len(results) == len(prompts) else f" ({len(results)} of {len(prompts)} prompts)"
-        print(f"{summary['new_tokens']} new tokens in {summary['wall_seconds']:.2f} s{done} ({first:.2f} s to the first "
-              f"token{'s' if len(results) > 1 else ''}, including prefill and any compilation): "
+        first = f"{firsts[0]:.2f} s to the first token" if len(firsts) == 1 else (
+            f"{sum(firsts) / len(firsts):.2f} s to a request's first token, on average")
+        print(f"{summary['new_tokens']} new tokens in {summary['wall_seconds']:.2f} s{done} ({first}, including "
+              f"prefill and any compilation): "
               f"{summary['tokens_per_second']:.1f} tokens/s, mean accepted length {summary['mean_accepted_length']:.2f}")
     if args.json is not None:
         report = {"recipe": name, "results": results, "summary": summary} | ({"errors": errors} if errors else {}) | stop
@@ -444,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads is not None and args.threads < 1:
             raise SpecgraphError(f"--threads: must be at least 1 (got {args.threads})")
         torch.set_num_threads(args.threads or default_threads())
+        if getattr(args, "batch", None) is not None and args.batch < 1:
+            raise SpecgraphError(f"--batch: must be at least 1 (got {args.batch})")
         if getattr(args, "max_new_tokens", None) is not None and args.max_new_tokens < 1:
             raise SpecgraphError(f"--max-new-tokens: must be at least 1 (got {args.max_new_tokens})")
         commands = {"run": cmd_run, "bench": cmd_bench, "compile": cmd_compile, "export": cmd_compile,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from transformers import AutoTokenizer
@@ -108,7 +110,7 @@ def engine_of(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None) -> 
     recipe, serving = graph.recipe, graph.recipe.serving
     target = graph.node(graph.target)
     region = max(graph.node(n)["cache_slots"] for n in graph.stages()) - recipe.max_seq_len
-    runner = Runner(verifier, drafter, serving.max_batch, recipe.max_seq_len + region)
+    runner = Runner(verifier, drafter, serving.max_batch, recipe.max_seq_len + region, target["compile"])
     pool = BlockPool(target["kv_blocks"], target["block_size"])
     return Engine(runner, target["eos_ids"], recipe.max_seq_len, serving.max_batch, pool, region,
                   serving.prefill_chunk, recipe.sampling)
@@ -215,10 +217,12 @@ class Program:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None, seed: int | None = None) -> Generation:
+    def _checked(self, prompt_ids: list[int], max_new_tokens: int | None) -> int:
+        """A request's budget (the recipe's where None) once its prompt and budget are seen to be
+        decodable; a PromptError naming what is wrong where not."""
         if not 0 < len(prompt_ids) < self.recipe.max_seq_len:
             raise PromptError(f"a prompt of {len(prompt_ids)} tokens does not fit: prompts need 1 to "
-                                 f"{self.recipe.max_seq_len - 1} tokens (max_seq_len {self.recipe.max_seq_len})")
+                              f"{self.recipe.max_seq_len - 1} tokens (max_seq_len {self.recipe.max_seq_len})")
         vocab = self.graph.node(self.graph.target)["vocab"][1]
         outside = next(((i, t) for i, t in enumerate(prompt_ids) if not 0 <= t < vocab), None)
         if outside is not None:
@@ -228,7 +232,40 @@ class Program:
             max_new_tokens = self.recipe.max_new_tokens
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise PromptError(f"max_new_tokens: must be a whole number of at least 1 (got {max_new_tokens!r})")
+        return max_new_tokens
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None, seed: int | None = None) -> Generation:
+        max_new_tokens = self._checked(prompt_ids, max_new_tokens)
         return self.executor.generate(prompt_ids, max_new_tokens, self.recipe.sampling.seed if seed is None else seed)
+
+    def generate_many(self, prompts: list[list[int]], max_new_tokens: int | None = None, seed: int | None = None
+                      ) -> Iterator[tuple[int, Generation | PromptError]]:
+        """Decode every prompt, up to `serving.max_batch` at once (a serial program; the others one at
+        a time), each with the recipe's settings and `seed`: yields (index, Generation) as each
+        finishes, and (index, PromptError) for each that cannot be decoded, at once."""
+        seed = self.recipe.sampling.seed if seed is None else seed
+        if not isinstance(self.executor, Engine):
+            for index, ids in enumerate(prompts):
+                try:
+                    yield index, self.generate(ids, max_new_tokens, seed)
+                except PromptError as exc:
+                    yield index, exc
+            return
+        engine, pending = self.executor, {}
+        sampling = self.recipe.sampling.model_copy(update={"seed": seed})
+        for index, ids in enumerate(prompts):
+            try:
+                pending[engine.add_request(ids, self._checked(ids, max_new_tokens), sampling).id] = index
+            except PromptError as exc:
+                yield index, exc
+        try:
+            while pending:
+                for request in engine.step():
+                    if request.finished:
+                        yield pending.pop(request.id), request.generation
+        finally:  # (a stop mid-way: what is still in flight leaves the engine)
+            for request_id in pending:
+                engine.abort(request_id)
 
 
 class RemoteExecutor:

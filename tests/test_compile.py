@@ -15,10 +15,10 @@ def test_compiled_and_eager_programs_give_identical_greedy_tokens():
     def compiled_regions(program: Program) -> list[bool]:
         """Which of the layers, the stem, the logits head, the verifier's placement and the work
         after the target's forward run through torch.compile."""
-        model, executor = program.stages["target"].model, program.executor
+        model, runner = program.stages["target"].model, program.executor.runner
         return [getattr(model.layers[0], "_compiled_call_impl", None) is not None,
                 *(hasattr(fn, "_torchdynamo_orig_callable")
-                  for fn in (model.stem, model.logits, executor.verifier.placement, executor._settle))]
+                  for fn in (model.stem, model.logits, runner.verifier.placement, runner._settle))]
 
     compiled, eager = program(True), program(False)
     assert [compiled.graph.node(s)["compile"] for s in ("draft", "target")] == [True, True]
@@ -36,7 +36,11 @@ def test_reference_attention_compiles_with_symbolic_grouped_heads():
 
     from specgraph.kernels.attention import attention_reference
 
+    from helpers import random_layout
+
     compiled = torch.compile(attention_reference, dynamic=True, fullgraph=True)
-    q, k, v = torch.randn(1, 8, 3, 16), torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16)
-    mask, slots = torch.ones(3, 12, dtype=torch.bool).tril(9), torch.arange(9, 12)
-    assert torch.allclose(compiled(q, k, v, mask, slots), attention_reference(q, k, v, mask, slots), atol=1e-5)
+    layout = random_layout([3, 1, 4], [9, 2, 0], torch.Generator().manual_seed(0))
+    slots = (layout.table.max() + 1) * layout.block_size
+    q, k, v = torch.randn(1, 8, layout.tokens, 16), torch.randn(1, 2, slots, 16), torch.randn(1, 2, slots, 16)
+    inputs = (q, k, v, *layout.attention_inputs())
+    assert torch.allclose(compiled(*inputs), attention_reference(*inputs), atol=1e-5)

@@ -101,7 +101,7 @@ def test_growing_tree_keeps_its_invariant_over_random_verdicts():
             length = torch.tensor(len(committed))
             for _ in range(plan.grow):
                 g.expand(length, width)
-            tree = Tree(tokens, parents)
+            tree = Tree(tokens[None], parents[None])
             path = [0]
             while tree.children(path[-1]) and rng.random() < 0.75:  # a random accepted path
                 path.append(rng.choice(tree.children(path[-1])))
@@ -144,16 +144,16 @@ def test_a_target_commit_keeps_the_prefix_of_every_random_tree_and_verdict():
         for _ in range(8):
             n = rng.randint(1, 9)
             parents = [-1] + [rng.randrange(i) for i in range(1, n + 1)]
-            tree = Tree(torch.tensor([committed[-1]] + torch.randint(0, 4096, (n,)).tolist()), torch.tensor(parents))
+            tree = Tree(torch.tensor([[committed[-1]] + torch.randint(0, 4096, (n,)).tolist()]), torch.tensor([parents]))
             root = len(committed) - 1
-            stage.forward_one(tree.tokens, root + tree.depths, torch.tensor(root), torch.arange(tree.size),
-                              tree.ancestors, 160)
+            stage.forward_one(tree.tokens[0], root + tree.depths[0], torch.tensor(root), torch.arange(tree.size),
+                              tree.ancestors[0], 160)
             path = [0]
             while tree.children(path[-1]) and rng.random() < 0.7:
                 path.append(rng.choice(tree.children(path[-1])))
             padded = path + [-1] * (tree.max_depth + 1 - len(path))
             stage.cache.commit(stage.table, torch.zeros(1, dtype=torch.long), torch.tensor([padded]), torch.tensor([root]))
-            committed += [int(tree.tokens[i]) for i in path[1:]] + [rng.randrange(4096)]  # accepted drafts, a bonus
+            committed += [int(tree.tokens[0, i]) for i in path[1:]] + [rng.randrange(4096)]  # accepted drafts, a bonus
             k, v = kv_from_scratch(model, torch.tensor(committed[:-1]))
             assert_rows(stage, torch.arange(len(committed) - 1), k, v)
 
@@ -193,7 +193,7 @@ def pipeline_stage(index: int, tree: dict | None = None):
                   sampling=SamplingRows.of([graph.recipe.sampling], CPU))
     stage = load_stage(graph, name)
     if index == 0:
-        drafter = Drafter(stage, node["tree"], "greedy", graph.recipe.sampling, node["feeds"])
+        drafter = Drafter(stage, node["tree"], "greedy", node["feeds"])
         return DraftingStage(drafter, tree is not None, False, node["cache_slots"], **common)
     return VerifyingStage(verifier_of(graph, {name: stage}, name), False, False, **common)
 

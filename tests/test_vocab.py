@@ -48,7 +48,7 @@ def test_a_padded_drafter_never_proposes_padding_and_output_stays_exact(greedy_d
 
     program = Program.from_recipe(two_stage(EMBEDDED / "target", greedy_draft, {"shape": "dynamic", "width": 3,
                                                                                 "depth": 3, "nodes": 8}))
-    drafter = program.executor.drafter
+    drafter = program.executor.runner.drafter
     proposed = []
     drafter.draft = _recording(drafter.draft, proposed)
     for ids, expected in target_reference[:3]:

@@ -133,13 +133,14 @@ def verification_seconds(verifier: Verifier, sizes: list[int], context: list[int
     context[position - 1], with context[:position - 1] in the cache (context: position - 1 +
     max(sizes) tokens)."""
     stage, device = verifier.stage, verifier.device
+    stage.table[0] = 1 + torch.arange(stage.table.shape[1], device=device)  # row 0 owns blocks of its own
     verifier.prefill(torch.tensor(context[:position], device=device))
-    length = torch.tensor(position, device=device)
+    row, length = torch.zeros(1, dtype=torch.long, device=device), torch.tensor([position], device=device)
     seconds = {}
     for t in sizes:
-        chain = Tree(torch.tensor(context[position - 1 : position - 1 + t], device=device),
-                     torch.arange(-1, t - 1, device=device))  # [T]: the root, then T - 1 drafts
-        forward = functools.partial(verifier.score, chain, length, stage.width(position, t))
+        chain = Tree(torch.tensor([context[position - 1 : position - 1 + t]], device=device),
+                     torch.arange(-1, t - 1, device=device)[None])  # [1, T]: the root, then T - 1 drafts
+        forward = functools.partial(verifier.score, chain, row, length, stage.width(position, t))
         if stage.static_shapes:  # a GPU step replays its forward in a CUDA graph (here with a memory pool of its own,
             forward = CapturedGraph.record(forward, (), None)[0]  # freed with it: the stage's pool ends with its last graph)
         seconds[t] = best_seconds(forward, device, calls=5, warmup=3)
