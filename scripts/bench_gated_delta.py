@@ -49,35 +49,45 @@ SIZES = (1, 16, 64, 128, 256)
 SHAPES = {"chain": None, "bushy": 3, "dynamic": 8}  # tree name -> depth (None: the size)
 
 
-def layer_inputs(shape, t: int, tree: Tree, generator: torch.Generator, device: torch.device,
-                 dtype: torch.dtype = torch.bfloat16, batch: int = 1, step_tokens: int = 2 * STEP_TOKENS) -> tuple:
-    """Random inputs of one layer step (as models/hybrid.GatedDeltaNet passes them, activations in
-    `dtype`) and its step buffers of `step_tokens` rows (also tests/test_kernels.py's)."""
+def layer_inputs(shape, trees: list[Tree], generator: torch.Generator, device: torch.device,
+                 dtype: torch.dtype = torch.bfloat16, step_tokens: int = 2 * STEP_TOKENS,
+                 requests: int | None = None) -> tuple:
+    """Random inputs of one layer step over `trees`, one per request, padded to the largest (as
+    models/hybrid.GatedDeltaNet passes them, activations in `dtype`), with a pool of `requests`
+    slots (default: one per tree) of committed state and conv window, tree b's in slot rows[b] (a
+    random choice), and step buffers of `step_tokens` rows per slot (also the kernel tests')."""
     h, hk, dk, dv, kernel = (shape.linear_value_heads, shape.linear_key_heads, shape.linear_key_dim,
                              shape.linear_value_dim, shape.conv_kernel)
-    c = 2 * hk * dk + h * dv
+    c, b, t = 2 * hk * dk + h * dv, len(trees), max(tree.size for tree in trees)
+    n = requests or b
     act = dict(dtype=dtype, device=device)
-    projected = torch.randn(batch, t, c + 2 * h + 5, generator=generator).to(**act)  # views of one projection's rows
+    projected = torch.randn(b, t, c + 2 * h + 5, generator=generator).to(**act)  # views of one projection's rows
     inputs, write, decay_input = projected[..., :c], projected[..., c:c + h], projected[..., c + h:c + 2 * h]
-    conv = torch.randn(batch, kernel - 1, c, generator=generator).to(**act)
+    conv = torch.randn(n, kernel - 1, c, generator=generator).to(**act)
     conv_weight = (torch.randn(c, 1, kernel, generator=generator) / 2).to(**act)
     # slow decays (g about -0.01 to -0.1 a token), so that long paths and the committed state still count
     a_log, dt_bias = torch.rand(h, generator=generator).to(**act), (torch.randn(h, generator=generator) - 4).to(**act)
-    state = (torch.randn(batch, h, dk, dv, generator=generator) / 8).to(device)
-    ancestors = tree.ancestors.to(device)
-    args = (inputs, write, decay_input, conv, conv_weight, a_log, dt_bias, conv_windows(ancestors, kernel), ancestors,
-            state)
+    state = (torch.randn(n, h, dk, dv, generator=generator) / 8).to(device)
+    rows = torch.randperm(n, generator=generator)[:b].to(device)
+    visible = torch.zeros(b, t, t, dtype=torch.bool)  # rows past a tree's size: padding, seeing nothing
+    for tree, seen in zip(trees, visible):
+        seen[:tree.size, :tree.size] = tree.ancestors
+    visible = visible.to(device)
+    args = (inputs, write, decay_input, conv, conv_weight, a_log, dt_bias, conv_windows(visible, kernel), visible,
+            state, rows)
     f32 = dict(dtype=torch.float32, device=device)
-    steps = (torch.zeros(batch, step_tokens, h, dk, **f32), torch.zeros(batch, step_tokens, h, dv, **f32),
-             torch.zeros(batch, step_tokens, h, **f32), torch.zeros(batch, step_tokens, c, **act))
+    steps = (torch.zeros(n, step_tokens, h, dk, **f32), torch.zeros(n, step_tokens, h, dv, **f32),
+             torch.zeros(n, step_tokens, h, **f32), torch.zeros(n, step_tokens, c, **act))
     return args, steps
 
 
 def branch_by_branch(args: tuple, levels: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Every node's own state [T, B, H, dk, dv], from its parent's; levels: (nodes, their parents) per depth,
     the root's parent -1 (the committed state). Returns outputs [B, T, H, dv] fp32."""
-    *projections, windows, _, state = args
-    q, k, v, g, beta = gated_delta_gates(*projections, windows, *state.shape[1:])
+    inputs, write, decay_input, conv, *weights, windows, _, state, rows = args
+    q, k, v, g, beta = gated_delta_gates(inputs, write, decay_input, conv.index_select(0, rows), *weights, windows,
+                                         *state.shape[1:])
+    state = state.index_select(0, rows)
     t = q.shape[1]
     states = state.new_empty(t, *state.shape)  # the per-node states: the transient memory of this way
     out = v.new_empty(v.shape)
@@ -118,7 +128,7 @@ def case(shape_name: str, tree_name: str, t: int, layers: int, generator: torch.
         del ways["triton"], ways["walk"]
     errors: dict[str, list[tuple[float, float]]] = {name: [] for name in (*ways, "branch")}
     for layer in range(layers):
-        args, steps = layer_inputs(shape, t, tree, generator, device)
+        args, steps = layer_inputs(shape, [tree], generator, device)
         exact = branch_by_branch(args, levels)
         errors["branch"].append((0.0, 1.0))
         for name, fn in ways.items():

@@ -341,25 +341,48 @@ def path_alone(k, v, q, mask, prefix: int, node: int):
     return attention_invariant(q[:, :, node : node + 1].contiguous(), k2, v2, alone, slot)[:, :, 0]
 
 
-def one_token_steps(args: tuple, steps: tuple, path: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """The tokens of `path` (nodes of the step `args`) decoded one at a time, each step committed:
-    their outputs [B, H, dv], and the state and conv window after the last."""
-    from specgraph.kernels.gated_delta.invariant import (
-        gated_delta_commit_invariant,
-        gated_delta_step_invariant,
-    )
+def gated_delta_layer(trees: list[tuple[int, int]], h: int, hk: int, dk: int, dv: int, pool: int, seed: int,
+                      dtype: torch.dtype = torch.float32, spare: int = 2) -> tuple[list[Tree], tuple, tuple]:
+    """A random gated-DeltaNet layer step on the CPU (scripts/bench_gated_delta.layer_inputs) over
+    random trees of (nodes, depth) `trees`, their state in `pool` request slots, step buffers
+    `spare` rows past the largest tree -> the trees, the step's arguments and its step buffers."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from bench_gated_delta import layer_inputs
+
+    from specgraph.bench.widen import QWEN35_REAL
+    shape = replace(QWEN35_REAL["qwen3.5-9b"], linear_key_heads=hk, linear_value_heads=h, linear_key_dim=dk,
+                    linear_value_dim=dv)
+    gen = torch.Generator().manual_seed(seed)
+    trees = [Tree.random(t, depth, gen) for t, depth in trees]
+    args, steps = layer_inputs(shape, trees, gen, torch.device("cpu"), dtype, max(t.size for t in trees) + spare, pool)
+    return trees, args, steps
+
+
+def one_token_steps(args: tuple, steps: tuple, tree: int, path: list[int]
+                    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The tokens of `path` (nodes of tree `tree` of the step `args`) decoded one at a time, each
+    step committed, from the tree's committed state and conv window in a pool of their own (one
+    slot; step buffers of one row, shaped like `steps`): their outputs [H, dv], and the state and
+    conv window after the last."""
+    from specgraph.kernels.gated_delta.invariant import gated_delta_commit_invariant, gated_delta_step_invariant
     from specgraph.models.hybrid import conv_windows
 
-    inputs, write, decay_input, conv, conv_weight, a_log, dt_bias, _, _, state = args
-    state, conv = state[None].clone(), conv[None].clone()  # one layer
-    alone = torch.ones(1, 1, dtype=torch.bool, device=inputs.device)
+    inputs, write, decay_input, conv, conv_weight, a_log, dt_bias, _, _, state, rows = args
+    slot = int(rows[tree])
+    state, conv = state[slot][None, None].clone(), conv[slot][None, None].clone()  # one layer, one slot
+    steps = tuple(torch.zeros_like(x[:1]) for x in steps)
+    alone = torch.ones(1, 1, 1, dtype=torch.bool, device=inputs.device)
+    first = torch.zeros(1, dtype=torch.long, device=inputs.device)  # the tree's slot, its step row, its node
     outs = []
     for node in path:
-        token = (x[:, node : node + 1] for x in (inputs, write, decay_input))
+        token = (x[tree:tree + 1, node:node + 1] for x in (inputs, write, decay_input))
         outs.append(gated_delta_step_invariant(*token, conv[0], conv_weight, a_log, dt_bias,
-                                               conv_windows(alone, conv_weight.shape[-1]), alone, state[0], *steps)[:, 0])
-        gated_delta_commit_invariant(state, conv, *(x[None] for x in steps), torch.tensor([0], device=inputs.device))
-    return outs, state[0], conv[0]
+                                               conv_windows(alone, conv_weight.shape[-1]), alone, state[0], first,
+                                               *steps)[0, 0])
+        gated_delta_commit_invariant(state, conv, *(x[None] for x in steps), first[None], first)
+    return outs, state[0, 0], conv[0, 0]
 
 
 def character_device(folder: Path, like: str = "null", name: str | None = None) -> Path:

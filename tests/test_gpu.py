@@ -15,7 +15,6 @@ from specgraph.export import export_program
 from specgraph.program import Program
 from specgraph.recipe import Recipe
 from specgraph.runtime.clock import Clock
-from specgraph.runtime.stage import step_mask
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -192,7 +191,7 @@ def test_gated_delta_kernel_gives_every_node_the_recurrence_along_its_path(dtype
         for t, depth in [(1, 1), (16, 16), (64, 3), (64, 8), (128, 16), (128, 128)]:
             tree = Tree.random(t, depth, generator)
             for _ in range(2):
-                args, steps = layer_inputs(shape, t, tree, generator, device, dtype)
+                args, steps = layer_inputs(shape, [tree], generator, device, dtype)
                 exact = branch_by_branch(args, tree_levels(tree, device))
                 got = gated_delta_step(*args, *steps).float()
                 cosine = torch.nn.functional.cosine_similarity(got.flatten(2), exact.flatten(2), dim=-1)  # per node
@@ -279,18 +278,19 @@ def test_row_invariant_kernels_give_a_token_the_same_bits_in_any_step_in_bf16():
     cpu = torch.Generator().manual_seed(2)
     for shape in QWEN35_REAL.values():
         tree = Tree.random(t, 6, cpu)
-        args, steps = layer_inputs(shape, t, tree, cpu, torch.device("cuda"), torch.bfloat16, 1, 2 * t)
+        args, steps = layer_inputs(shape, [tree], cpu, torch.device("cuda"), torch.bfloat16, 2 * t)
         args = (args[0].contiguous(), *args[1:])
         got = gated_delta_step_invariant(*args, *steps)
         deepest = int(tree.depths.argmax())
         for node in range(t):
             path = tree.ancestors[node].nonzero().flatten().tolist()
-            outs, state, conv = one_token_steps(args, tuple(x.clone() for x in steps), path)
-            assert torch.equal(got[:, node], outs[-1]), node
+            outs, state, conv = one_token_steps(args, steps, 0, path)
+            assert torch.equal(got[0, node], outs[-1]), node
             if node == deepest:
                 committed, window = args[9][None].clone(), args[3][None].clone()
-                gated_delta_commit_invariant(committed, window, *(x[None] for x in steps), torch.tensor(path, device="cuda"))
-                assert torch.equal(committed[0], state) and torch.equal(window[0], conv)
+                gated_delta_commit_invariant(committed, window, *(x[None] for x in steps),
+                                             torch.tensor([path], device="cuda"), args[10])
+                assert torch.equal(committed[0, 0], state) and torch.equal(window[0, 0], conv)
 
 
 @pytest.mark.parametrize("tokens", [2, 6, 16])

@@ -2,16 +2,13 @@
 their results are the references', and a token's row has the bits it has when the token is alone
 in its step — a tree node's attention output those of the node decoded alone after its path was
 committed at its positions, its gated-DeltaNet output (and the state a commit leaves) those of
-one-token steps along its path. (On a GPU in bf16: tests/test_gpu.py.)"""
-
-import sys
-from dataclasses import replace
+one-token steps along its path, whatever trees share its batch and whichever request slot holds
+its state. (On a GPU in bf16: tests/test_gpu.py.)"""
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
-from helpers import one_token_steps, path_alone, random_tree
+from helpers import gated_delta_layer, one_token_steps, path_alone, random_tree
 
 from specgraph.kernels.attention import attention_reference
 from specgraph.kernels.attention.invariant import attention_invariant
@@ -23,7 +20,7 @@ from specgraph.kernels.swiglu import swiglu_reference
 from specgraph.kernels.norm import rmsnorm_reference
 from specgraph.kernels.norm.triton import rmsnorm
 from specgraph.kernels.swiglu.invariant import swiglu_invariant
-from specgraph.runtime.stage import step_mask
+from specgraph.models.hybrid import conv_windows
 from specgraph.tree import Tree
 
 
@@ -115,27 +112,68 @@ def test_rmsnorm_kernel_matches_reference_row_by_row(gated):
         assert (got - rmsnorm_reference(q, weight, 1e-6)).abs().max() > 0.1
 
 
-@pytest.mark.parametrize("b, t, h, hk, dk, dv, depth", [
-    (1, 9, 4, 2, 16, 48, 4),  # a bushy tree; two value tiles, the second part masked
-    (2, 6, 2, 1, 32, 16, 6),  # a chain (every state on chip), batch 2
-])
-def test_invariant_gated_delta_gives_each_node_and_commit_the_bits_of_one_token_steps(b, t, h, hk, dk, dv, depth):
-    sys.path.insert(0, str(REPO / "scripts"))
-    from bench_gated_delta import layer_inputs
+def root_paths(trees: list[Tree], nodes: list[int]) -> torch.Tensor:
+    """[B, P] long: tree b's path from its root to node nodes[b], -1 padded (one -1 past the longest)."""
+    paths = [trees[b].ancestors[node].nonzero().flatten().tolist() for b, node in enumerate(nodes)]
+    width = max(map(len, paths)) + 1
+    return torch.tensor([path + [-1] * (width - len(path)) for path in paths])
 
-    from specgraph.bench.widen import QWEN35_REAL
-    shape = replace(QWEN35_REAL["qwen3.5-9b"], linear_key_heads=hk, linear_value_heads=h, linear_key_dim=dk,
-                    linear_value_dim=dv)
-    gen = torch.Generator().manual_seed(t + dk)
-    tree = Tree.random(t, depth, gen)
-    args, steps = layer_inputs(shape, t, tree, gen, torch.device("cpu"), torch.float32, b, t + 2)
+
+@pytest.mark.parametrize("trees, h, hk, dk, dv, pool", [
+    ([(9, 4), (4, 3)], 4, 2, 16, 48, 3),  # bushy trees (the second padded); two value tiles, the second part masked
+    ([(6, 6), (1, 1), (3, 3)], 2, 1, 32, 16, 5),  # chains (every state on chip) and a lone root, padded to 6
+])
+def test_invariant_gated_delta_gives_each_node_and_commit_the_bits_of_one_token_steps(trees, h, hk, dk, dv, pool):
+    trees, args, steps = gated_delta_layer(trees, h, hk, dk, dv, pool, len(trees) + dk)
+    rows = args[10]
     got = gated_delta_step_invariant(*args, *steps)
-    assert (got - gated_delta_step_reference(*args, *(x.clone() for x in steps))).abs().max() < 1e-4
-    for node in range(t):
-        path = tree.ancestors[node].nonzero().flatten().tolist()  # root first
-        outs, state, conv = one_token_steps(args, tuple(x.clone() for x in steps), path)
-        assert torch.equal(got[:, node], outs[-1]), node
-        if node == t - 1:  # committing the path after the tree step leaves the one-token steps' state
-            committed, window = args[9][None].clone(), args[3][None].clone()
-            gated_delta_commit_invariant(committed, window, *(x[None] for x in steps), torch.tensor([*path, -1]))
-            assert torch.equal(committed[0], state) and torch.equal(window[0], conv)
+    expected = gated_delta_step_reference(*args, *(x.clone() for x in steps))
+    assert got.isfinite().all()  # padding rows too
+    committed = {}  # tree -> the one-token steps' state and conv window after its last node
+    for b, tree in enumerate(trees):
+        assert (got[b, :tree.size] - expected[b, :tree.size]).abs().max() < 1e-4
+        for node in range(tree.size):
+            path = tree.ancestors[node].nonzero().flatten().tolist()  # root first
+            outs, state, conv = one_token_steps(args, steps, b, path)
+            assert torch.equal(got[b, node], outs[-1]), (b, node)
+            if node == tree.size - 1:
+                committed[b] = state, conv
+    # committing each tree's path to its last node after the step leaves the one-token steps' state, in its slot
+    state, window = args[9][None].clone(), args[3][None].clone()
+    gated_delta_commit_invariant(state, window, *(x[None] for x in steps),
+                                 root_paths(trees, [tree.size - 1 for tree in trees]), rows)
+    for b in range(len(trees)):
+        assert torch.equal(state[0, rows[b]], committed[b][0]) and torch.equal(window[0, rows[b]], committed[b][1]), b
+    others = [slot for slot in range(pool) if slot not in rows.tolist()]
+    assert torch.equal(state[0, others], args[9][others]) and torch.equal(window[0, others], args[3][others])
+
+
+@pytest.mark.parametrize("trees, pool", [
+    ([(5, 3), (1, 1), (11, 4)], 5),  # different sizes (padding); the lone root decoded alone (_decode), walked beside
+    ([(1, 1), (1, 1), (1, 1)], 4),  # a decoding batch: one token per request
+])
+def test_invariant_gated_delta_gives_a_tree_the_bits_it_has_alone(trees, pool):
+    """A tree's outputs and the state its commit leaves are bit for bit those it gets stepped alone
+    (B = 1, no padding), from step row 0 and another request slot than it has in the batch."""
+    trees, args, steps = gated_delta_layer(trees, 2, 1, 16, 32, pool, 7)
+    inputs, write, decay_input, conv, conv_weight, a_log, dt_bias, _, visible, state, rows = args
+    got = gated_delta_step_invariant(*args, *steps)
+    expected = gated_delta_step_reference(*args, *(x.clone() for x in steps))
+    paths = root_paths(trees, [int(tree.depths.argmax()) for tree in trees])  # each tree's deepest path
+    committed, window = state[None].clone(), conv[None].clone()
+    gated_delta_commit_invariant(committed, window, *(x[None] for x in steps), paths, rows)
+    for b, tree in enumerate(trees):
+        n = tree.size
+        assert (got[b, :n] - expected[b, :n]).abs().max() < 1e-4
+        moved = (rows[b : b + 1] + 1) % pool  # the pool rolled by one slot: the tree's state and window there
+        seen = visible[b : b + 1, :n, :n]
+        alone_steps = tuple(torch.zeros_like(x) for x in steps)
+        alone = gated_delta_step_invariant(*(x[b : b + 1, :n] for x in (inputs, write, decay_input)), conv.roll(1, 0),
+                                           conv_weight, a_log, dt_bias, conv_windows(seen, conv_weight.shape[-1]), seen,
+                                           state.roll(1, 0), moved, *alone_steps)
+        assert torch.equal(alone[0], got[b, :n]), b
+        alone_state, alone_window = state.roll(1, 0)[None].clone(), conv.roll(1, 0)[None].clone()
+        gated_delta_commit_invariant(alone_state, alone_window, *(x[None] for x in alone_steps), paths[b : b + 1],
+                                     moved)
+        assert torch.equal(alone_state[0, moved[0]], committed[0, rows[b]]), b
+        assert torch.equal(alone_window[0, moved[0]], window[0, rows[b]]), b

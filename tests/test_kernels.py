@@ -5,20 +5,15 @@ two bf16 ulps (outputs are rounded to bf16, and the interpreter truncates fp32 -
 a GPU rounds to nearest); the gated-DeltaNet step, whose outputs are small, relative to the largest
 reference output (1e-4 fp32, 2e-2 bf16)."""
 
-import sys
-from dataclasses import replace
-
 import pytest
 import torch
-from conftest import REPO
-from helpers import random_tree
+from helpers import gated_delta_layer, random_tree
 
 from specgraph.kernels.accept import accept_greedy_reference, accept_sampling_reference
 from specgraph.kernels.accept.triton import accept_greedy, accept_sampling
 from specgraph.kernels.attention import attention_reference
 from specgraph.kernels.attention.triton import attention
 from specgraph.kernels.gated_delta import gated_delta_commit_reference, gated_delta_tree_reference
-from specgraph.kernels.gated_delta.reference import _fold_state
 from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.kernels.kv_move.triton import kv_move
 from specgraph.kernels.linear import linear_reference
@@ -31,7 +26,6 @@ from specgraph.kernels.rope import rope_write_reference
 from specgraph.kernels.rope.triton import rope_write
 from specgraph.kernels.swiglu import swiglu_reference
 from specgraph.kernels.swiglu.triton import swiglu
-from specgraph.runtime.stage import step_mask
 from specgraph.tree import Tree
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -233,49 +227,75 @@ def sequential_gated_delta(q, k, v, g, beta, state, parents):
     return torch.stack(outs, 1), states
 
 
-@pytest.mark.parametrize("b, t, h, dk, dv", [(1, 1, 1, 4, 4), (2, 13, 3, 5, 7), (1, 63, 2, 60, 33)])
-def test_gated_delta_tree_and_commit_match_the_recurrence(b, t, h, dk, dv):
-    gen = torch.Generator().manual_seed(t)
-    tree = random_tree(t, gen)
-    q, k = torch.randn(b, t, h, dk, generator=gen), torch.nn.functional.normalize(torch.randn(b, t, h, dk, generator=gen), dim=-1)
-    v, state = torch.randn(b, t, h, dv, generator=gen), torch.randn(b, h, dk, dv, generator=gen)
+def padded_trees(trees: list[Tree]) -> torch.Tensor:
+    """visible [B, T, T] of trees padded to the largest: rows past a tree's size see nothing."""
+    t = max(tree.size for tree in trees)
+    visible = torch.zeros(len(trees), t, t, dtype=torch.bool)
+    for tree, seen in zip(trees, visible):
+        seen[:tree.size, :tree.size] = tree.ancestors
+    return visible
+
+
+@pytest.mark.parametrize("sizes, h, dk, dv, kernel", [([1], 1, 4, 4, 4), ([13, 5, 1], 3, 5, 7, 4),
+                                                      ([63, 40], 2, 60, 33, 2)])
+def test_gated_delta_tree_and_commit_match_the_recurrence(sizes, h, dk, dv, kernel):
+    """Each tree of a padded batch (its state in a slot of a larger pool) against the recurrence
+    token by token; committing the path to its last node leaves that node's state, and the conv
+    window ends with the path's inputs."""
+    gen = torch.Generator().manual_seed(sum(sizes))
+    trees = [random_tree(t, gen) for t in sizes]
+    visible = padded_trees(trees)
+    (b, t, _), n, s, c = visible.shape, len(sizes) + 2, max(sizes) + 3, 3 * dk
+    q = torch.randn(b, t, h, dk, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(b, t, h, dk, generator=gen), dim=-1)
+    v, state = torch.randn(b, t, h, dv, generator=gen), torch.randn(n, h, dk, dv, generator=gen)
     g, beta = -torch.rand(b, t, h, generator=gen) * 2, torch.rand(b, t, h, generator=gen)
-    out, u, decay = gated_delta_tree_reference(q, k, v, g, beta, state, tree.ancestors)
-    expected, states = sequential_gated_delta(q, k, v, g, beta, state, tree.parents.tolist())
-    assert (out - expected).abs().max() < 1e-4
-    leaf = t - 1
-    path = tree.ancestors[leaf].nonzero().flatten()  # root first
-    committed = state.clone()
-    _fold_state(committed, k, u, decay, torch.cat([path, torch.full((2,), -1)]))
-    assert (committed - states[leaf]).abs().max() < 1e-4
+    rows = torch.randperm(n, generator=gen)[:b]
+    out, u, decay = gated_delta_tree_reference(q, k, v, g, beta, state[rows], visible)
+    assert out.isfinite().all()  # padding rows too
+    conv, step_inputs = torch.randn(1, n, kernel - 1, c, generator=gen), torch.randn(1, n, s, c, generator=gen)
+    step_k, step_u, step_decay = (torch.zeros(1, n, s, *x.shape[2:]) for x in (k, u, decay))
+    step_k[0, :b, :t], step_u[0, :b, :t], step_decay[0, :b, :t] = k, u, decay
+    paths = torch.full((b, t + 2), -1)
+    committed, window = state[None].clone(), conv.clone()
+    leaves = []
+    for i, tree in enumerate(trees):
+        one = (x[i : i + 1, :tree.size] for x in (q, k, v, g, beta))
+        expected, states = sequential_gated_delta(*one, state[rows[i]][None], tree.parents.tolist())
+        assert (out[i, :tree.size] - expected[0]).abs().max() < 1e-4
+        path = tree.ancestors[-1].nonzero().flatten()  # root first, to the last node
+        paths[i, :path.numel()] = path
+        leaves.append((states[-1][0], torch.cat([conv[0, rows[i]], step_inputs[0, i, path]])[-(kernel - 1):]))
+    gated_delta_commit_reference(committed, window, step_k, step_u, step_decay, step_inputs, paths, rows)
+    for i, (leaf, leaf_window) in enumerate(leaves):
+        assert (committed[0, rows[i]] - leaf).abs().max() < 1e-4 and torch.equal(window[0, rows[i]], leaf_window)
+    others = [slot for slot in range(n) if slot not in rows.tolist()]
+    assert torch.equal(committed[0, others], state[others]) and torch.equal(window[:, others], conv[:, others])
 
 
-@pytest.mark.parametrize("b, t, h, hk, dk, dv, depth, dtype", [
-    (1, 1, 4, 2, 64, 64, 1, torch.float32),  # the one-token step (autoregressive decoding)
-    (2, 13, 3, 1, 48, 40, 5, torch.float32),  # batch 2, odd head dims, 3 value heads per key head
-    (1, 64, 2, 2, 64, 64, 64, torch.float32),  # a chain of 64 (a prompt chunk)
-    (1, 37, 2, 1, 128, 64, 6, torch.bfloat16),  # a bushy tree, head dim 128
-    (1, 128, 2, 2, 64, 128, 16, torch.bfloat16),  # the largest step, depth 16
+@pytest.mark.parametrize("trees, pool, h, hk, dk, dv, dtype", [
+    ([(1, 1)] * 3, 5, 4, 2, 64, 64, torch.float32),  # one-token steps (autoregressive decoding) of three requests
+    ([(13, 5), (6, 3)], 4, 3, 1, 48, 40, torch.float32),  # odd head dims, 3 value heads per key head, padding
+    ([(64, 64), (17, 17)], 3, 2, 2, 64, 64, torch.float32),  # chains of 64 and 17 (prompt chunks): padding blocks
+    ([(37, 6), (20, 4)], 2, 2, 1, 128, 64, torch.bfloat16),  # bushy trees, head dim 128
+    ([(128, 16)], 2, 2, 2, 64, 128, torch.bfloat16),  # the largest step, depth 16
 ])
-def test_gated_delta_step_matches_reference(b, t, h, hk, dk, dv, depth, dtype):
-    sys.path.insert(0, str(REPO / "scripts"))
-    from bench_gated_delta import layer_inputs
-
-    from specgraph.bench.widen import QWEN35_REAL
+def test_gated_delta_step_matches_reference(trees, pool, h, hk, dk, dv, dtype):
     from specgraph.kernels.gated_delta import gated_delta_step_reference
     from specgraph.kernels.gated_delta.triton import gated_delta_step
-    shape = replace(QWEN35_REAL["qwen3.5-9b"], linear_key_heads=hk, linear_value_heads=h, linear_key_dim=dk,
-                    linear_value_dim=dv)
-    gen = torch.Generator().manual_seed(t + dk)
-    args, steps = layer_inputs(shape, t, Tree.random(t, depth, gen), gen, torch.device("cpu"), dtype, b, t + 3)
+    trees, args, steps = gated_delta_layer(trees, h, hk, dk, dv, pool, trees[0][0] + dk, dtype, spare=3)
+    (b, t), real = args[0].shape[:2], args[8].diagonal(dim1=1, dim2=2)  # [B, T]: nodes (the rest padding)
     expected_steps, got_steps = [x.clone() for x in steps], [x.clone() for x in steps]
     expected = gated_delta_step_reference(*args, *expected_steps)
     got = gated_delta_step(*args, *got_steps)
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: outputs rounded, factors from rounded activations
-    assert got.dtype == dtype and (got.float() - expected.float()).abs().max() <= tol * expected.float().abs().max()
+    assert got.dtype == dtype and got.float().isfinite().all()  # padding rows too
+    assert (got[real].float() - expected[real].float()).abs().max() <= tol * expected[real].float().abs().max()
     for name, x, y in zip(("k", "u", "G"), got_steps, expected_steps):
-        assert (x - y).abs().max() <= tol * y.abs().max(), name
-    assert torch.equal(got_steps[3][:, :t], args[0]) and torch.equal(got_steps[3], expected_steps[3])  # the inputs kept
+        assert (x[:b, :t][real] - y[:b, :t][real]).abs().max() <= tol * y.abs().max(), name
+        assert x.isfinite().all() and torch.equal(x[b:], y[b:]) and torch.equal(x[:, t:], y[:, t:]), name  # untouched
+    assert torch.equal(got_steps[3][:b, :t], args[0])  # the inputs kept
+    assert torch.equal(got_steps[3], expected_steps[3])
 
 
 def test_gated_delta_step_solves_an_ill_conditioned_chain_as_accurately_as_substitution():
@@ -283,19 +303,13 @@ def test_gated_delta_step_solves_an_ill_conditioned_chain_as_accurately_as_subst
     (I + A) is far from the identity, and the kernel's diagonal-block inverses (block formulas, not
     substitution) must still give U and the outputs to fp32 accuracy — against the same system solved
     in float64, within 10x the error of fp32 forward substitution (the reference)."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    from bench_gated_delta import layer_inputs
-
-    from specgraph.bench.widen import QWEN35_REAL
     from specgraph.kernels.gated_delta import gated_delta_step_reference
     from specgraph.kernels.gated_delta.reference import gated_delta_gates
     from specgraph.kernels.gated_delta.triton import gated_delta_step
     h, dk, t = 2, 32, 48
-    shape = replace(QWEN35_REAL["qwen3.5-9b"], linear_key_heads=1, linear_value_heads=h, linear_key_dim=dk,
-                    linear_value_dim=dk)
-    gen = torch.Generator().manual_seed(1)
-    args, steps = layer_inputs(shape, t, Tree.random(t, t, gen), gen, torch.device("cpu"), torch.float32, 1, t)
-    inputs, write, decay_input, conv, conv_weight, a_log, dt_bias, windows, visible, state = args
+    _, args, steps = gated_delta_layer([(t, t)], h, 1, dk, dk, 2, 1, spare=0)
+    gen = torch.Generator().manual_seed(2)
+    inputs, write, decay_input, conv, conv_weight, a_log, dt_bias, windows, visible, state, rows = args
     key = slice(dk, 2 * dk)  # the key channels, after the query's
     common = torch.randn(dk, generator=gen)
     inputs[..., key] = common + 0.01 * torch.randn(t, dk, generator=gen)
@@ -303,41 +317,42 @@ def test_gated_delta_step_solves_an_ill_conditioned_chain_as_accurately_as_subst
     conv_weight[key] = conv_weight[key].abs()
     write.fill_(8.0)  # beta 0.9997
     decay_input.fill_(-10.0)  # g about -5e-6
-    q, k, v, g, beta = gated_delta_gates(*args[:-2], h, dk, dk)
+    q, k, v, g, beta = gated_delta_gates(inputs, write, decay_input, conv[rows], conv_weight, a_log, dt_bias, windows,
+                                         h, dk, dk)
     assert (k[0, :, 0] @ k[0, :, 0].T).min() > 0.999
-    exact, exact_u, _ = gated_delta_tree_reference(*(x.double() for x in (q, k, v, g, beta, state)), visible)
+    exact, exact_u, _ = gated_delta_tree_reference(*(x.double() for x in (q, k, v, g, beta, state[rows])), visible)
     got_steps, ref_steps = [x.clone() for x in steps], [x.clone() for x in steps]
     got, ref = gated_delta_step(*args, *got_steps), gated_delta_step_reference(*args, *ref_steps)
 
     def error(x: torch.Tensor, y: torch.Tensor) -> float:
         return float((x.double() - y).abs().max() / y.abs().max())
 
-    for ours, substitution, exact_value in ((got, ref, exact), (got_steps[1][:, :t], ref_steps[1][:, :t], exact_u)):
+    for ours, substitution, exact_value in ((got, ref, exact), (got_steps[1][:1, :t], ref_steps[1][:1, :t], exact_u)):
         assert error(ours, exact_value) <= max(10 * error(substitution, exact_value), 1e-6)
         assert error(ours, exact_value) < 1e-5
 
 
-@pytest.mark.parametrize("layers, b, h, dk, dv, kernel, path", [
-    (2, 1, 3, 64, 64, 4, [0]),  # the root alone (an autoregressive step)
-    (1, 2, 2, 48, 40, 4, [0, 2, 5, -1, -1]),  # a padded path of three
-    (3, 1, 2, 64, 128, 4, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]),  # past one 16-row tile
-    (1, 1, 2, 32, 32, 2, [0, 3]),  # a conv of width 2
-    (1, 1, 2, 32, 32, 4, [-1, -1, -1]),  # nothing to fold (a drafter's first step after a one-token prompt)
-])
-def test_gated_delta_commit_matches_reference(layers, b, h, dk, dv, kernel, path):
+@pytest.mark.parametrize("layers, pool, h, dk, dv, kernel, paths", [
+    (2, 3, 3, 64, 64, 4, [[0], [0]]),  # the roots alone (an autoregressive step) of two requests
+    (1, 4, 2, 48, 40, 4, [[0, 2, 5, -1, -1], [0, 1, -1, -1, -1]]),  # padded paths of three and two
+    (3, 2, 2, 64, 128, 4, [list(range(18))]),  # past one 16-row tile
+    (1, 1, 2, 32, 32, 2, [[0, 3]]),  # a conv of width 2
+    (1, 3, 2, 32, 32, 4, [[-1, -1, -1], [0, 1, 4]]),  # nothing to fold (a drafter's first step after a one-token
+])  #                                                    prompt) beside a path
+def test_gated_delta_commit_matches_reference(layers, pool, h, dk, dv, kernel, paths):
     from specgraph.kernels.gated_delta.triton import gated_delta_commit
-    gen = torch.Generator().manual_seed(len(path) + dk)
+    gen = torch.Generator().manual_seed(len(paths[0]) + dk)
     s, c = 20, 3 * dk
-    state, conv = torch.randn(layers, b, h, dk, dv, generator=gen), torch.randn(layers, b, kernel - 1, c, generator=gen)
-    factors = (torch.nn.functional.normalize(torch.randn(layers, b, s, h, dk, generator=gen), dim=-1),
-               torch.randn(layers, b, s, h, dv, generator=gen), -torch.rand(layers, b, s, h, generator=gen).cumsum(2),
-               torch.randn(layers, b, s, c, generator=gen))
-    path = torch.tensor(path)
-    state_before, conv_before = state.clone(), conv.clone()
+    state = torch.randn(layers, pool, h, dk, dv, generator=gen)
+    conv = torch.randn(layers, pool, kernel - 1, c, generator=gen)
+    factors = (torch.nn.functional.normalize(torch.randn(layers, pool, s, h, dk, generator=gen), dim=-1),
+               torch.randn(layers, pool, s, h, dv, generator=gen),
+               -torch.rand(layers, pool, s, h, generator=gen).cumsum(2),
+               torch.randn(layers, pool, s, c, generator=gen))  # step rows: one per request slot, as in the cache
+    paths = torch.tensor(paths)
+    rows = torch.randperm(pool, generator=gen)[:paths.shape[0]]
     expected_state, expected_conv = state.clone(), conv.clone()
-    gated_delta_commit_reference(expected_state, expected_conv, *factors, path)
-    gated_delta_commit(state, conv, *factors, path)
+    gated_delta_commit_reference(expected_state, expected_conv, *factors, paths, rows)
+    gated_delta_commit(state, conv, *factors, paths, rows)
     assert (state - expected_state).abs().max() < 1e-4
     assert torch.equal(conv, expected_conv)
-    if (path < 0).all():  # the oracle: nothing changed
-        assert torch.equal(expected_state, state_before) and torch.equal(expected_conv, conv_before)

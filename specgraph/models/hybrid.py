@@ -107,9 +107,10 @@ class HybridShape:
 def conv_windows(visible: torch.Tensor, kernel: int) -> torch.Tensor:
     """visible [B, T, T] bool (ancestors or self, per tree) -> [B, T, K] long: each node's conv
     inputs, oldest first, as indices into (the K - 1 committed inputs, then the step's T): the node
-    and its K - 1 nearest ancestors, reaching into the committed window above the step's root."""
+    and its K - 1 nearest ancestors, reaching into the committed window above the step's root. A
+    padding row (seeing nothing) gets a root's: its indices in range like every other's."""
     t = visible.shape[-1]
-    depth = visible.sum(-1) - 1  # [B, T]: depth in the step, root 0
+    depth = visible.sum(-1).clamp(min=1) - 1  # [B, T]: depth in the step, root 0 (padding: 0)
     wanted = depth[..., None] - torch.arange(kernel - 1, -1, -1, device=visible.device)  # [B, T, K]
     match = visible[:, :, None, :] & (depth[:, None, None, :] == wanted[..., None])  # [B, T, K, T]: that ancestor
     node = (match.long() * torch.arange(t, device=visible.device)).sum(-1)  # [B, T, K]
