@@ -71,7 +71,7 @@ def layer_inputs(shape, trees: list[Tree], generator: torch.Generator, device: t
     rows = torch.randperm(n, generator=generator)[:b].to(device)
     visible = torch.zeros(b, t, t, dtype=torch.bool)  # rows past a tree's size: padding, seeing nothing
     for tree, seen in zip(trees, visible):
-        seen[:tree.size, :tree.size] = tree.ancestors
+        seen[:tree.size, :tree.size] = tree.ancestors[0]
     visible = visible.to(device)
     args = (inputs, write, decay_input, conv, conv_weight, a_log, dt_bias, conv_windows(visible, kernel), visible,
             state, rows)
@@ -105,8 +105,8 @@ def branch_by_branch(args: tuple, levels: list[tuple[torch.Tensor, torch.Tensor]
 def tree_levels(tree: Tree, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     levels = []
     for depth in range(tree.max_depth + 1):
-        nodes = (tree.depths == depth).nonzero().flatten()
-        parents = None if depth == 0 else tree.parents[nodes]
+        nodes = (tree.depths[0] == depth).nonzero().flatten()
+        parents = None if depth == 0 else tree.parents[0, nodes]
         levels.append((nodes.to(device), None if parents is None else parents.to(device)))
     return levels
 

@@ -114,7 +114,7 @@ def test_rmsnorm_kernel_matches_reference_row_by_row(gated):
 
 def root_paths(trees: list[Tree], nodes: list[int]) -> torch.Tensor:
     """[B, P] long: tree b's path from its root to node nodes[b], -1 padded (one -1 past the longest)."""
-    paths = [trees[b].ancestors[node].nonzero().flatten().tolist() for b, node in enumerate(nodes)]
+    paths = [trees[b].ancestors[0, node].nonzero().flatten().tolist() for b, node in enumerate(nodes)]
     width = max(map(len, paths)) + 1
     return torch.tensor([path + [-1] * (width - len(path)) for path in paths])
 
@@ -133,7 +133,7 @@ def test_invariant_gated_delta_gives_each_node_and_commit_the_bits_of_one_token_
     for b, tree in enumerate(trees):
         assert (got[b, :tree.size] - expected[b, :tree.size]).abs().max() < 1e-4
         for node in range(tree.size):
-            path = tree.ancestors[node].nonzero().flatten().tolist()  # root first
+            path = tree.ancestors[0, node].nonzero().flatten().tolist()  # root first
             outs, state, conv = one_token_steps(args, steps, b, path)
             assert torch.equal(got[b, node], outs[-1]), (b, node)
             if node == tree.size - 1:
@@ -159,7 +159,7 @@ def test_invariant_gated_delta_gives_a_tree_the_bits_it_has_alone(trees, pool):
     inputs, write, decay_input, conv, conv_weight, a_log, dt_bias, _, visible, state, rows = args
     got = gated_delta_step_invariant(*args, *steps)
     expected = gated_delta_step_reference(*args, *(x.clone() for x in steps))
-    paths = root_paths(trees, [int(tree.depths.argmax()) for tree in trees])  # each tree's deepest path
+    paths = root_paths(trees, [int(tree.depths[0].argmax()) for tree in trees])  # each tree's deepest path
     committed, window = state[None].clone(), conv[None].clone()
     gated_delta_commit_invariant(committed, window, *(x[None] for x in steps), paths, rows)
     for b, tree in enumerate(trees):

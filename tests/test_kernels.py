@@ -232,7 +232,7 @@ def padded_trees(trees: list[Tree]) -> torch.Tensor:
     t = max(tree.size for tree in trees)
     visible = torch.zeros(len(trees), t, t, dtype=torch.bool)
     for tree, seen in zip(trees, visible):
-        seen[:tree.size, :tree.size] = tree.ancestors
+        seen[:tree.size, :tree.size] = tree.ancestors[0]
     return visible
 
 
@@ -261,9 +261,9 @@ def test_gated_delta_tree_and_commit_match_the_recurrence(sizes, h, dk, dv, kern
     leaves = []
     for i, tree in enumerate(trees):
         one = (x[i : i + 1, :tree.size] for x in (q, k, v, g, beta))
-        expected, states = sequential_gated_delta(*one, state[rows[i]][None], tree.parents.tolist())
+        expected, states = sequential_gated_delta(*one, state[rows[i]][None], tree.parents[0].tolist())
         assert (out[i, :tree.size] - expected[0]).abs().max() < 1e-4
-        path = tree.ancestors[-1].nonzero().flatten()  # root first, to the last node
+        path = tree.ancestors[0, -1].nonzero().flatten()  # root first, to the last node
         paths[i, :path.numel()] = path
         leaves.append((states[-1][0], torch.cat([conv[0, rows[i]], step_inputs[0, i, path]])[-(kernel - 1):]))
     gated_delta_commit_reference(committed, window, step_k, step_u, step_decay, step_inputs, paths, rows)
