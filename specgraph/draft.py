@@ -157,8 +157,8 @@ class Draft:
         return (*self.tree.tensors(), self.fed_at, self.feeds)
 
     @classmethod
-    def from_tensors(cls, tensors: tuple[torch.Tensor, ...], max_depth: int) -> Draft:
-        return cls(Tree.from_tensors(tensors[:-2], max_depth), *tensors[-2:])
+    def from_tensors(cls, tensors: tuple[torch.Tensor, ...], max_depth: int, packed: int | None = None) -> Draft:
+        return cls(Tree.from_tensors(tensors[:-2], max_depth, packed), *tensors[-2:])
 
 
 class _Grown(NamedTuple):
@@ -368,5 +368,6 @@ def select(grown: _Grown, nodes: int, depth: int, width: int, budget: int | None
     lineage = lineage & live[:, None, :] & live[:, :, None] | torch.eye(nodes + 1, dtype=torch.bool, device=device)
     structure = TreeStructure.on_device(parents, torch.where(live, grown.depths.gather(1, keep), 1), lineage, depth,
                                         width, sizes)
-    tree = Tree(grown.tokens.gather(1, keep), parents, None, structure, None if budget is None else sizes)
+    packed = None if budget is None else r + min(budget, r * nodes)  # (sum(sizes), known on the host)
+    tree = Tree(grown.tokens.gather(1, keep), parents, None, structure, None if budget is None else sizes, packed)
     return Draft(tree, torch.where(live, grown.fed_at.gather(1, keep), -1), feeds)

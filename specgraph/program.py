@@ -9,6 +9,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from specgraph.draft import Drafter
+from specgraph.engine.budget import Budget, batch_sizes, calibrate
 from specgraph.engine.engine import Engine
 from specgraph.engine.pool import BlockPool
 from specgraph.engine.runner import Runner
@@ -106,14 +107,23 @@ def make_executor(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks = Ran
 
 
 def engine_of(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None) -> Engine:
-    """The engine of a serial program over its loaded verifier and drafter (None: the target alone)."""
+    """The engine of a serial program over its loaded verifier and drafter (None: the target alone),
+    its verification budget calibrated here where the recipe asks for one and gives no table."""
     recipe, serving = graph.recipe, graph.recipe.serving
     target = graph.node(graph.target)
     region = max(graph.node(n)["cache_slots"] for n in graph.stages()) - recipe.max_seq_len
     runner = Runner(verifier, drafter, serving.max_batch, recipe.max_seq_len + region, target["compile"])
     pool = BlockPool(target["kv_blocks"], target["block_size"])
+    spec, budget = target["spec"].verify.budget, None
+    if spec is not None and drafter is not None:
+        table = spec.nodes or calibrate(verifier, batch_sizes(serving.max_batch), drafter.nodes, spec.epsilon,
+                                        min(CALIBRATION_CONTEXT, recipe.max_seq_len // 2))
+        budget = Budget(table, drafter.nodes)
     return Engine(runner, target["eos_ids"], recipe.max_seq_len, serving.max_batch, pool, region,
-                  serving.prefill_chunk, recipe.sampling)
+                  serving.prefill_chunk, recipe.sampling, budget)
+
+
+CALIBRATION_CONTEXT = 512  # committed tokens of each request while the budget is calibrated
 
 
 def verifier_of(graph: SpecGraph, stages: dict[str, Stage], name: str | None = None) -> Verifier:

@@ -94,6 +94,18 @@ class DynamicTree(_Strict):
 TreeSpec = Annotated[Union[ChainTree, StaticTree, DynamicTree], Field(discriminator="shape")]
 
 
+class BudgetSpec(_Strict):
+    """Bole's batch-wide verification budget: with c requests in a step, verify the B(c) most likely
+    draft nodes over all of their trees (each request at most its dynamic tree's `nodes`), B(c) =
+    max{N : T_ver(N | c) <= (1 + epsilon) T_dec(c)}: the most nodes whose verification costs at
+    most (1 + epsilon) times a step of the c roots alone, measured on this machine."""
+
+    epsilon: float = Field(0.1, gt=0, description="how much more than a plain decoding step verification may cost")
+    nodes: dict[PositiveInt, NonNegativeInt] | None = Field(
+        None, description="B(c) by batch size c, as calibrated (between two sizes, the smaller's share per request); "
+        "default: calibrated when the program loads, at batch sizes 1, 2, 4, ... up to serving.max_batch")
+
+
 class VerifySpec(_Strict):
     """How a stage accepts the drafts of the stage it verifies."""
 
@@ -107,6 +119,9 @@ class VerifySpec(_Strict):
     window: PositiveInt | None = Field(
         None, description="execution: pipeline: most tokens of the stage below verified in one forward; "
         "default: the first stage's chain length")
+    budget: BudgetSpec | None = Field(
+        None, description="verify a budget of nodes over the whole batch (Bole), the most likely of all requests' "
+        "dynamic trees, instead of each request's tree whole; serial execution")
 
 
 class GrowSpec(_Strict):
@@ -316,7 +331,7 @@ def _fields_at(loc: tuple) -> list[str]:
     model: Any = Recipe
     walk = {"models": ModelSpec, "stages": StageSpec, "sampling": SamplingSpec, "verify": VerifySpec, "grow": GrowSpec,
             "lowering": LoweringSpec, "pipeline": PipelineSpec, "serving": ServingSpec,
-            "chain": ChainTree, "static": StaticTree, "dynamic": DynamicTree}
+            "chain": ChainTree, "static": StaticTree, "dynamic": DynamicTree, "budget": BudgetSpec}
     for part in loc:
         model = walk.get(part, model) if isinstance(part, str) else model
     return list(model.model_fields)

@@ -154,6 +154,7 @@ class Tree:
     proposals: torch.Tensor | None = None  # [R, N + 1, V]: the distribution each node's token was drawn from
     structure: TreeStructure | None = None  # derived from parents (with a host read: one tree) when not given
     sizes: torch.Tensor | None = None  # [R] nodes of each tree, None: all N + 1
+    packed: int | None = None  # where sizes vary: their sum (a host bound: what a forward of them all packs)
 
     def __post_init__(self) -> None:
         if self.structure is None:
@@ -200,7 +201,7 @@ class Tree:
             return self
         return Tree(self.tokens.to(device), self.parents.to(device),
                     None if self.proposals is None else self.proposals.to(device), self.structure.to(device),
-                    None if self.sizes is None else self.sizes.to(device))
+                    None if self.sizes is None else self.sizes.to(device), self.packed)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """tokens, parents, depths, child_table, ancestors, counts: a deterministic draft's trees as a CUDA graph's outputs."""
@@ -220,6 +221,7 @@ class Tree:
         return cls(torch.zeros(1, t, dtype=torch.long), torch.tensor([parents]))
 
     @classmethod
-    def from_tensors(cls, tensors: tuple[torch.Tensor, ...], max_depth: int) -> Tree:
+    def from_tensors(cls, tensors: tuple[torch.Tensor, ...], max_depth: int, packed: int | None = None) -> Tree:
         tokens, parents, depths, child_table, ancestors, sizes = tensors
-        return cls(tokens, parents, None, TreeStructure(max_depth, depths, child_table, ancestors), sizes)
+        return cls(tokens, parents, None, TreeStructure(max_depth, depths, child_table, ancestors),
+                   None if packed is None else sizes, packed)

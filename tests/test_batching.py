@@ -11,6 +11,7 @@ from helpers import two_stage
 
 from specgraph.cli import main
 from specgraph.program import Program
+from specgraph.recipe import Recipe
 
 BUDGETS = [8, 48, 16, 64, 24, 40, 8, 56, 32, 12, 64, 20]  # new tokens of each of 12 requests: staggered finishes
 TREES = {"static": {"shape": "static", "branching": [3, 2, 1]},
@@ -67,3 +68,57 @@ def test_batch_above_one_is_refused_for_executors_that_decode_one_request_at_a_t
                  "stages.0.devices=[cpu]", "--set", "stages.1.devices=[cpu]"]) == 2
     assert ("--batch: execution 'disaggregated' decodes one request at a time; give --batch 1, or a serial recipe"
             in capsys.readouterr().err)
+
+
+def test_the_budget_takes_the_most_likely_nodes_over_the_whole_batch():
+    """select(): B nodes, best first over every request's candidates (each its own `nodes` best),
+    ancestor-closed, in pool order per request; sizes and the packed total say how many."""
+    import torch
+
+    from specgraph.draft import _Grown, select
+
+    # two requests' pools: root 0, children 1-3 of the root, 4-6 children of node 1 (scores: log-probs)
+    parents = torch.tensor([[-1, 0, 0, 0, 1, 1, 1]] * 2)
+    scores = torch.tensor([[0, -0.1, -2.0, -3.0, -0.3, -0.4, -5.0],
+                           [0, -1.0, -1.5, -0.2, -1.2, -1.3, -1.4]], dtype=torch.float64)
+    depths = torch.tensor([[0, 1, 1, 1, 2, 2, 2]] * 2)
+    lineage = torch.eye(7, dtype=torch.bool).repeat(2, 1, 1)
+    lineage[:, :, 0] = True
+    lineage[:, 4:, 1] = True
+    grown = _Grown(torch.arange(14).view(2, 7), parents, depths, scores, lineage, torch.full((2, 7), -1))
+    draft = select(grown, nodes=3, depth=2, width=3, budget=4, feeds=torch.tensor([2, 2]))
+    # candidates: request 0's best 3 (-0.1, -0.3, -0.4), request 1's (-0.2, -1.0, -1.2); the best 4 of all six
+    assert draft.tree.sizes.tolist() == [4, 2] and draft.tree.packed == 6
+    assert draft.tree.tokens[0, :4].tolist() == [0, 1, 4, 5] and draft.tree.tokens[1, :2].tolist() == [7, 10]
+    assert draft.tree.parents[0, :4].tolist() == [-1, 0, 1, 1] and draft.tree.parents[1, :2].tolist() == [-1, 0]
+    alone = select(grown, nodes=3, depth=2, width=3, budget=None, feeds=torch.tensor([2, 2]))
+    assert alone.tree.sizes is None and alone.tree.tokens[1].tolist() == [7, 8, 10, 11]
+
+
+def test_a_budget_verifies_its_nodes_and_keeps_every_request_exact(target_reference):
+    """Requests five at a time under a budget that grows with the batch (a fixed table: calibration
+    on a busy CPU would make the trees vary from run to run): each still gets the target's greedy
+    tokens, drafts are accepted, and every step verifies its batch's budget of nodes."""
+    table = {1: 6, 2: 8, 4: 12, 5: 14}
+    recipe = Recipe.from_dict({
+        "name": "budget", "serving": {"max_batch": 5, "block_size": 16},
+        "models": {"target": {"path": str(EMBEDDED / "target")}, "draft": {"path": str(EMBEDDED / "draft")}},
+        "stages": [{"name": "draft", "model": "draft", "devices": ["cpu"],
+                    "tree": {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 8}},
+                   {"name": "target", "model": "target", "devices": ["cpu"], "verifies": "draft",
+                    "verify": {"budget": {"epsilon": 0.1, "nodes": table}}}]})
+    program = Program.from_recipe(recipe)
+    drafter, verified = program.executor.runner.drafter, []
+    grow = drafter.draft
+
+    def recording(requests, *args, **kwargs):
+        draft = grow(requests, *args, **kwargs)
+        verified.append((requests.size, int(draft.tree.sizes.sum()) - requests.size, draft.tree.packed))
+        return draft
+
+    drafter.draft = recording
+    outputs = decode_together(program, target_reference)
+    assert outputs == [expected[:budget] for (_, expected), budget in zip(target_reference, BUDGETS)]
+    budget = program.executor.budget
+    assert all(nodes == budget(batch) and packed == batch + nodes for batch, nodes, packed in verified)
+    assert {batch for batch, _, _ in verified} >= {5, 1}  # a full batch, and the last request alone

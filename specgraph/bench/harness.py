@@ -14,17 +14,23 @@ from functools import partial
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from specgraph.bench.pipespec import stage_table
-from specgraph.bench.timing import best_seconds
 from specgraph.bench.systems import HFSystem, Run, SpecgraphSystem, hf_mirror
 from specgraph.errors import RecipeError, SpecgraphError
-from specgraph.models.loader import is_hybrid
 from specgraph.graph import SpecGraph
+from specgraph.models.loader import is_hybrid
 from specgraph.passes.place import resolve_device, world_size
 from specgraph.program import Program, make_executor, plan, stage_over
 from specgraph.recipe import ChainTree, Recipe, StageSpec
+from specgraph.runtime.clock import best_seconds
 from specgraph.runtime.executor import total_stats
 
 BASELINES = ("hf", "hf-assisted", "ar", "serial")

@@ -1,13 +1,11 @@
-"""Timing of one call: the best of a few on any device (`specgraph tune`'s forwards), or the mean
-over CUDA-graph replays (the kernel micro-benchmarks, scripts/bench_*.py); its peak memory."""
+"""Timing of one call as the kernel micro-benchmarks (scripts/bench_*.py) take it: the mean over
+CUDA-graph replays; its peak memory. (The best of a few calls on any device: runtime/clock.py.)"""
 
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
-
-from specgraph.runtime.clock import Clock
 
 
 def graph_time_us(fn: Callable[[], object], replays: int = 200) -> float:
@@ -39,23 +37,3 @@ def peak_bytes(fn: Callable[[], object]) -> int:
     peak = torch.cuda.max_memory_allocated() - base
     del result
     return peak
-
-
-def best_seconds(call: Callable[[], object], device: torch.device, calls: int = 1, warmup: int = 1,
-                 timings: int = 5) -> float:
-    """Seconds per call of `call`: the best of `timings` timings of `calls` back-to-back calls after
-    `warmup` untimed ones, each timed by a `Clock` (on a GPU by CUDA events, so no launch or host
-    synchronisation around the calls is counted)."""
-    for _ in range(warmup):
-        call()
-    best = float("inf")
-    for _ in range(timings):
-        clock = Clock(device)
-        clock.mark()
-        for _ in range(calls):
-            call()
-        clock.mark()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, clock.seconds()[0])
-    return best / calls

@@ -33,13 +33,18 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from specgraph.bench.harness import BenchSpec, device_name, measure_system, progress_bars
-from specgraph.bench.timing import best_seconds
+from specgraph.bench.harness import (
+    BenchSpec,
+    device_name,
+    measure_system,
+    progress_bars,
+)
 from specgraph.bench.systems import SpecgraphSystem
 from specgraph.errors import RecipeError, SpecgraphError
 from specgraph.graph import SpecGraph
 from specgraph.program import Program, make_executor, plan, stage_over, verifier_of
 from specgraph.recipe import DynamicTree
+from specgraph.runtime.clock import best_seconds
 from specgraph.runtime.graphs import CapturedGraph
 from specgraph.runtime.verifier import Verifier
 from specgraph.tree import Tree

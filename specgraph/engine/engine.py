@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from specgraph.engine.budget import Budget
 from specgraph.engine.pool import BlockPool
 from specgraph.engine.request import DECODE, FINISHED, Request
 from specgraph.engine.runner import Runner
@@ -25,14 +26,15 @@ from specgraph.runtime.executor import Generation, Output
 
 class Engine:
     def __init__(self, runner: Runner, eos_ids: tuple[int, ...], max_seq_len: int, slots: int, pool: BlockPool,
-                 region: int, prefill_chunk: int, sampling: SamplingSpec):
+                 region: int, prefill_chunk: int, sampling: SamplingSpec, budget: Budget | None = None):
         """`slots`: requests in flight at most; `region`: virtual slots a step writes past a
         request's committed tokens (the largest of its stages'); `sampling`: the recipe's settings,
-        which requests take where they give none."""
+        which requests take where they give none; `budget`: the draft nodes a step verifies over
+        its whole batch (budget.py), None: each request its tree's."""
         self.runner, self.eos_ids, self.max_seq_len = runner, tuple(eos_ids), max_seq_len
         # (a hybrid stage folds at most its step buffers' tokens per forward)
         self.prefill_chunk = min(prefill_chunk, *(stage.max_step_tokens for stage in runner.stages))
-        self.region, self.sampling = region, sampling
+        self.region, self.sampling, self.budget = region, sampling, budget
         self.scheduler = Scheduler(pool, slots, self._slots_needed)
         self.device = runner.device
         self._ids = itertools.count()
@@ -90,7 +92,8 @@ class Engine:
         running = self.scheduler.decoding()
         if not running:
             return []
-        news, clock = self.runner.decode([r.slot for r in running])
+        budget = None if self.budget is None else self.budget(len(running))
+        news, clock = self.runner.decode([r.slot for r in running], budget)
         draft_s, verify_s = clock.seconds()
         now = time.perf_counter()
         for request, new in zip(running, news):

@@ -55,6 +55,8 @@ def validate(graph: SpecGraph) -> SpecGraph:
                               "put the tree on the stage it verifies")
         if isinstance(spec.tree, DynamicTree):
             _check_dynamic(spec.tree, index)
+        if spec.verify.budget is not None:
+            _check_budget(graph, name)
     _plan_vocabularies(graph, target)
     if recipe.lowering.row_invariant:
         _check_row_invariant(graph.node(target))
@@ -126,6 +128,19 @@ def _check_window(node: dict, max_seq_len: int) -> None:
     if config.max_position_embeddings < max_seq_len:
         raise RecipeError(f"max_seq_len: {max_seq_len} exceeds models.{spec.model}'s max_position_embeddings "
                           f"{config.max_position_embeddings}")
+
+
+def _check_budget(graph: SpecGraph, name: str) -> None:
+    """A budget ranks the nodes of every request's dynamic tree (the serial executor's engine)."""
+    node = graph.node(name)
+    where = f"stages.{node['index']}.verify.budget"
+    if graph.recipe.execution != "serial":
+        raise RecipeError(f"{where}: a batch-wide budget needs execution: serial (its engine decodes many requests at "
+                          f"once); execution {graph.recipe.execution} decodes one")
+    drafter = graph.drafter_of(name)
+    if drafter is None or not isinstance(graph.node(drafter)["spec"].tree, DynamicTree):
+        raise RecipeError(f"{where}: a budget takes the most likely nodes of dynamic trees; give the stage it verifies "
+                          "tree: {shape: dynamic, width: W, depth: D, nodes: N}")
 
 
 def _check_dynamic(tree: DynamicTree, index: int) -> None:

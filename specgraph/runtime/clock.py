@@ -1,8 +1,9 @@
-"""Marks in time: a step's phase boundaries, the bench's copies."""
+"""Marks in time: a step's phase boundaries, the bench's copies; the best time of a call."""
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -28,3 +29,23 @@ class Clock:
         if self.cuda:
             return [a.elapsed_time(b) / 1e3 for a, b in pairs]
         return [b - a for a, b in pairs]
+
+
+def best_seconds(call: Callable[[], object], device: torch.device, calls: int = 1, warmup: int = 1,
+                 timings: int = 5) -> float:
+    """Seconds per call of `call`: the best of `timings` timings of `calls` back-to-back calls after
+    `warmup` untimed ones, each timed by a `Clock` (on a GPU by CUDA events, so no launch or host
+    synchronisation around the calls is counted)."""
+    for _ in range(warmup):
+        call()
+    best = float("inf")
+    for _ in range(timings):
+        clock = Clock(device)
+        clock.mark()
+        for _ in range(calls):
+            call()
+        clock.mark()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, clock.seconds()[0])
+    return best / calls

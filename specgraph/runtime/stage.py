@@ -74,30 +74,31 @@ class Stage:
         return self._replays.run(key, run, *inputs).clone()  # (the next replay overwrites it)
 
     def pack(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
-             offsets: torch.Tensor, visible: torch.Tensor, width: int, counts: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, Layout]:
+             offsets: torch.Tensor, visible: torch.Tensor, width: int, counts: torch.Tensor | None = None,
+             total: int | None = None) -> tuple[torch.Tensor, Layout]:
         """R requests (table rows `rows` [R]) packed for one forward: row r writes tokens [R, E]
         (positions, region offsets [R, E]) at virtual slots starts[r] + offset, each seeing the slots
         below starts[r] and the region offsets visible [R, E, G] marks, over `width` virtual slots;
-        only the first counts[r] of a row where `counts` [R] is given (the rest: padding) -> the
-        packed tokens [R E] and their layout (its grid: row r's e-th token's packed index)."""
+        only the first counts[r] of a row where `counts` [R] is given (the rest: padding), `total`
+        tokens in all where given (at least sum(counts): a host bound) -> the packed tokens [R E, or
+        total] and their layout (its grid: row r's e-th token's packed index)."""
         r, e = tokens.shape
         flat = (tokens.flatten(), positions.flatten(), offsets.flatten(), visible.flatten(0, 1))
         if counts is None:
             counts = torch.full((r,), e, dtype=torch.long, device=self.device)
         else:  # the rows' first counts[r] tokens first, in row order: each a segment; padding after them
             index = torch.arange(e, device=self.device)
-            order = (index[None] >= counts[:, None]).flatten().long().argsort(stable=True)
+            order = (index[None] >= counts[:, None]).flatten().long().argsort(stable=True)[:total]
             flat = tuple(x.index_select(0, order) for x in flat)
         tokens, positions, offsets, visible = flat
         return tokens, Layout.build(self.table, self.block_size, rows, starts, counts, offsets, visible, positions,
                                     width)
 
-    def forward_rows(self, *args, **kwargs) -> torch.Tensor:
-        """`pack`'s requests through one forward -> logits [R, E, V] (a padding token's: garbage)."""
-        tokens, layout = self.pack(*args, **kwargs)
-        r, e = layout.segments, tokens.numel() // layout.segments
-        logits = self.forward(tokens, layout)  # [R E, V]
+    def forward_rows(self, tokens: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """`pack`'s requests (tokens [R, E]) through one forward -> logits [R, E, V] (a padding token's: garbage)."""
+        r, e = tokens.shape
+        packed, layout = self.pack(tokens, *args, **kwargs)
+        logits = self.forward(packed, layout)  # [T, V]
         return logits.index_select(0, layout.grid[:, :e].clamp(min=0).flatten()).view(r, e, -1)
 
     def forward_one(self, tokens: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, offsets: torch.Tensor,

@@ -52,7 +52,7 @@ class Verifier:
         starts = lengths - 1
         offsets = torch.arange(tree.size, device=self.device).expand(tree.rows, -1)
         return self.stage.pack(tree.tokens, starts[:, None] + tree.depths, rows, starts, offsets, tree.ancestors,
-                               width, tree.sizes)
+                               width, tree.sizes, tree.packed)
 
     def verdict(self, tree: Tree, logits: torch.Tensor, layout: Layout, sampling: SamplingRows | None,
                 draws: Draws | None) -> Verdict:
