@@ -348,7 +348,8 @@ def _serial_in_one_process(graph, command: str, cannot: str) -> None:
 
 def cmd_compile(args: argparse.Namespace) -> None:
     from specgraph.export import check_program_folder, export_program
-    from specgraph.program import Program, plan
+    from specgraph.passes import plan
+    from specgraph.program import Program
     from specgraph.recipe import Recipe
 
     check_program_folder(args.output)  # before any work
@@ -361,7 +362,7 @@ def cmd_compile(args: argparse.Namespace) -> None:
 def cmd_tune(args: argparse.Namespace) -> None:
     from specgraph.bench.tune import TuneSpec, grid, print_report, run_tune
     from specgraph.files import check_output, write_output
-    from specgraph.program import plan
+    from specgraph.passes import plan
 
     check_output(args.output, "-o")
     if args.rule != "bole" and args.epsilon is not None:

@@ -41,9 +41,7 @@ from specgraph.draws import Draws
 from specgraph.recipe import DynamicTree
 from specgraph.runtime.stage import Stage
 from specgraph.sampling import SamplingRows, draw_without_replacement, probs_from_logits
-from specgraph.tree import Tree, TreeStructure, TreeTopology
-
-CATCH_UP = 2  # committed tokens a catch-up feeds: the last accepted draft (maybe never fed) and the new root
+from specgraph.tree import CATCH_UP, Tree, TreeStructure, TreeTopology
 
 
 class _DynamicPlan:
@@ -143,6 +141,13 @@ def catch_up(stage: Stage, requests: Requests, width: int) -> torch.Tensor:
     return logits.gather(1, (requests.feeds - 1)[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
 
 
+def best_children(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `width` most likely next tokens after each node (logits [..., V]) and their draft
+    log-probabilities [..., W]: a dynamic tree's children, a growing tree's."""
+    tokens = logits.topk(width, dim=-1).indices
+    return tokens, logits.float().log_softmax(-1).gather(-1, tokens)
+
+
 @dataclass
 class Draft:
     """The grown trees and where their nodes were fed: the handle that `Drafter.commit` takes, so
@@ -173,15 +178,16 @@ class _Grown(NamedTuple):
 
 
 class Drafter:
-    def __init__(self, stage: Stage, plan: TreeTopology | DynamicTree, rule: str, max_feeds: int = CATCH_UP):
-        """`max_feeds`: the most committed tokens a catch-up feeds (a pipeline's first stage may
-        have adopted one token from each stage above since its last step)."""
-        self.stage, self.plan, self.rule, self.max_feeds = stage, plan, rule, max_feeds
+    def __init__(self, stage: Stage, tree: TreeTopology | DynamicTree, rule: str, max_feeds: int = CATCH_UP):
+        """`tree`: what it grows, a fixed topology or a dynamic tree's sizes; `max_feeds`: the most
+        committed tokens a catch-up feeds (a pipeline's first stage may have adopted one token from
+        each stage above since its last step)."""
+        self.stage, self.tree, self.rule, self.max_feeds = stage, tree, rule, max_feeds
         device = stage.device
-        self.static = None if isinstance(plan, DynamicTree) else _StaticPlan(plan, device)  # the constants of a fixed shape
-        self.dynamic = _DynamicPlan(plan) if isinstance(plan, DynamicTree) else None
-        self.nodes = plan.nodes if isinstance(plan, DynamicTree) else len(plan.parents) - 1
-        self.max_depth = plan.depth if isinstance(plan, DynamicTree) else plan.max_depth
+        self.static = None if isinstance(tree, DynamicTree) else _StaticPlan(tree, device)  # the constants of a fixed shape
+        self.dynamic = _DynamicPlan(tree) if isinstance(tree, DynamicTree) else None
+        self.nodes = tree.nodes if isinstance(tree, DynamicTree) else len(tree.parents) - 1
+        self.max_depth = tree.depth if isinstance(tree, DynamicTree) else tree.max_depth
         self.refeeds = stage.cache.recurrent  # each forward re-feeds the catch-up and every fed node (module doc)
         self.span = self.dynamic.fed if self.dynamic is not None else len(self.static.fed)  # slots fed past L
 
@@ -281,7 +287,7 @@ class Drafter:
     def _grow_static(self, roots: torch.Tensor, root_logits: torch.Tensor, requests: Requests, width: int,
                      sampling: SamplingRows | None, draws: Draws | None) -> Tree:
         plan, device, r = self.static, self.stage.device, requests.size
-        tokens = torch.empty(r, len(self.plan.parents), dtype=torch.long, device=device)  # [R, N + 1]
+        tokens = torch.empty(r, len(self.tree.parents), dtype=torch.long, device=device)  # [R, N + 1]
         tokens[:, :1] = roots
         proposals = None
         for depth, level in enumerate(plan.levels):
@@ -329,8 +335,7 @@ class Drafter:
                 so_far = fed[:, : s * w]  # [R, F]
                 seen = lineage[rows, so_far].gather(2, so_far[:, None, :].expand(-1, s * w, -1))  # [R, F, F]
                 logits = self._feed(tokens.gather(1, so_far), depths.gather(1, so_far), seen, w, requests, width)
-            chosen = logits.topk(w, dim=-1).indices  # [R, E, W]
-            gained = logits.float().log_softmax(-1).gather(2, chosen)  # [R, E, W]
+            chosen, gained = best_children(logits, w)  # [R, E, W]
             kids = slice(plan.first_child(s), plan.first_child(s) + chosen.shape[1] * w)
             parent = expanding.repeat_interleave(w, dim=1)  # [R, E W]
             tokens[:, kids], parents[:, kids] = chosen.flatten(1), parent

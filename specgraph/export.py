@@ -232,7 +232,8 @@ def load_program(folder: Path):
     """The Program of a compiled folder: its recipe, its models' configs and tokenizers from the
     folder, each stage running its package. Everything is checked before anything is loaded: the
     library versions, the manifest against its digest, each file against its hash."""
-    from specgraph.program import Program, plan
+    from specgraph.passes import plan
+    from specgraph.program import Program
 
     folder = Path(folder)
     manifest_path = folder / "manifest.json"

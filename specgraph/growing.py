@@ -21,58 +21,19 @@ region, the new root at offset 0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from specgraph.draft import CATCH_UP, Requests, catch_up
+from specgraph.draft import Requests, best_children, catch_up
 from specgraph.runtime.stage import Stage
+from specgraph.tree import CATCH_UP, Growth
 
 UNUSED, LEAF, EXPANDED = 0, 1, 2
 
 
-@dataclass(frozen=True)
-class GrowthPlan:
-    """The sizes of a growing tree: `width` W children per expanded node, `depth` D the sent
-    tree's depth bound (and the expansion steps that grow a first tree), `nodes` N the sent tree's
-    nodes (root not counted), `grow` G expansion steps per verdict, taken while the target verifies,
-    `leaves` B leaves fed per expansion step (on a GPU a step costs about the same for any small
-    B, so more leaves buy more coverage of the bonus tokens a verdict may bring), `first` the
-    expansion steps (the root's included) that grow a fresh tree before it is sent."""
-
-    width: int
-    depth: int
-    nodes: int
-    grow: int
-    leaves: int
-    first: int
-
-    @property
-    def steps(self) -> int:
-        """Most expansion steps between two re-roots (the executor's schedule): a fresh tree's
-        first - 1 after the root's, then G while the target verifies."""
-        return self.first + self.grow
-
-    @property
-    def keep(self) -> int:
-        """Nodes a re-rooted tree keeps at most (the most likely of the surviving subtree)."""
-        return 2 * (self.nodes + 1) + self.leaves * self.width
-
-    @property
-    def pool(self) -> int:
-        """Nodes the pool holds: what a re-root keeps and what the steps until the next make."""
-        return self.keep + self.width + self.steps * self.leaves * self.width
-
-    @property
-    def region(self) -> int:
-        """Draft-cache slots past the committed prefix that the tree's fed nodes may take."""
-        return self.keep + self.steps * self.leaves + CATCH_UP
-
-
 class GrowingDrafter:
-    def __init__(self, stage: Stage, plan: GrowthPlan):
-        self.stage, self.plan = stage, plan
-        p, f, device = plan.pool, plan.region, stage.device
+    def __init__(self, stage: Stage, growth: Growth):
+        self.stage, self.growth = stage, growth
+        p, f, device = growth.pool, growth.region, stage.device
         self.tokens = torch.zeros(p, dtype=torch.long, device=device)  # [P]
         self.parents = torch.full((p,), -1, dtype=torch.long, device=device)  # [P]
         self.depths = torch.zeros(p, dtype=torch.long, device=device)  # [P]
@@ -84,7 +45,7 @@ class GrowingDrafter:
         self.fed_node = self._fed_node[:f]  # [F] node fed at each region offset, -1
         self.size = torch.zeros((), dtype=torch.long, device=device)  # nodes made (the next free index)
         self.fed_count = torch.zeros((), dtype=torch.long, device=device)
-        self.sent = torch.zeros(plan.nodes + 1, dtype=torch.long, device=device)  # [N + 1] pool index of each sent node
+        self.sent = torch.zeros(growth.nodes + 1, dtype=torch.long, device=device)  # [N + 1] pool index of each sent node
         self._index = torch.arange(p, device=device)
         self._row = torch.zeros(1, dtype=torch.long, device=device)  # the request's row of the table
 
@@ -109,15 +70,15 @@ class GrowingDrafter:
         self.fed_count.fill_(1)
         self._children(torch.zeros(1, dtype=torch.long, device=self.stage.device), torch.ones(1, dtype=torch.bool,
                                                                                               device=self.stage.device), logits)
-        for _ in range(self.plan.first - 1):
+        for _ in range(self.growth.first - 1):
             self.expand(length, width)
 
     def expand(self, length: torch.Tensor, width: int) -> None:
         """One expansion step: feed the B leaves of highest score (ties: the earlier made) at the next
         region offsets and give each its W most likely children. Past the leaves there are (a tree
         with fewer than B), picks are marked invalid: fed nowhere visible, their children unused.
-        The pool and region hold the `steps` expansions a re-root is followed by (GrowthPlan)."""
-        b = self.plan.leaves
+        The pool and region hold the `steps` expansions a re-root is followed by (Growth)."""
+        b = self.growth.leaves
         device = self.stage.device
         candidates = torch.where(self.status == LEAF, self.scores, float("-inf"))  # [P]
         pick = candidates.sort(descending=True, stable=True).indices[:b]  # [B]
@@ -136,15 +97,14 @@ class GrowingDrafter:
 
     def _children(self, parents: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor) -> None:
         """Make the W most likely children of each of `parents` [E] (logits [E, V]) at the next free indices."""
-        w = self.plan.width
-        log_probs = logits.float().log_softmax(-1)
-        chosen = log_probs.topk(w, dim=-1)  # [E, W]
+        w = self.growth.width
+        tokens, gained = best_children(logits, w)  # [E, W]
         new = self.size + torch.arange(parents.numel() * w, device=self.stage.device)  # [E W]
         parent = parents.repeat_interleave(w)  # [E W]
-        self.tokens.index_put_((new,), chosen.indices.flatten())
+        self.tokens.index_put_((new,), tokens.flatten())
         self.parents.index_put_((new,), parent)
         self.depths.index_put_((new,), self.depths.index_select(0, parent) + 1)
-        self.scores.index_put_((new,), self.scores.index_select(0, parent) + chosen.values.flatten().double())
+        self.scores.index_put_((new,), self.scores.index_select(0, parent) + gained.flatten().double())
         self.status.index_put_((new,), torch.where(valid.repeat_interleave(w), LEAF, UNUSED))
         self.lineage.index_put_((new,), self.lineage.index_select(0, parent))
         self.lineage.index_put_((new, new), torch.ones_like(new, dtype=torch.bool))
@@ -156,9 +116,9 @@ class GrowingDrafter:
         parents [N + 1]. Should fewer than N nodes qualify, the rest repeat the root's best child (a
         sibling that carries its token is never accepted before it); `self.sent` maps the tree's
         nodes back to the pool."""
-        n, p = self.plan.nodes, self.plan.pool
+        n, p = self.growth.nodes, self.growth.pool
         device = self.stage.device
-        eligible = (self.status != UNUSED) & (self._index > 0) & (self.depths <= self.plan.depth)
+        eligible = (self.status != UNUSED) & (self._index > 0) & (self.depths <= self.growth.depth)
         candidates = torch.where(eligible, self.scores, float("-inf"))  # [P]
         order = candidates.sort(descending=True, stable=True).indices[:n]  # [N]
         valid = candidates.index_select(0, order) > float("-inf")
@@ -180,7 +140,7 @@ class GrowingDrafter:
         prefix and, where the bonus is an expanded child of the last accepted node, keep its subtree
         (the `keep` most likely of it) as the tree, compacted. Returns whether it survived [] bool
         (if not, `restart` the tree) and whether the bonus was a node at all [] bool (grown or not)."""
-        p, device = self.plan.pool, self.stage.device
+        p, device = self.growth.pool, self.stage.device
         on_path = torch.where(path >= 0, self.sent.index_select(0, path.clamp(min=0)), p)  # [D + 1] pool index, p: none
         last = on_path.index_select(0, count.reshape(1) - 1)  # [1]
         bonus = new.index_select(0, count.reshape(1) - 1)  # [1]
@@ -190,7 +150,7 @@ class GrowingDrafter:
         below = self.lineage.index_select(1, b.reshape(1))[:, 0] & survived  # [P] b's subtree
         ranked = torch.where(below, self.scores, float("-inf")).sort(descending=True, stable=True)
         kept = torch.zeros(p + 1, dtype=torch.bool, device=device)
-        kept.index_put_((ranked.indices[: self.plan.keep],), ranked.values[: self.plan.keep] > float("-inf"))
+        kept.index_put_((ranked.indices[: self.growth.keep],), ranked.values[: self.growth.keep] > float("-inf"))
         kept = kept[:p]
         path_mask = torch.zeros(p + 1, dtype=torch.bool, device=device)
         path_mask.index_put_((on_path,), torch.ones_like(on_path, dtype=torch.bool))
@@ -201,7 +161,7 @@ class GrowingDrafter:
     def _compact_kv(self, moving: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         """Move the K/V of `moving` nodes [P] to consecutive region offsets in feed order (a
         compaction) -> each old offset's new one [F] (-1: not moved)."""
-        f, device = self.plan.region, self.stage.device
+        f, device = self.growth.region, self.stage.device
         unmoved = torch.full((f,), f, dtype=torch.long, device=device)  # (a pool may hold fewer nodes than F)
         src = torch.cat([torch.where(moving, self.fed, f), unmoved]).sort().values[:f]  # [F] offsets, unmoved last
         moved = src < f
@@ -215,7 +175,7 @@ class GrowingDrafter:
 
     def _compact_pool(self, kept: torch.Tensor, b: torch.Tensor, count: torch.Tensor, moved_to: torch.Tensor) -> None:
         """Keep `kept` nodes [P] (b's subtree, b first), in pool order, b the new root at depth 0 and score 0."""
-        p, f, device = self.plan.pool, self.plan.region, self.stage.device
+        p, f, device = self.growth.pool, self.growth.region, self.stage.device
         old = torch.where(kept, self._index, p + self._index).sort().indices  # [P] new index -> old
         live = self._index < kept.sum()  # [P] new index in use
         renumber = torch.full((p,), -1, dtype=torch.long, device=device)

@@ -2,7 +2,7 @@
 
 Launch is a function: `Cluster(spec)` starts the ranks and talks to rank 0 through a pipe;
 `cluster.call(fn, *args)` runs `fn(worker, *args)` in rank 0, where `worker` is that rank's
-`Worker` (runtime/worker.py), which drives the other ranks over torch.distributed. Ranks start
+`Worker` (worker.py), which drives the other ranks over torch.distributed. Ranks start
 with the `forkserver` method: they fork from a server process that imported specgraph, torch and
 transformers once, so a program's processes start in about a second, not an import each. A rank
 takes the client's environment as it is when the rank starts (what modules read as they are
@@ -23,7 +23,6 @@ started it.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing.connection
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
@@ -34,7 +33,6 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
@@ -43,20 +41,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from specgraph.errors import SpecgraphError
-from specgraph.recipe import Recipe
+from specgraph.watchdog import PROGRESS
+from specgraph.worker import LaunchSpec, Worker
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-FIRST_REQUEST_GRACE = 10  # the first request compiles and captures: its waits may take this many timeouts
 FORK_SERVER = multiprocessing.forkserver._forkserver  # multiprocessing's; its pid and _stop are not public
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """What every rank builds its Worker from."""
-
-    recipe: Recipe
-    widen: str | None = None  # bench: the target's real shape (the drafter widens to the small one)
-    systems: tuple[str, ...] = ("specgraph",)  # what the ranks can run: specgraph, ar, serial
 
 
 def rank_names(graph) -> list[str]:
@@ -83,45 +72,6 @@ def rank_devices(graph) -> list[str]:
             if device.type == "cuda":
                 devices[r] = str(device)
     return devices
-
-
-class Progress:
-    """What a rank's main thread is doing, for its watchdog: a phase ('waiting for a tree from
-    stage draft (rank 1)', 'a step') and since when. Writes are single attribute assignments."""
-
-    def __init__(self, timeout: float):
-        self.timeout = timeout
-        self.grace = FIRST_REQUEST_GRACE
-        self.state: tuple[str, float] | None = None  # None: idle (between requests), never too long
-
-    def enter(self, phase: str) -> None:
-        self.state = (phase, time.monotonic())
-
-    def idle(self) -> None:
-        self.state = None
-
-    @contextlib.contextmanager
-    def within(self, phase: str):
-        """`phase` for the duration of a block inside another phase (which then goes on, its clock
-        not reset): a send that blocks names whom it waits for."""
-        outer = self.state
-        self.enter(phase)
-        try:
-            yield
-        finally:
-            self.state = outer
-
-    def first_request_done(self) -> None:
-        self.grace = 1
-
-    def overdue(self) -> str | None:
-        state, limit = self.state, self.timeout * self.grace
-        if state is not None and time.monotonic() - state[1] > limit:
-            return f"{state[0]} for more than {limit:g} s (recipe timeout {self.timeout:g} s)"
-        return None
-
-
-PROGRESS = Progress(timeout=float("inf"))  # this process's; a rank sets its timeout when it starts
 
 
 def _watchdog(name: str, report: Callable[[str], None],
@@ -151,8 +101,6 @@ def _free_port() -> int:
 
 def _init(rank: int, world: int, device: str, spec: LaunchSpec):
     """Join the process group and build this rank's Worker."""
-    from specgraph.runtime.worker import Worker
-
     for key, value in MULTICAST_OFF.items():
         os.environ.setdefault(key, value)
     if device.startswith("cuda"):
@@ -162,7 +110,7 @@ def _init(rank: int, world: int, device: str, spec: LaunchSpec):
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and device.startswith("cuda") else "gloo"
     # no collective timeout of ours: the watchdog and the client bound every wait
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(days=1))
-    PROGRESS.timeout = spec.recipe.timeout
+    PROGRESS.timeout = spec.graph.recipe.timeout
     return Worker(spec)
 
 
@@ -225,12 +173,10 @@ class Cluster:
     """The client's handle on the ranks of a multi-process program (see the module docstring)."""
 
     def __init__(self, spec: LaunchSpec):
-        from specgraph.program import plan
-
-        graph = plan(spec.recipe)
+        graph = spec.graph
         self.names, devices = rank_names(graph), rank_devices(graph)
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["specgraph.program", "specgraph.runtime.worker"])  # (once: before it starts)
+        ctx.set_forkserver_preload(["specgraph.program", "specgraph.worker"])  # (once: before it starts)
         self._conn, theirs = ctx.Pipe()
         client, self._alive = ctx.Pipe(duplex=False)  # (see _watchdog: the write end stays here)
         self._errors = ctx.SimpleQueue()
@@ -370,8 +316,6 @@ def join_torchrun(spec: LaunchSpec) -> InProcessCluster:
     """Under torchrun: build this rank's Worker; rank 0 gets the cluster handle, the others serve
     and exit when rank 0 closes (they never return)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    from specgraph.program import plan
-
     if rank > 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -379,11 +323,11 @@ def join_torchrun(spec: LaunchSpec) -> InProcessCluster:
     def report(message: str) -> None:
         print(f"specgraph: error: {message}", file=sys.stderr, flush=True)
 
-    names = rank_names(plan(spec.recipe))
+    names = rank_names(spec.graph)
     if len(names) != world:
         raise SpecgraphError(f"torchrun started {world} processes; this recipe runs in {len(names)} "
                              f"({', '.join(names)}): pass --nproc-per-node {len(names)}")
-    device = rank_devices(plan(spec.recipe))[rank]
+    device = rank_devices(spec.graph)[rank]
     threading.Thread(target=_watchdog, args=(names[rank], report, None), daemon=True).start()
     try:
         worker = _init(rank, world, device, spec)

@@ -14,6 +14,8 @@ import torch
 
 from specgraph.recipe import ChainTree, StaticTree
 
+CATCH_UP = 2  # committed tokens a drafter's catch-up feeds: the last accepted draft (maybe never fed) and the new root
+
 
 @dataclass(frozen=True)
 class TreeTopology:
@@ -72,6 +74,44 @@ class TreeTopology:
         if spec.branching is not None:
             return cls.from_branching(spec.branching)
         return cls.from_paths(spec.paths)
+
+
+@dataclass(frozen=True)
+class Growth:
+    """The sizes of a growing tree: `width` W children per expanded node, `depth` D the sent
+    tree's depth bound (and the expansion steps that grow a first tree), `nodes` N the sent tree's
+    nodes (root not counted), `grow` G expansion steps per verdict, taken while the target verifies,
+    `leaves` B leaves fed per expansion step (on a GPU a step costs about the same for any small
+    B, so more leaves buy more coverage of the bonus tokens a verdict may bring), `first` the
+    expansion steps (the root's included) that grow a fresh tree before it is sent."""
+
+    width: int
+    depth: int
+    nodes: int
+    grow: int
+    leaves: int
+    first: int
+
+    @property
+    def steps(self) -> int:
+        """Most expansion steps between two re-roots (the executor's schedule): a fresh tree's
+        first - 1 after the root's, then G while the target verifies."""
+        return self.first + self.grow
+
+    @property
+    def keep(self) -> int:
+        """Nodes a re-rooted tree keeps at most (the most likely of the surviving subtree)."""
+        return 2 * (self.nodes + 1) + self.leaves * self.width
+
+    @property
+    def pool(self) -> int:
+        """Nodes the pool holds: what a re-root keeps and what the steps until the next make."""
+        return self.keep + self.width + self.steps * self.leaves * self.width
+
+    @property
+    def region(self) -> int:
+        """Draft-cache slots past the committed prefix that the tree's fed nodes may take."""
+        return self.keep + self.steps * self.leaves + CATCH_UP
 
 
 @dataclass(frozen=True)

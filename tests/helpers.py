@@ -209,13 +209,13 @@ def two_token_law(checkpoint: Path, ids: list[int], sampling: dict) -> dict[tupl
     """The exact probability of each pair of first two sampled tokens after `ids` under `sampling`
     (the checkpoint in fp32, through our module): {(a, b): p}."""
     from specgraph.recipe import SamplingSpec
-    from specgraph.sampling import probs_from_logits
+    from specgraph.sampling import SamplingRows, probs_from_logits
 
-    spec, model = SamplingSpec(**sampling), load_model(checkpoint, torch.float32, "cpu")
-    first = probs_from_logits(chain_logits(model, torch.tensor(ids))[-1], spec)
+    spec, model = SamplingRows.of([SamplingSpec(**sampling)], "cpu"), load_model(checkpoint, torch.float32, "cpu")
+    first = probs_from_logits(chain_logits(model, torch.tensor(ids))[-1:], spec)[0]
     law = {}
     for a in first.nonzero().flatten().tolist():
-        second = probs_from_logits(chain_logits(model, torch.tensor(ids + [a]))[-1], spec)
+        second = probs_from_logits(chain_logits(model, torch.tensor(ids + [a]))[-1:], spec)[0]
         for b in second.nonzero().flatten().tolist():
             law[(a, b)] = float(first[a] * second[b])
     return law

@@ -64,7 +64,7 @@ def test_run_with_batch_writes_what_one_at_a_time_writes(tmp_path, code_prompts)
 
 
 def test_batch_above_one_is_refused_for_executors_that_decode_one_request_at_a_time(capsys):
-    assert main(["run", str(REPO / "recipes" / "disaggregated.yaml"), "--batch", "2", "--set",
+    assert main(["run", str(REPO / "recipes" / "disaggregated.yaml"), "--prompt", "x", "--batch", "2", "--set",
                  "stages.0.devices=[cpu]", "--set", "stages.1.devices=[cpu]"]) == 2
     assert ("--batch: execution 'disaggregated' decodes one request at a time; give --batch 1, or a serial recipe"
             in capsys.readouterr().err)

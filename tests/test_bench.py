@@ -16,7 +16,8 @@ from specgraph.errors import SpecgraphError
 from specgraph.models.hybrid import FULL, LINEAR, HybridShape
 from specgraph.models.llama import LlamaShape
 from specgraph.models.loader import load_model, read_config
-from specgraph.program import Program, plan
+from specgraph.passes import plan
+from specgraph.program import Program
 from specgraph.graph import SpecGraph
 from specgraph.recipe import DynamicTree, Recipe
 

@@ -92,7 +92,7 @@ def test_the_swiftspec_layouts_plan_on_eight_gpus_and_the_four_gpu_one_decodes_o
     each, the drafter alone) decodes transformers' greedy tokens."""
     import sys as _sys
 
-    from specgraph.program import plan
+    from specgraph.passes import plan
 
     monkeypatch.setattr(_sys.modules["specgraph.passes.place"], "present_devices",
                         lambda: ["cpu"] + [f"cuda:{i}" for i in range(8)])

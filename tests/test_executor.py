@@ -4,7 +4,7 @@ import torch
 from helpers import markov_engine
 
 from specgraph.recipe import ChainTree
-from specgraph.tree import TreeTopology
+from specgraph.tree import CATCH_UP, TreeTopology
 
 
 def cycle_table(v: int = 5) -> torch.Tensor:
@@ -71,7 +71,7 @@ def test_a_step_touches_only_device_tensors():
     for static and dynamic trees and the target alone."""
     from helpers import HostReads
 
-    from specgraph.draft import CATCH_UP, Requests
+    from specgraph.draft import Requests
     from specgraph.recipe import DynamicTree
 
     for plan in (TreeTopology.from_spec(ChainTree(length=3)), DynamicTree(width=2, depth=3, nodes=4), None):

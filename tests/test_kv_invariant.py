@@ -9,12 +9,12 @@ import torch
 from conftest import EMBEDDED
 from helpers import chain_logits
 
-from specgraph.growing import EXPANDED, UNUSED, GrowingDrafter, GrowthPlan
+from specgraph.growing import EXPANDED, UNUSED, GrowingDrafter
 from specgraph.layout import physical
 from specgraph.models.loader import load_model
 from specgraph.runtime.stage import Stage
 from specgraph.sampling import SamplingRows
-from specgraph.tree import Tree
+from specgraph.tree import Growth, Tree
 
 CPU = torch.device("cpu")
 ATOL = 1e-5
@@ -72,10 +72,10 @@ def check_selection(g: GrowingDrafter, tokens: torch.Tensor, parents: torch.Tens
     """The sent tree: the root and the N most likely eligible nodes, ancestor-closed, in pool order
     (then, where fewer qualify, repeats of the root's best child)."""
     sent = g.sent.tolist()
-    eligible = [n for n in range(1, int(g.size)) if int(g.status[n]) != UNUSED and int(g.depths[n]) <= g.plan.depth]
-    best = sorted(eligible, key=lambda n: (-float(g.scores[n]), n))[: g.plan.nodes]
+    eligible = [n for n in range(1, int(g.size)) if int(g.status[n]) != UNUSED and int(g.depths[n]) <= g.growth.depth]
+    best = sorted(eligible, key=lambda n: (-float(g.scores[n]), n))[: g.growth.nodes]
     assert sent[0] == 0 and sent[1 : len(best) + 1] == sorted(best)
-    assert sent[len(best) + 1 :] == best[:1] * (g.plan.nodes - len(best)) and int(g.parents[best[0]]) == 0
+    assert sent[len(best) + 1 :] == best[:1] * (g.growth.nodes - len(best)) and int(g.parents[best[0]]) == 0
     for i, node in enumerate(sent[1:], start=1):
         assert int(tokens[i]) == int(g.tokens[node]) and sent[int(parents[i])] == int(g.parents[node])
 
@@ -84,7 +84,7 @@ def test_growing_tree_keeps_its_invariant_over_random_verdicts():
     torch.manual_seed(0)
     rng = random.Random(0)
     model = load_model(EMBEDDED / "draft", torch.float32, CPU)
-    plan = GrowthPlan(width=3, depth=3, nodes=8, grow=2, leaves=4, first=3)
+    plan = Growth(width=3, depth=3, nodes=8, grow=2, leaves=4, first=3)
     stage = Stage("draft", model, 200 + plan.region, CPU)
     g = GrowingDrafter(stage, plan)
     committed = torch.randint(0, 4096, (12,)).tolist()
@@ -175,9 +175,10 @@ def pipeline_stage(index: int, tree: dict | None = None):
     """Stage `index` of a draft -> target -> target pipeline on the CPU, built as its process would
     (the first stage drafting chains of 3, or `tree`s)."""
     from specgraph.draft import Drafter
-    from specgraph.program import load_stage, plan, verifier_of
+    from specgraph.lower import build_verifier, load_stage
+    from specgraph.passes import plan
     from specgraph.recipe import Recipe
-    from specgraph.runtime.pipeline import DraftingStage, VerifyingStage
+    from specgraph.runtime.pipeline import DraftingPeer, VerifyingPeer
 
     models = {"draft": {"path": str(EMBEDDED / "draft")}, "target": {"path": str(EMBEDDED / "target")}}
     stages = [{"name": "s0", "model": "draft", "devices": ["cpu"], "tree": tree or {"shape": "chain", "length": 3}},
@@ -194,8 +195,8 @@ def pipeline_stage(index: int, tree: dict | None = None):
     stage = load_stage(graph, name)
     if index == 0:
         drafter = Drafter(stage, node["tree"], "greedy", node["feeds"])
-        return DraftingStage(drafter, tree is not None, False, node["cache_slots"], **common)
-    return VerifyingStage(verifier_of(graph, {name: stage}, name), False, False, **common)
+        return DraftingPeer(drafter, tree is not None, False, node["cache_slots"], **common)
+    return VerifyingPeer(build_verifier(graph, {name: stage}, name), False, False, **common)
 
 
 def check_rolled_back_stage(stage, model) -> None:

@@ -149,6 +149,7 @@ def test_the_ranks_shards_of_a_layer_sum_to_the_whole_layer(heads, kv_heads, wor
     (before the all-reduce) over a 5-node tree, summed over the ranks, give the unsplit layer's."""
     import copy
 
+    from specgraph.layout import Layout
     from specgraph.models.llama import DecoderLayer, LlamaShape
     from specgraph.parallel import shard_layer, sharded_shape
 
@@ -160,13 +161,16 @@ def test_the_ranks_shards_of_a_layer_sum_to_the_whole_layer(heads, kv_heads, wor
         p.data.normal_()
     x = torch.randn(1, 5, 32, dtype=torch.float64)  # [B, T, hidden]
     cos, sin = torch.randn(2, 1, 1, 5, 8, dtype=torch.float64)
-    slots, mask = torch.arange(5), torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
-                                                 [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 0]], dtype=torch.bool)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+    layout = Layout.single(torch.zeros(1, 1, dtype=torch.long), 16, torch.tensor(0), torch.arange(5), tree,
+                           torch.arange(5), 16)  # one request in one block of 16 slots
 
     def outputs(part: DecoderLayer, kv: int) -> torch.Tensor:
-        keys, values = (torch.zeros(1, kv, 6, 8, dtype=torch.float64) for _ in range(2))  # [B, Hkv, S, K]
+        keys, values = (torch.zeros(1, kv, 16, 8, dtype=torch.float64) for _ in range(2))  # [1, Hkv, S, K]
         with torch.no_grad():
-            return torch.cat([part.self_attn(x, cos, sin, keys, values, slots, mask), part.mlp(x)])
+            return torch.cat([part.self_attn(x, cos, sin, keys, values, layout.slots, layout.attention_inputs()),
+                              part.mlp(x)])
 
     whole, total = outputs(layer, kv_heads), 0
     for rank in range(world):
@@ -197,7 +201,7 @@ def test_a_gpu_shared_by_the_ranks_is_refused(splittable, monkeypatch):
     """Every rank runs a one-device stage; beside stages split over GPUs it would run twice on one GPU."""
     import sys
 
-    from specgraph.program import plan
+    from specgraph.passes import plan
 
     monkeypatch.setattr(sys.modules["specgraph.passes.place"], "present_devices", lambda: ["cpu", "cuda:0", "cuda:1"])
     recipe = Recipe.from_yaml(splittable, ["stages.0.devices=[cuda:0]", "stages.1.devices=[cuda:0,cuda:1]"])

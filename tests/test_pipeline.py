@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from specgraph.bench.pipespec import stage_table, steady_state
 from specgraph.errors import RecipeError
-from specgraph.program import Program, plan
+from specgraph.passes import plan
+from specgraph.program import Program
 from specgraph.recipe import Recipe
 
 

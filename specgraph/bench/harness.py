@@ -28,7 +28,9 @@ from specgraph.errors import RecipeError, SpecgraphError
 from specgraph.graph import SpecGraph
 from specgraph.models.loader import is_hybrid
 from specgraph.passes.place import resolve_device, world_size
-from specgraph.program import Program, make_executor, plan, stage_over
+from specgraph.lower import build_executor, stage_over
+from specgraph.passes import plan
+from specgraph.program import Program
 from specgraph.recipe import ChainTree, Recipe, StageSpec
 from specgraph.runtime.clock import best_seconds
 from specgraph.runtime.executor import total_stats
@@ -211,7 +213,7 @@ def _variant_system(name: str, variant: SpecGraph, program, description: str, se
     """The recipe file `name`, planned as `variant`, over `program`'s loaded models (as `specgraph
     tune` runs its candidates): fresh caches of its plan's sizes."""
     stages = {stage: stage_over(variant, stage, program.stages[stage].model) for stage in variant.stages()}
-    return SpecgraphSystem(name, make_executor(variant, stages), description, seed)
+    return SpecgraphSystem(name, build_executor(variant, stages), description, seed)
 
 
 def _trees(graph: SpecGraph) -> str:

@@ -42,7 +42,9 @@ from specgraph.bench.harness import (
 from specgraph.bench.systems import SpecgraphSystem
 from specgraph.errors import RecipeError, SpecgraphError
 from specgraph.graph import SpecGraph
-from specgraph.program import Program, make_executor, plan, stage_over, verifier_of
+from specgraph.lower import build_executor, build_verifier, stage_over
+from specgraph.passes import plan
+from specgraph.program import Program
 from specgraph.recipe import DynamicTree
 from specgraph.runtime.clock import best_seconds
 from specgraph.runtime.graphs import CapturedGraph
@@ -202,7 +204,7 @@ def run_tune(graph: SpecGraph, spec: TuneSpec) -> TuneReport:
         largest = next(p for c, p in plans.items() if c.nodes + 1 == top)  # its target's cache holds every size
         console.print(f"timing the target's verification of 1 to {top} tokens at position {position}")
         timed = {target: stage_over(largest, target, program.stages[target].model)}
-        verify = verification_seconds(verifier_of(largest, timed), sizes, context, position)
+        verify = verification_seconds(build_verifier(largest, timed), sizes, context, position)
         del timed  # (its cache, before the candidates')
         for t, seconds in verify.items():
             console.print(f"  {t:4d} tokens: {seconds * 1e3:8.3f} ms ({seconds / verify[1]:.2f}x one token)")
@@ -226,7 +228,7 @@ def measure_candidates(program: Program, plans: dict[Candidate, SpecGraph], spec
         for number, (candidate, candidate_plan) in enumerate(plans.items(), start=1):
             stages = {name: stage_over(candidate_plan, name, program.stages[name].model)
                       for name in candidate_plan.stages()}
-            system = SpecgraphSystem(str(candidate), make_executor(candidate_plan, stages), f"tree {candidate}",
+            system = SpecgraphSystem(str(candidate), build_executor(candidate_plan, stages), f"tree {candidate}",
                                      program.recipe.sampling.seed)
             result = measure_system(system, bench, encoded, progress)
             progress.remove_task(progress.task_ids[-1])

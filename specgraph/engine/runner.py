@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from specgraph.draft import CATCH_UP, Draft, Drafter, Requests
+from specgraph.draft import Draft, Drafter, Requests
 from specgraph.draws import Draws
 from specgraph.recipe import SamplingSpec
 from specgraph.runtime.clock import Clock
 from specgraph.runtime.verifier import Verifier
 from specgraph.sampling import SamplingRows
-from specgraph.tree import Tree, TreeStructure
+from specgraph.tree import CATCH_UP, Tree, TreeStructure
 
 
 class Runner:

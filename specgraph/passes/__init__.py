@@ -13,6 +13,7 @@ from specgraph.passes.plan_memory import plan_memory
 from specgraph.passes.plan_tree import plan_tree
 from specgraph.passes.select_kernels import select_kernels
 from specgraph.passes.validate import validate
+from specgraph.recipe import Recipe
 
 PIPELINE = [
     validate,        # checkpoints readable, tokenizers shared, rules consistent, execution runnable
@@ -32,3 +33,8 @@ def run_pipeline(graph: SpecGraph, after_each: Callable[[Pass, SpecGraph], None]
         if after_each is not None:
             after_each(graph_pass, graph)
     return graph
+
+
+def plan(recipe: Recipe) -> SpecGraph:
+    """Recipe -> graph -> every pass of PIPELINE."""
+    return run_pipeline(SpecGraph.from_recipe(recipe))

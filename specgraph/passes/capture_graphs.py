@@ -24,16 +24,16 @@ After:  + `static_shapes` (bool): forwards attend over the whole cache (shapes d
 from __future__ import annotations
 
 from specgraph.graph import SpecGraph
-from specgraph.growing import GrowthPlan
 from specgraph.models.loader import is_hybrid
 from specgraph.passes.base import graph_pass
 from specgraph.recipe import DynamicTree
+from specgraph.tree import Growth
 
 
 def expansion_sizes(tree, feeds: int, recurrent: bool) -> set[int]:
     """Token counts of a drafter's expansion forwards: each batch of nodes, or, for a recurrent
     (hybrid) drafter, the catch-up and every node fed so far (draft.py)."""
-    if isinstance(tree, GrowthPlan):
+    if isinstance(tree, Growth):
         return {tree.leaves}
     if isinstance(tree, DynamicTree):
         batches = [tree.width] * (tree.depth - 1)

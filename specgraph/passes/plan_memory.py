@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import warnings
 
-from specgraph.draft import CATCH_UP
 from specgraph.errors import RecipeError, RecipeWarning
 from specgraph.graph import SpecGraph
-from specgraph.growing import GrowthPlan
 from specgraph.models.hybrid import STEP_TOKENS, HybridShape
 from specgraph.models.loader import model_shape
 from specgraph.passes.base import graph_pass
 from specgraph.recipe import DynamicTree
+from specgraph.tree import CATCH_UP, Growth
 
 
 @graph_pass(requires=("config", "dtype", "tree_nodes", "window", "ahead", "feeds"), provides=("step_tokens", "cache_slots", "kv_bytes", "weight_bytes", "block_size", "kv_blocks", "requests"))
@@ -44,7 +43,7 @@ def plan_memory(graph: SpecGraph) -> SpecGraph:
             step_tokens = 1 + node["window"] + len(stages) - 1 - node["index"]
         elif drafter:
             step_tokens = 1 + graph.node(drafter)["tree_nodes"]
-        elif isinstance(node["tree"], GrowthPlan):
+        elif isinstance(node["tree"], Growth):
             step_tokens = node["tree"].region
         else:  # a drafter (or a target alone, as if it were one): its catch-up and the nodes it feeds
             fed = (node["tree"].depth - 1) * node["tree"].width if isinstance(node["tree"], DynamicTree) else 0

@@ -3,7 +3,7 @@
 Before: a drafting stage carries `spec.tree` as written (or None).
 After:  + `tree`: what the drafter grows — a TreeTopology (chain and static trees, node by node),
         the DynamicTree spec, or, where the execution is disaggregated and the tree a chain or
-        dynamic, a GrowthPlan (one tree grown while the target verifies, re-rooted at each
+        dynamic, a Growth (one tree grown while the target verifies, re-rooted at each
         verdict: growing.py; a chain is a tree of width 1); static trees are grown after each
         verdict there; `tree_nodes` (draft nodes verified per step, the root not counted) and
         `tree_depth` (their depth bound).
@@ -19,15 +19,13 @@ After:  + `tree`: what the drafter grows — a TreeTopology (chain and static tr
 
 from __future__ import annotations
 
-from specgraph.draft import CATCH_UP
 from specgraph.errors import RecipeError
 from specgraph.graph import SpecGraph
-from specgraph.growing import GrowthPlan
 from specgraph.models.loader import is_hybrid
 from specgraph.passes.base import graph_pass
 from specgraph.recipe import ChainTree, DynamicTree, GrowSpec
 from specgraph.recipe import StaticTree as StaticTreeSpec
-from specgraph.tree import TreeTopology
+from specgraph.tree import CATCH_UP, Growth, TreeTopology
 
 
 @graph_pass(requires=("config", "device"), provides=("tree", "tree_nodes", "tree_depth", "window", "ahead", "feeds"))
@@ -58,7 +56,7 @@ def plan_tree(graph: SpecGraph) -> SpecGraph:
                 tree.width, tree.depth, tree.nodes)
             grow = spec.grow or GrowSpec()
             leaves = grow.leaves or (width if node["device"].type == "cpu" else max(16, width))  # GPU: ~free
-            plan = GrowthPlan(width, depth, nodes, max(1, depth - 1) if grow.steps is None else grow.steps, leaves,
+            plan = Growth(width, depth, nodes, max(1, depth - 1) if grow.steps is None else grow.steps, leaves,
                               min(depth, grow.first or 2))
             node.update(tree=plan, tree_nodes=plan.nodes, tree_depth=plan.depth)
         elif isinstance(tree, DynamicTree):

@@ -22,19 +22,18 @@ import time
 
 import torch
 
-from specgraph.draft import CATCH_UP, Draft, Drafter, Requests
+from specgraph.draft import Draft, Drafter, Requests
 from specgraph.draws import Draws
 from specgraph.growing import GrowingDrafter
-from specgraph.launch import PROGRESS
 from specgraph.runtime.channel import Link, ProtocolError, TreeMessage, VerdictMessage
 from specgraph.runtime.clock import Clock
 from specgraph.runtime.executor import Generation, Output
-from specgraph.runtime.sequence import Sequence
 from specgraph.runtime.graphs import Replays
-from specgraph.runtime.stage import Stage
+from specgraph.runtime.sequence import Sequence
 from specgraph.runtime.verifier import Verifier
 from specgraph.sampling import SamplingRows
-from specgraph.tree import Tree, TreeStructure
+from specgraph.watchdog import PROGRESS
+from specgraph.tree import CATCH_UP, Tree, TreeStructure
 
 
 def _read(result: torch.Tensor) -> list[int]:
@@ -42,7 +41,7 @@ def _read(result: torch.Tensor) -> list[int]:
     return result.tolist()
 
 
-class TargetWorker:
+class VerifySide:
     """The target's part: verify each tree the drafter sends, send back the verdict."""
 
     def __init__(self, verifier: Verifier, trees: Link, verdicts: Link, drafter_name: str, nodes: int, depth: int,
@@ -132,7 +131,7 @@ class TargetWorker:
         return out
 
 
-class DraftWorker:
+class DraftSide:
     """The drafter's part: send a tree, grow while it is verified, re-root at its verdict."""
 
     def __init__(self, drafter: GrowingDrafter | Drafter, trees: Link, verdicts: Link, target_name: str,
@@ -142,8 +141,8 @@ class DraftWorker:
         self.stage = drafter.stage
         self.device = self.stage.device
         growing = isinstance(drafter, GrowingDrafter)
-        self.nodes = drafter.plan.nodes if growing else drafter.nodes
-        self.depth = drafter.plan.depth if growing else drafter.max_depth
+        self.nodes = drafter.growth.nodes if growing else drafter.nodes
+        self.depth = drafter.growth.depth if growing else drafter.max_depth
         self.sequence = Sequence(max_seq_len + self.nodes + 1, self.device)
         self.region = self.stage.capacity - max_seq_len  # slots a step may write past the committed prefix
         self.verdict_buffer = torch.zeros(2 * self.depth + 5, dtype=torch.long, device=self.device)
@@ -220,7 +219,7 @@ class DraftWorker:
             self.trees.send(*(tree if isinstance(tree, tuple) else (tree,)))
             clock.mark()  # the tree is out
             if growing:  # while the target verifies it
-                for _ in range(self.drafter.plan.grow):
+                for _ in range(self.drafter.growth.grow):
                     self.phases.run("grow", lambda: self._grow(length))
             clock.mark()
             PROGRESS.enter(self.waiting)
@@ -255,29 +254,3 @@ class DraftWorker:
                          "draft_idle_seconds": idle, "rounds": rounds, "survived": survived,
                          "bonus_not_grown": ungrown}
         return out
-
-
-def disaggregated_executor(graph, stages: dict[str, Stage], ranks) -> TargetWorker | DraftWorker:
-    """This rank's worker of a disaggregated program (two stages: a drafter and the target)."""
-    from specgraph.growing import GrowthPlan
-    from specgraph.passes.place import resolve_device
-    from specgraph.program import verifier_of
-
-    target = graph.target
-    drafter = graph.drafter_of(target)
-    leaders = {name: resolve_device(graph.node(name)["spec"].devices[0], "") for name in graph.stages()}
-    trees, verdicts = Link(ranks, drafter, target, leaders), Link(ranks, target, drafter, leaders)
-    node, draft_node = graph.node(target), graph.node(drafter)
-    plan = draft_node["tree"]
-    recipe = graph.recipe
-    sampling = SamplingRows.of([recipe.sampling], graph.node(target if ranks.runs(target) else drafter)["device"])
-    if ranks.runs(target):
-        drawn = not isinstance(plan, GrowthPlan) and node["rule"] == "sampling"
-        return TargetWorker(verifier_of(graph, stages), trees, verdicts, drafter, draft_node["tree_nodes"],
-                            draft_node["tree_depth"], drawn, node["eos_ids"], recipe.max_seq_len, node["step_graphs"],
-                            sampling)
-    if isinstance(plan, GrowthPlan):
-        grower = GrowingDrafter(stages[drafter], plan)
-    else:
-        grower = Drafter(stages[drafter], plan, node["rule"])
-    return DraftWorker(grower, trees, verdicts, target, recipe.max_seq_len, draft_node["step_graphs"], sampling)

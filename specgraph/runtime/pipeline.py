@@ -50,16 +50,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from specgraph.draft import CATCH_UP, Drafter, Requests
+from specgraph.draft import Drafter, Requests
 from specgraph.draws import Draws
-from specgraph.launch import PROGRESS as WATCHDOG
-from specgraph.recipe import ChainTree
 from specgraph.runtime.channel import Mail, Mailbox, ProtocolError
 from specgraph.runtime.executor import Generation, Output
 from specgraph.runtime.sequence import Sequence
 from specgraph.runtime.verifier import Verifier
 from specgraph.sampling import SamplingRows, probs_from_logits
-from specgraph.tree import Tree, TreeStructure
+from specgraph.watchdog import PROGRESS as WATCHDOG
+from specgraph.tree import CATCH_UP, Tree, TreeStructure
 
 TOKENS, TREE, PROGRESS, CHECK, STOP, DONE = range(6)
 
@@ -125,7 +124,7 @@ class Followers:
         return Mail(src, header, rest[Mailbox.HEADER : Mailbox.HEADER + count], proposals)
 
 
-class PipelineStage:
+class PipelinePeer:
     """One stage's part: its committed tokens (host list: the decisions are the host's), what it
     has received and not yet verified, and its exchanges with the stages below and above."""
 
@@ -361,7 +360,7 @@ class PipelineStage:
         """The stage's device state after its tokens changed from `start` on (cut back, extended)."""
 
 
-class DraftingStage(PipelineStage):
+class DraftingPeer(PipelinePeer):
     """Stage 0: drafts a chain per step into its committed tokens, or a tree that it sends and
     waits on (its committed tokens then grow only by the CHECKs that answer its trees)."""
 
@@ -426,7 +425,7 @@ class DraftingStage(PipelineStage):
         self.tree_out = False  # the CHECK answers the tree out, or makes it stale
 
 
-class VerifyingStage(PipelineStage):
+class VerifyingPeer(PipelinePeer):
     """Stage i > 0: verifies what the stage below sent per step — up to a window of its tokens, as
     a chain from its last committed token, or the tree a first stage sent; the last stage's
     committed tokens are the output."""
@@ -542,33 +541,3 @@ class VerifyingStage(PipelineStage):
 
 
 MESSAGE_TOKENS = 64  # longs a message carries at least (more tokens go as several TOKENS messages)
-
-
-def pipeline_executor(graph, stages: dict, ranks) -> PipelineStage:
-    """This rank's stage of a pipeline program (each stage has processes of its own: one, or one
-    per device of a tensor-parallel stage)."""
-    from specgraph.program import verifier_of
-
-    names = graph.stages()
-    (name,) = [n for n in names if ranks.runs(n)]
-    node, recipe = graph.node(name), graph.recipe
-    index = node["index"]
-    draws = recipe.sampling.temperature > 0  # then every message up carries its tokens' distributions
-    vocab = stages[name].logits_width if draws else None
-    first = graph.node(names[0])
-    trees = not isinstance(first["spec"].tree or ChainTree(), ChainTree)  # the first stage drafts trees
-    capacity = max(MESSAGE_TOKENS, 2 * (first["tree_nodes"] + 1))  # (a tree: its tokens and parents; every rank agrees)
-    leads = ranks.rank == ranks.leader(name)
-    mailbox = Mailbox(ranks.mail, capacity, vocab) if leads else None
-    followers = None
-    if node["tp"] > 1:
-        followers = Followers(ranks.groups[name], ranks.leader(name), node["device"], capacity, vocab)
-    common = dict(names=names, index=index, leaders=[ranks.leader(n) for n in names], mailbox=mailbox,
-                  window=node["window"] or 0, ahead=node["ahead"] or 0, synchronous=recipe.pipeline.synchronous,
-                  device=node["device"], max_seq_len=recipe.max_seq_len, eos_ids=node["eos_ids"],
-                  sampling=SamplingRows.of([recipe.sampling], node["device"]), followers=followers)
-    if index == 0:
-        drafter = Drafter(stages[name], node["tree"], graph.node(names[1])["rule"], node["feeds"])
-        return DraftingStage(drafter, trees, draws, node["cache_slots"], **common)
-    return VerifyingStage(verifier_of(graph, stages, name), draws and index + 1 < len(names),
-                          trees and index == 1, **common)

@@ -11,17 +11,31 @@ or the drafter's worker of a disaggregated one; nothing, for ranks a baseline do
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
+from specgraph.engine.engine import Engine
 from specgraph.errors import SpecgraphError
-from specgraph.launch import PROGRESS, LaunchSpec
-from specgraph.program import load_stage, make_executor, plan, verifier_of, widened_models
+from specgraph.graph import SpecGraph
+from specgraph.lower import build_engine, build_executor, build_verifier, load_stage, stage_over, widened_models
+from specgraph.passes import plan
 from specgraph.runtime.executor import Executor, Generation
 from specgraph.runtime.ranks import Ranks
-from specgraph.runtime.serial import SerialExecutor
+from specgraph.text import Tokenizer
+from specgraph.watchdog import PROGRESS
 
 SYSTEMS = ("specgraph", "ar", "serial")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What every rank builds its Worker from: the planned graph (planned once, by the client)."""
+
+    graph: SpecGraph
+    widen: str | None = None  # bench: the target's real shape (the drafter widens to the small one)
+    systems: tuple[str, ...] = ("specgraph",)  # what the ranks can run: specgraph, ar, serial
 REQUEST, SHUTDOWN = 0, 1
 
 
@@ -35,31 +49,32 @@ class Idle:
 class Worker:
     def __init__(self, spec: LaunchSpec):
         self.spec = spec
-        self.recipe = spec.recipe
-        self.graph = plan(spec.recipe)
+        self.graph = spec.graph
+        self.recipe = spec.graph.recipe
         self.ranks = Ranks.join(self.graph)
         mine = [name for name in self.graph.stages() if self.ranks.runs(name)]
         models = widened_models(self.graph, mine, spec.widen, self.ranks)
         self.stages = {name: load_stage(self.graph, name, models.get(name), self.ranks) for name in mine}
         target = self.graph.target
         self.device = self.graph.node(mine[0])["device"]
-        self.roles: dict[str, Executor | Idle] = {"specgraph": make_executor(self.graph, self.stages, self.ranks)}
+        self.roles: dict[str, Executor | Idle] = {"specgraph": build_executor(self.graph, self.stages, self.ranks)}
         if "ar" in spec.systems:
             self.roles["ar"] = self._autoregressive() if self.ranks.runs(target) else Idle()
         if "serial" in spec.systems and self.recipe.execution != "serial":
             self.roles["serial"] = self._serial() if self.ranks.runs(target) else Idle()
-        self.tokenizer = None
-        if self.ranks.rank == 0:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(self.graph.node(target)["model"].path, trust_remote_code=False)
+        self.tokenizer = Tokenizer(self.graph.node(target)["model"].path) if self.ranks.rank == 0 else None
         if self.ranks.control is not None:
             dist.barrier(group=self.ranks.control)  # every rank has loaded its stages
 
-    def _autoregressive(self) -> SerialExecutor:
-        target = self.graph.node(self.graph.target)
-        return SerialExecutor(verifier_of(self.graph, self.stages), None, target["eos_ids"], self.recipe.max_seq_len,
-                              target["alone_step_graphs"], target["compile"])
+    def _autoregressive(self) -> Engine:
+        """The target alone: the serial engine of a recipe of the target stage only, over its loaded model."""
+        target = self.graph.target
+        alone = self.recipe.stages[self.graph.node(target)["index"]]
+        alone = alone.model_copy(update={"verifies": None, "verify": alone.verify.model_copy(
+            update={"window": None, "budget": None})})
+        graph = plan(self.recipe.model_copy(update={"execution": "serial", "stages": [alone]}))
+        stages = {target: stage_over(graph, target, self.stages[target].model)}
+        return build_engine(graph, build_verifier(graph, stages), None)
 
     def _serial(self) -> Executor:
         """The recipe on the serial executor with every stage on the target's devices: the target
@@ -78,11 +93,12 @@ class Worker:
                       dict.fromkeys(graph.stages(), self.ranks.stage_ranks[target]))
         drafters = [name for name in graph.stages() if name != target]
         models = widened_models(graph, drafters, self.spec.widen, ranks)
-        stages = {target: self.stages[target]} | {n: load_stage(graph, n, models.get(n), ranks) for n in drafters}
-        return make_executor(graph, stages)
+        stages = ({target: stage_over(graph, target, self.stages[target].model)}
+                  | {n: load_stage(graph, n, models.get(n), ranks) for n in drafters})
+        return build_executor(graph, stages)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer.encode(text)
 
     def system(self, name: str) -> DrivenSystem:
         return DrivenSystem(self, name)

@@ -1,0 +1,207 @@
+"""Lowering: a planned SpecGraph's stages loaded and lowered as its annotations say, and the
+executor over them — the serial executor's engine, a disaggregated program's sides, a pipeline's
+peers. Below the programs, ranks and benchmarks that use it; above the runtime it assembles."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specgraph.bench.widen import draft_shape_for, widen, widened_shape
+from specgraph.draft import Drafter
+from specgraph.engine.budget import Budget, batch_sizes, calibrate
+from specgraph.engine.engine import Engine
+from specgraph.engine.pool import BlockPool
+from specgraph.engine.runner import Runner
+from specgraph.errors import SpecgraphError
+from specgraph.graph import SpecGraph
+from specgraph.growing import GrowingDrafter
+from specgraph.kernels import Kernels
+from specgraph.models.loader import load_model
+from specgraph.parallel import shard_model
+from specgraph.passes.place import resolve_device
+from specgraph.recipe import ChainTree
+from specgraph.runtime.disaggregated import DraftSide, VerifySide
+from specgraph.runtime.executor import Executor
+from specgraph.runtime.channel import Link, Mailbox
+from specgraph.runtime.pipeline import MESSAGE_TOKENS, DraftingPeer, Followers, PipelinePeer, VerifyingPeer
+from specgraph.runtime.ranks import Ranks
+from specgraph.runtime.stage import Stage
+from specgraph.runtime.verifier import Verifier
+from specgraph.sampling import SamplingRows
+from specgraph.tree import Growth
+
+
+RECOMPILE_LIMIT = 64  # compiled entries of one function in a process (see compile_model)
+
+
+def compile_model(model: nn.Module) -> None:
+    """Compile, in place, each decoder layer and the work before and after them (`stem`: embedding
+    and rotary tables; `logits`: final norm and head). Layers share code, so Inductor compiles it
+    once per shape class (T = 1, and T symbolic) and every layer reuses it. Layers get their cache
+    tensors, not an index, so that nothing layer-specific is a compile-time constant.
+
+    Every model of every program in a process shares that code: each (dtype, kernel choice, shape
+    class) is one more compiled entry of it, so a process that holds several programs (`bench`'s
+    baselines, `tune`'s candidates) passes Dynamo's default of 8 entries a function, past which a
+    fullgraph compile fails; the limit is raised to RECOMPILE_LIMIT."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    for layer in model.layers:
+        layer.compile(dynamic=True, fullgraph=True)
+    model.stem = torch.compile(model.stem, dynamic=True, fullgraph=True)
+    model.logits = torch.compile(model.logits, dynamic=True, fullgraph=True)
+
+
+def _load(name: str, node: dict, ranks: Ranks) -> nn.Module:
+    """The stage's model on its device; a tensor-parallel stage's shard is cut on the host first."""
+    shard = ranks.shard(name, node["tp"])
+    if shard is None:
+        return load_model(node["model"].path, node["dtype"], node["device"])
+    whole = load_model(node["model"].path, node["dtype"], "cpu")
+    return shard_model(whole, *shard, f"stage {name}").to(node["device"])
+
+
+def load_stage(graph: SpecGraph, name: str, model: nn.Module | None = None, ranks: Ranks = Ranks()) -> Stage:
+    """Stage `name` lowered as its plan says (its `kernels`, `compile`, `cache_slots`,
+    `graph_buckets` and `static_shapes`): `model` if given (widened, or an exported package), else
+    loaded from its checkpoint (this rank's shard where it is tensor-parallel)."""
+    node = graph.node(name)
+    if node["tp"] > 1 and ranks.world == 1:
+        raise SpecgraphError(f"stage {name} is tensor-parallel over {node['tp']} devices, which needs one process "
+                             f"per device: `specgraph run` and `specgraph bench` start them")
+    model = model or _load(name, node, ranks)
+    if hasattr(model, "use_kernels"):  # (an exported package has its ops built in)
+        model.use_kernels(Kernels.select(node["kernels"]))
+    if node["compile"]:
+        compile_model(model)
+    return stage_over(graph, name, model)
+
+
+def stage_over(graph: SpecGraph, name: str, model: nn.Module) -> Stage:
+    """Stage `name` over `model`, lowered already: a fresh cache of the plan's `cache_slots`, its
+    `graph_buckets` and `static_shapes` (one lowered model serves the plans of several trees:
+    `specgraph tune`)."""
+    node = graph.node(name)
+    paged = graph.recipe.execution == "serial"  # (the engine assigns the table's rows; the others use row 0)
+    return Stage(name, model, node["cache_slots"], node["device"], node["graph_buckets"], node["static_shapes"],
+                 Kernels.select(node["kernels"]), node["vocab"], node["requests"], node["kv_blocks"] if paged else None,
+                 node["block_size"])
+
+
+def build_executor(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks = Ranks()) -> Executor:
+    """This process's executor for the `execution` the recipe names, over its loaded `stages`: the
+    serial executor (on every rank of a serial program), or this rank's worker of a disaggregated
+    program, or its peer of a pipeline."""
+    recipe = graph.recipe
+    if recipe.execution == "serial":
+        return build_engine(graph, build_verifier(graph, stages), build_drafter(graph, stages))
+    if recipe.execution == "disaggregated":
+        return _disaggregated_side(graph, stages, ranks)
+    if recipe.execution == "pipeline":
+        return _pipeline_peer(graph, stages, ranks)
+    raise SpecgraphError(f"execution: {recipe.execution!r} has no executor yet")
+
+
+def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None) -> Engine:
+    """The engine of a serial program over its loaded verifier and drafter (None: the target alone),
+    its verification budget calibrated here where the recipe asks for one and gives no table."""
+    recipe, serving = graph.recipe, graph.recipe.serving
+    target = graph.node(graph.target)
+    region = max(graph.node(n)["cache_slots"] for n in graph.stages()) - recipe.max_seq_len
+    runner = Runner(verifier, drafter, serving.max_batch, recipe.max_seq_len + region, target["compile"])
+    pool = BlockPool(target["kv_blocks"], target["block_size"])
+    spec, budget = target["spec"].verify.budget, None
+    if spec is not None and drafter is not None:
+        table = spec.nodes or calibrate(verifier, batch_sizes(serving.max_batch), drafter.nodes, spec.epsilon,
+                                        min(CALIBRATION_CONTEXT, recipe.max_seq_len // 2))
+        budget = Budget(table, drafter.nodes)
+    return Engine(runner, target["eos_ids"], recipe.max_seq_len, serving.max_batch, pool, region,
+                  serving.prefill_chunk, recipe.sampling, budget)
+
+
+CALIBRATION_CONTEXT = 512  # committed tokens of each request while the budget is calibrated
+
+
+def build_verifier(graph: SpecGraph, stages: dict[str, Stage], name: str | None = None) -> Verifier:
+    """The Verifier of stage `name` (default: the target)."""
+    name = name or graph.target
+    node = graph.node(name)
+    return Verifier(stages[name], node["spec"].verify, node["rule"], Kernels.select(node["kernels"]), node["compile"])
+
+
+def build_drafter(graph: SpecGraph, stages: dict[str, Stage], name: str | None = None) -> Drafter | None:
+    """The Drafter of the stage that stage `name` (default: the target) verifies, None if it verifies none."""
+    draft_name = graph.drafter_of(name or graph.target)
+    if draft_name is None:
+        return None
+    return Drafter(stages[draft_name], graph.node(draft_name)["tree"], graph.node(graph.target)["rule"])
+
+
+def widened_models(graph: SpecGraph, names: list[str], shape: str | None, ranks: Ranks = Ranks()) -> dict[str, nn.Module]:
+    """Stages `names` widened to a real model's shape (the target to `shape`, drafters to the small
+    shape with their head dim: bench/widen.py), as this rank's shard where a stage is split; {}
+    when `shape` is None."""
+    if not shape:
+        return {}
+    plans = {}  # name -> (small model, its shape name, what it is): every misfit found before any widening
+    for name in names:
+        node = graph.node(name)
+        small = load_model(node["model"].path, node["dtype"], "cpu")
+        big = shape if name == graph.target else draft_shape_for(small.shape)
+        plans[name] = small, big, f"stage {name}'s model (models.{node['spec'].model})"
+        widened_shape(small.shape, big, what=plans[name][2])
+    models = {}
+    for name, (small, big, what) in plans.items():
+        node = graph.node(name)
+        models[name] = widen(small, big, node["device"], node["dtype"], shard=ranks.shard(name, node["tp"]), what=what)
+    return models
+
+
+def _disaggregated_side(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks) -> VerifySide | DraftSide:
+    """This rank's side of a disaggregated program (two stages: a drafter and the target)."""
+    target = graph.target
+    drafter = graph.drafter_of(target)
+    leaders = {name: resolve_device(graph.node(name)["spec"].devices[0], "") for name in graph.stages()}
+    trees, verdicts = Link(ranks, drafter, target, leaders), Link(ranks, target, drafter, leaders)
+    node, draft_node = graph.node(target), graph.node(drafter)
+    tree = draft_node["tree"]
+    recipe = graph.recipe
+    sampling = SamplingRows.of([recipe.sampling], graph.node(target if ranks.runs(target) else drafter)["device"])
+    if ranks.runs(target):
+        drawn = not isinstance(tree, Growth) and node["rule"] == "sampling"
+        return VerifySide(build_verifier(graph, stages), trees, verdicts, drafter, draft_node["tree_nodes"],
+                            draft_node["tree_depth"], drawn, node["eos_ids"], recipe.max_seq_len, node["step_graphs"],
+                            sampling)
+    if isinstance(tree, Growth):
+        grower = GrowingDrafter(stages[drafter], tree)
+    else:
+        grower = Drafter(stages[drafter], tree, node["rule"])
+    return DraftSide(grower, trees, verdicts, target, recipe.max_seq_len, draft_node["step_graphs"], sampling)
+
+
+def _pipeline_peer(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks) -> PipelinePeer:
+    """This rank's peer of a pipeline program (each stage has processes of its own: one, or one
+    per device of a tensor-parallel stage)."""
+    names = graph.stages()
+    (name,) = [n for n in names if ranks.runs(n)]
+    node, recipe = graph.node(name), graph.recipe
+    index = node["index"]
+    draws = recipe.sampling.temperature > 0  # then every message up carries its tokens' distributions
+    vocab = stages[name].logits_width if draws else None
+    first = graph.node(names[0])
+    trees = not isinstance(first["spec"].tree or ChainTree(), ChainTree)  # the first stage drafts trees
+    capacity = max(MESSAGE_TOKENS, 2 * (first["tree_nodes"] + 1))  # (a tree: its tokens and parents; every rank agrees)
+    leads = ranks.rank == ranks.leader(name)
+    mailbox = Mailbox(ranks.mail, capacity, vocab) if leads else None
+    followers = None
+    if node["tp"] > 1:
+        followers = Followers(ranks.groups[name], ranks.leader(name), node["device"], capacity, vocab)
+    common = dict(names=names, index=index, leaders=[ranks.leader(n) for n in names], mailbox=mailbox,
+                  window=node["window"] or 0, ahead=node["ahead"] or 0, synchronous=recipe.pipeline.synchronous,
+                  device=node["device"], max_seq_len=recipe.max_seq_len, eos_ids=node["eos_ids"],
+                  sampling=SamplingRows.of([recipe.sampling], node["device"]), followers=followers)
+    if index == 0:
+        drafter = Drafter(stages[name], node["tree"], graph.node(names[1])["rule"], node["feeds"])
+        return DraftingPeer(drafter, trees, draws, node["cache_slots"], **common)
+    return VerifyingPeer(build_verifier(graph, stages, name), draws and index + 1 < len(names),
+                          trees and index == 1, **common)
