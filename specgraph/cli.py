@@ -13,6 +13,7 @@ from pathlib import Path
 from specgraph.errors import RecipeWarning, SpecgraphError
 
 TUNE_NEW_TOKENS, BOLE_EPSILON = 64, 0.1  # tune's defaults: new tokens per prompt, bole's budget
+DEFAULT_BASELINES = "hf,hf-assisted,ar"  # bench's (with --batch: ar,hf)
 
 
 def _recipe_args(parser: argparse.ArgumentParser, optional: bool = False) -> None:
@@ -64,11 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "pass, where compilation and graph capture happen (default: all); specgraph's decoding after "
                        "the first token is timed apart from prefill, so shapes it first meets later add only to TTFT "
                        "(transformers' compiled baselines may recompile inside their timed decoding)")
-    bench.add_argument("--baselines", default="hf,hf-assisted,ar",
+    bench.add_argument("--baselines", default=DEFAULT_BASELINES,
                        help="comma-separated: hf, hf-assisted, ar, serial, or a recipe file (.yaml) that differs "
                        "from the recipe only in its stages' trees, run over the same loaded models (a tuned recipe "
                        "against the hand-written one); default hf,hf-assisted,ar")
     bench.add_argument("--widen", **WIDEN)
+    bench.add_argument("--batch", dest="batches", metavar="N,N,...",
+                       help="measure many requests at once: for each batch size, every prompt decoded with at most N "
+                            "in flight, by the recipe, ar and hf (--baselines ar,hf); e.g. 1,4,16 (serial recipes)")
     bench.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON")
     bench.add_argument("--plot", type=Path, metavar="OUT.png", help="plot tokens/s per system and accepted lengths, "
                        "in the format the suffix names (.png, .jpg, .pdf, .svg, ...)")
@@ -310,6 +314,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     _check_report_outputs(args)
     recipe, prompts = _load_recipe(args)
+    if args.batches is not None:
+        return _bench_batches(args, recipe, prompts)
     if args.repeats < 1:
         raise SpecgraphError(f"--repeats: must be at least 1 (got {args.repeats})")
     if args.warmup is not None and args.warmup < 1:
@@ -318,6 +324,23 @@ def cmd_bench(args: argparse.Namespace) -> None:
                      tuple(b.strip() for b in args.baselines.split(",") if b.strip()), args.widen, args.warmup,
                      tuple(_anchored(_overrides(args), args.recipe.parent)))
     _present_report(run_bench(spec), args)
+
+
+def _bench_batches(args: argparse.Namespace, recipe, prompts: list[dict]) -> None:
+    """bench --batch: each batch size measured (bench/batched.py)."""
+    from specgraph.bench.batched import BatchSpec, plot_batched, print_batched, run_batched_bench
+    from specgraph.files import write_output
+
+    batches = _whole_numbers(args.batches, "--batch")
+    baselines = args.baselines if args.baselines != DEFAULT_BASELINES else "ar,hf"
+    max_new_tokens = args.max_new_tokens or recipe.max_new_tokens
+    report = run_batched_bench(BatchSpec(recipe, prompts, max_new_tokens, sorted(set(batches)),
+                                         tuple(b.strip() for b in baselines.split(",") if b.strip()), args.widen))
+    print_batched(report)
+    if args.json is not None:
+        write_output(args.json, json.dumps(report, indent=1))
+    if args.plot is not None:
+        plot_batched(report, args.plot)
 
 
 def cmd_report(args: argparse.Namespace) -> None:

@@ -200,18 +200,19 @@ class Drafter:
 
     @torch.inference_mode()
     def draft(self, requests: Requests, width: int, sampling: SamplingRows | None = None, draws: Draws | None = None,
-              budget: int | None = None) -> Draft:
+              budget: int | None = None, live: torch.Tensor | None = None) -> Draft:
         """A draft tree per request, rooted at its last committed token; forwards attend over `width`
         virtual slots. `sampling` and `draws`: the requests' settings and random streams, where the
         sampling rule draws the children of chain and static trees. `budget`: a dynamic tree's
-        nodes over the whole batch (each request at most the plan's `nodes`), None: each its own."""
+        nodes over the whole batch (each request at most the plan's `nodes`), None: each its own;
+        `live` [R] bool: the requests that take part in the budget (padding rows do not)."""
         root_logits = catch_up(self.stage, requests, width)  # [R, V]
         roots = requests.last(1)[1]  # [R, 1]
         if self.static is not None:
             return Draft(self._grow_static(roots, root_logits, requests, width, sampling, draws),
                          self.static.fed_at.expand(requests.size, -1), requests.feeds)
         grown = self._grow_dynamic(roots, root_logits, requests, width)
-        return select(grown, self.dynamic.nodes, self.dynamic.depth, self.dynamic.width, budget, requests.feeds)
+        return select(grown, self.dynamic.nodes, self.dynamic.depth, self.dynamic.width, budget, requests.feeds, live)
 
     def commit(self, draft: Draft, paths: torch.Tensor, requests: Requests) -> None:
         """Move the draft K/V of each request's accepted nodes (paths [R, D + 1], root first, -1
@@ -346,9 +347,11 @@ class Drafter:
         return _Grown(tokens, parents, depths, scores, lineage, fed_at)
 
 
-def select(grown: _Grown, nodes: int, depth: int, width: int, budget: int | None, feeds: torch.Tensor) -> Draft:
+def select(grown: _Grown, nodes: int, depth: int, width: int, budget: int | None, feeds: torch.Tensor,
+           live: torch.Tensor | None = None) -> Draft:
     """The trees to verify: each request's `nodes` most likely nodes or, with a `budget`, the
-    `budget` most likely over the whole batch (each request at most `nodes`), in pool order (parents
+    `budget` most likely over the whole batch (each request at most `nodes`; only `live` [R] ones
+    where given), in pool order (parents
     first) -> a Draft of trees [R, nodes + 1] whose rows hold sizes[r] nodes. Children never
     outscore parents and ties keep creation order, so every selection is ancestor-closed."""
     r, size = grown.scores.shape
@@ -357,7 +360,10 @@ def select(grown: _Grown, nodes: int, depth: int, width: int, budget: int | None
     top = ranked.indices[:, :nodes] + 1  # [R, N]: each request's most likely, best first
     chosen = torch.ones(r, nodes, dtype=torch.bool, device=device)
     if budget is not None:  # the budget's nodes: the best of all requests' candidates (ties: request order)
-        flat = ranked.values[:, :nodes].flatten().sort(descending=True, stable=True).indices[:budget]
+        candidates = ranked.values[:, :nodes]
+        if live is not None:
+            candidates = torch.where(live[:, None], candidates, float("-inf"))
+        flat = candidates.flatten().sort(descending=True, stable=True).indices[:budget]
         chosen = torch.zeros(r * nodes, dtype=torch.bool, device=device).index_fill_(0, flat, True).view(r, nodes)
     sizes = 1 + chosen.sum(1)  # [R]
     order = torch.where(chosen, top, size + top).sort(dim=1).values  # [R, N]: chosen in pool order, the rest after

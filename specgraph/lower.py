@@ -108,7 +108,8 @@ def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None) 
     recipe, serving = graph.recipe, graph.recipe.serving
     target = graph.node(graph.target)
     region = max(graph.node(n)["cache_slots"] for n in graph.stages()) - recipe.max_seq_len
-    runner = Runner(verifier, drafter, serving.max_batch, recipe.max_seq_len + region, target["compile"])
+    captured = target["step_graphs"] if drafter is not None else target["alone_step_graphs"]
+    runner = Runner(verifier, drafter, serving.max_batch, recipe.max_seq_len + region, target["compile"], captured)
     pool = BlockPool(target["kv_blocks"], target["block_size"])
     spec, budget = target["spec"].verify.budget, None
     if spec is not None and drafter is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +23,17 @@ from specgraph.engine.scheduler import Scheduler
 from specgraph.errors import PromptError
 from specgraph.recipe import SamplingSpec
 from specgraph.runtime.executor import Generation, Output
+
+
+@dataclass
+class StepTotals:
+    """What the engine's steps did, summed (a benchmark reads and resets them)."""
+
+    steps: int = 0
+    requests: int = 0  # requests decoded, over the steps
+    nodes: int = 0  # draft nodes verified, over the steps
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
 
 class Engine:
@@ -37,6 +49,7 @@ class Engine:
         self.region, self.sampling, self.budget = region, sampling, budget
         self.scheduler = Scheduler(pool, slots, self._slots_needed)
         self.device = runner.device
+        self.totals = StepTotals()
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
 
@@ -77,6 +90,15 @@ class Engine:
     def busy(self) -> bool:
         return self.scheduler.busy
 
+    @property
+    def limit(self) -> int:
+        """Requests decoded at once at most (at most the request slots)."""
+        return self.scheduler.limit
+
+    @limit.setter
+    def limit(self, value: int) -> None:
+        self.scheduler.limit = value
+
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """One step -> the requests that got tokens in it (each finished one is out of the engine)."""
@@ -95,6 +117,10 @@ class Engine:
         budget = None if self.budget is None else self.budget(len(running))
         news, clock = self.runner.decode([r.slot for r in running], budget)
         draft_s, verify_s = clock.seconds()
+        nodes = budget if budget is not None else len(running) * (self.runner.drafter.nodes if self.runner.drafter else 0)
+        totals = self.totals
+        totals.steps, totals.requests, totals.nodes = totals.steps + 1, totals.requests + len(running), totals.nodes + nodes
+        totals.draft_seconds, totals.verify_seconds = totals.draft_seconds + draft_s, totals.verify_seconds + verify_s
         now = time.perf_counter()
         for request, new in zip(running, news):
             gen = request.generation

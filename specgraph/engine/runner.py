@@ -22,17 +22,20 @@ from specgraph.draft import Draft, Drafter, Requests
 from specgraph.draws import Draws
 from specgraph.recipe import SamplingSpec
 from specgraph.runtime.clock import Clock
+from specgraph.runtime.graphs import Replays
 from specgraph.runtime.verifier import Verifier
 from specgraph.sampling import SamplingRows
 from specgraph.tree import CATCH_UP, Tree, TreeStructure
 
 
 class Runner:
-    def __init__(self, verifier: Verifier, drafter: Drafter | None, slots: int, capacity: int, compile: bool = False):
+    def __init__(self, verifier: Verifier, drafter: Drafter | None, slots: int, capacity: int, compile: bool = False,
+                 captured: bool = False):
         """`slots`: request slots (rows of the stages' tables, less the padding row); `capacity`:
         committed tokens a request may reach, and a step's worth past them; `compile`: run what
         follows the target's forward (verdicts, commits, append) through torch.compile where it
-        draws nothing, a few fused kernels instead of some twenty."""
+        draws nothing, a few fused kernels instead of some twenty; `captured`: each step's phases
+        replay CUDA graphs, one per batch size of `sizes` (powers of two, and `slots`)."""
         self.verifier, self.drafter = verifier, drafter
         self.device = verifier.device
         self.stages = [verifier.stage] + ([drafter.stage] if drafter is not None else [])
@@ -45,6 +48,9 @@ class Runner:
         self.draws = Draws(torch.zeros(rows, dtype=torch.long, device=self.device),
                            torch.zeros(rows, dtype=torch.long, device=self.device))
         self._root = TreeStructure.of([-1], self.device)
+        self.captured = captured
+        self.sizes = sorted({min(1 << k, slots) for k in range(slots.bit_length() + 1)})
+        self._replays = Replays(captured, verifier.stage.pool)
         for stage in self.stages:
             stage.table[self.padding].zero_()
         if compile and not verifier.draws:
@@ -92,28 +98,53 @@ class Runner:
     def decode(self, slots: list[int], budget: int | None = None) -> tuple[list[list[int]], Clock]:
         """One step of the requests in `slots` -> each one's new tokens (accepted drafts and the
         bonus, past its end as the step made them) and the step's clock (draft, verify marks).
-        `budget`: draft nodes verified over the whole batch (a dynamic drafter), None: each its tree's."""
-        rows = torch.tensor(slots, device=self.device)
+        `budget`: draft nodes verified over the whole batch (a dynamic drafter), None: each its
+        tree's. Where steps are captured, the batch is padded to a size of `sizes` with the padding
+        row, and each phase replays the CUDA graph of its size (and budget)."""
+        n = len(slots)
+        size = next(b for b in self.sizes if b >= n) if self.captured else n
+        rows = torch.tensor(slots + [self.padding] * (size - n), device=self.device)
+        live = torch.arange(size, device=self.device) < n
         longest = max(self.host_lengths[s] for s in slots)
         clock = Clock(self.device)
         clock.mark()
-        draws = Draws(self.draws.seeds[rows], self.draws.counters[rows])
-        requests = Requests(rows, self.tokens, self.lengths[rows], self.lengths[rows].clamp(max=CATCH_UP), CATCH_UP)
-        sampling = self.sampling.take(rows)
-        draft = None
-        if self.drafter is not None:
-            width = self.drafter.stage.width(longest, self.drafter.span)
-            draft = self.drafter.draft(requests, width, sampling, draws, budget)
+        drafted = () if self.drafter is None else self._replays.run(
+            ("draft", size, budget), lambda rows, live: self._draft(rows, live, longest, budget).tensors(), rows, live)
         clock.mark()
-        tree = self._roots(requests) if draft is None else draft.tree
-        result = self._settle(tree, draft, requests, sampling, draws, longest)  # [R, D + 2]
+        result = self._replays.run(("verify", size, budget), lambda rows, *drafted: self._verify(
+            rows, drafted, longest, budget), rows, *drafted)  # [R, D + 2]
         clock.mark()
-        self.draws.counters.index_copy_(0, rows, draws.counters)
         out = []
-        for slot, (count, *new) in zip(slots, result.tolist()):  # the step's one host read
+        for slot, (count, *new) in zip(slots, result[:n].tolist()):  # the step's one host read
             self.host_lengths[slot] += count
             out.append(new[:count])
         return out, clock
+
+    def _requests(self, rows: torch.Tensor) -> tuple[Requests, SamplingRows, Draws]:
+        """The step's requests (table rows `rows` [R]), their settings and random streams."""
+        lengths = self.lengths[rows]
+        return (Requests(rows, self.tokens, lengths, lengths.clamp(max=CATCH_UP), CATCH_UP), self.sampling.take(rows),
+                Draws(self.draws.seeds[rows], self.draws.counters[rows]))
+
+    def _draft(self, rows: torch.Tensor, live: torch.Tensor, longest: int, budget: int | None) -> Draft:
+        requests, sampling, draws = self._requests(rows)
+        width = self.drafter.stage.width(longest, self.drafter.span)
+        draft = self.drafter.draft(requests, width, sampling, draws, budget, live)
+        self.draws.counters.index_copy_(0, rows, draws.counters)
+        return draft
+
+    def _verify(self, rows: torch.Tensor, drafted: tuple[torch.Tensor, ...], longest: int,
+                budget: int | None) -> torch.Tensor:
+        requests, sampling, draws = self._requests(rows)
+        draft = None
+        if drafted:
+            packed = None if budget is None else rows.numel() + min(budget, rows.numel() * self.drafter.nodes)
+            draft = Draft.from_tensors(drafted, self.drafter.max_depth, packed)
+        tree = self._roots(requests) if draft is None else draft.tree
+        result = self._settle(tree, draft, requests, sampling, draws, longest)
+        self.draws.counters.index_copy_(0, rows, draws.counters)
+        self.lengths[self.padding].fill_(CATCH_UP)  # (the padding row's tokens stay where its next step needs them)
+        return result
 
     def _settle(self, tree: Tree, draft: Draft | None, requests: Requests, sampling: SamplingRows, draws: Draws,
                 longest: int) -> torch.Tensor:

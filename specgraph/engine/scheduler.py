@@ -21,6 +21,7 @@ class Scheduler:
         """`slots`: requests in flight at most; `slots_needed(request)`: the virtual slots its
         longest sequence needs in the cache."""
         self.pool, self.slots_needed = pool, slots_needed
+        self.limit = slots  # requests admitted at once at most (a benchmark lowers it)
         self.waiting: deque[Request] = deque()
         self.admitted: list[Request] = []  # in admission order
         self._free_slots = list(range(slots - 1, -1, -1))
@@ -33,7 +34,7 @@ class Scheduler:
     def admit(self) -> list[Request]:
         """Admit waiting requests, first come first served, while a slot and their blocks are free."""
         admitted = []
-        while self.waiting and self._free_slots:
+        while self.waiting and self._free_slots and len(self.admitted) < self.limit:
             blocks = self.pool.allocate(self.slots_needed(self.waiting[0]))
             if blocks is None:
                 break

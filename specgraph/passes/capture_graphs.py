@@ -3,12 +3,14 @@
 Before: stages carry `device` and the tree plan.
 After:  + `static_shapes` (bool): forwards attend over the whole cache (shapes depend on T only);
           true where CUDA graphs are on (a GPU, `lowering.cuda_graphs`);
-        + `step_graphs` (bool): the stage's step phases are captured, each as one CUDA graph, where
-          nothing draws (temperature 0): serial execution captures a step's phases (draft; verify +
-          commit) when every stage is on the target's GPU with static shapes (the same on every
-          stage); asynchronous execution, each stage's own phases where its shapes are static;
+        + `step_graphs` (bool): the stage's step phases are captured, each as one CUDA graph: serial
+          execution captures a step's phases (draft; verify + commit), one graph per batch size,
+          when every stage is on the target's GPU with static shapes (the same on every stage; each
+          request's draws come from its own counter-based stream, which a graph holds);
+          asynchronous execution, each stage's own phases where its shapes are static and nothing
+          draws (its streams are torch generators);
         + `alone_step_graphs` (bool): a step of the stage decoding alone (the `ar` baseline) is captured
-          as one CUDA graph: static shapes, no draws;
+          as CUDA graphs, one per batch size: static shapes;
         + `graph_buckets`: where steps are not captured, the token counts T of the forwards a step
           runs, each captured once per stage and replayed:
             target  - 1 (autoregressive) and the drafter's tree + root;
@@ -55,8 +57,8 @@ def capture_graphs(graph: SpecGraph) -> SpecGraph:
         node = graph.node(name)
         # serial: every stage's phases of a step, together; otherwise each stage's own
         phases = together if recipe.execution == "serial" else node["static_shapes"] and recipe.execution != "pipeline"
-        node["step_graphs"] = phases and not draws
-        node["alone_step_graphs"] = node["static_shapes"] and recipe.sampling.temperature == 0
+        node["step_graphs"] = phases and (recipe.execution == "serial" or not draws)
+        node["alone_step_graphs"] = node["static_shapes"]
         if not node["static_shapes"] or node["step_graphs"]:
             node["graph_buckets"] = ()
         elif node["window"]:

@@ -1,0 +1,219 @@
+"""`specgraph bench RECIPE --batch 1,4,16`: many requests at once, measured per batch size.
+
+For each batch size B every system decodes all the prompts with at most B in flight (the
+engine's continuous batching: a finished request's place goes to the next at once): the recipe's
+engine, `ar` (the same engine without drafts) and `hf` (transformers `generate` over left-padded
+batches of B prompts, greedy, a static cache). Each (system, B) first decodes B prompts untimed
+(compilation and CUDA-graph capture happen there), then all of them, timed: output tokens per
+second over the run, tokens per second of a request (its tokens over its own time, averaged),
+mean accepted length, draft and verify ms per step, draft nodes verified per step and peak memory.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from specgraph.bench.harness import device_name, progress_bars, recipe_settings
+from specgraph.bench.systems import hf_mirror
+from specgraph.engine.engine import Engine
+from specgraph.errors import SpecgraphError
+from specgraph.passes import plan
+from specgraph.program import Program
+from specgraph.recipe import Recipe
+
+BASELINES = ("ar", "hf")
+
+
+@dataclass
+class BatchSpec:
+    recipe: Recipe
+    prompts: list[dict]  # {"id", "prompt"}
+    max_new_tokens: int
+    batches: list[int]
+    baselines: tuple[str, ...] = BASELINES
+    widen: str | None = None
+
+
+def run_batched_bench(spec: BatchSpec) -> dict:
+    unknown = [b for b in spec.baselines if b not in BASELINES]
+    if unknown:
+        raise SpecgraphError(f"--baselines: {unknown[0]} is not measured with --batch; valid there: "
+                             f"{', '.join(BASELINES)}")
+    if spec.recipe.execution != "serial":
+        raise SpecgraphError(f"--batch: execution {spec.recipe.execution!r} decodes one request at a time; "
+                             "measure a serial recipe")
+    most = max(spec.batches)
+    recipe = spec.recipe.model_copy(update={"serving": spec.recipe.serving.model_copy(update={"max_batch": most})})
+    with Program(plan(recipe), widen=spec.widen) as program:
+        encoded = [program.encode(p["prompt"]) for p in spec.prompts]
+        systems = {"specgraph": program.executor}
+        if "ar" in spec.baselines:
+            systems["ar"] = program.autoregressive()
+        target = program.graph.node(program.graph.target)
+        if "hf" in spec.baselines:
+            systems["hf"] = HFBatches(hf_mirror(program.stages[program.graph.target].model, target["config"]),
+                                      target["eos_ids"])
+        device = program.executor.device
+        results: dict[str, dict[int, dict]] = {name: {} for name in systems}
+        with progress_bars() as progress:
+            for name, system in systems.items():
+                for batch in spec.batches:
+                    task = progress.add_task(f"{name} x{batch}", total=len(encoded))
+                    measure = measure_engine if isinstance(system, Engine) else system.measure
+                    results[name][batch] = measure(system, encoded, spec.max_new_tokens, batch,
+                                                   lambda: progress.advance(task))
+                    progress.console.print(_line(name, batch, results[name][batch]), highlight=False, markup=False)
+    outputs = {(name, batch): result.pop("outputs") for name, by_batch in results.items()
+               for batch, result in by_batch.items()}
+    for (name, batch), mine in outputs.items():  # (None where ar did not run, or the recipe samples)
+        reference = outputs.get(("ar", batch))
+        results[name][batch]["same_tokens_as_ar"] = (
+            None if reference is None or spec.recipe.sampling.temperature > 0
+            else sum(map(list.__eq__, mine, reference)) / len(mine))
+    return {"recipe": spec.recipe.name, "settings": recipe_settings(spec.recipe), "widen": spec.widen,
+            "device": device_name(device), "date": time.strftime("%Y-%m-%d"), "prompts": len(encoded),
+            "max_new_tokens": spec.max_new_tokens, "batches": spec.batches, "systems": results,
+            "speedup": {batch: results["specgraph"][batch]["tokens_per_second"] / results["ar"][batch]["tokens_per_second"]
+                        for batch in spec.batches} if "ar" in results else {}}
+
+
+def measure_engine(engine: Engine, encoded: list[list[int]], max_new_tokens: int, batch: int, advance) -> dict:
+    """The engine decoding every prompt, at most `batch` at once (after an untimed pass over `batch` of them)."""
+    engine.limit = batch
+    for ids in encoded[:batch]:  # untimed: compilation and capture at this batch size
+        engine.add_request(ids, max_new_tokens)
+    while engine.busy:
+        engine.step()
+    device = engine.device
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    engine.totals = type(engine.totals)()
+    began = time.perf_counter()
+    requests = [engine.add_request(ids, max_new_tokens) for ids in encoded]
+    while engine.busy:
+        for request in engine.step():
+            if request.finished:
+                advance()
+    _sync(device)
+    seconds = time.perf_counter() - began
+    gens = [r.generation for r in requests]
+    totals = engine.totals
+    accepted = [n for g in gens for n in g.accepted_lengths]
+    return {"tokens_per_second": sum(len(g.output_ids) for g in gens) / seconds, "seconds": seconds,
+            "request_tokens_per_second": statistics.mean(len(g.output_ids) / g.seconds for g in gens),
+            "ttft_seconds": statistics.median(g.first_token_seconds for g in gens),
+            "mean_accepted_length": sum(accepted) / len(accepted),
+            "draft_step_ms": 1e3 * totals.draft_seconds / totals.steps, "verify_step_ms": 1e3 * totals.verify_seconds / totals.steps,
+            "nodes_per_step": totals.nodes / totals.steps, "requests_per_step": totals.requests / totals.steps,
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            "outputs": [g.output_ids for g in gens]}
+
+
+class HFBatches:
+    """transformers `generate`, greedy, over left-padded batches of the prompts (a static cache)."""
+
+    def __init__(self, hf: torch.nn.Module, eos_ids: tuple[int, ...]):
+        self.hf, self.eos_ids = hf, tuple(eos_ids)
+        self.pad = eos_ids[0] if eos_ids else 0
+
+    @torch.inference_mode()
+    def _generate(self, batch: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        width = max(map(len, batch))
+        device = self.hf.device
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        out = self.hf.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=0,
+                               do_sample=False, eos_token_id=list(self.eos_ids), pad_token_id=self.pad,
+                               cache_implementation="static")
+        rows = []
+        for row in out[:, width:].tolist():
+            end = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
+            rows.append(row if end is None else row[: end + 1])
+        return rows
+
+    def measure(self, _, encoded: list[list[int]], max_new_tokens: int, batch: int, advance) -> dict:
+        device = self.hf.device
+        self._generate(encoded[:batch], max_new_tokens)  # untimed: compilation at this batch size
+        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        began, outputs = time.perf_counter(), []
+        for start in range(0, len(encoded), batch):
+            outputs += self._generate(encoded[start : start + batch], max_new_tokens)
+            _sync(device)
+            for _ in range(len(encoded[start : start + batch])):
+                advance()
+        seconds = time.perf_counter() - began
+        return {"tokens_per_second": sum(map(len, outputs)) / seconds, "seconds": seconds,
+                "request_tokens_per_second": None, "ttft_seconds": None, "mean_accepted_length": None,
+                "draft_step_ms": None, "verify_step_ms": None, "nodes_per_step": None, "requests_per_step": None,
+                "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+                "outputs": outputs}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fmt(value, spec: str, scale: float = 1.0) -> str:
+    return "—" if value is None else format(value * scale, spec)
+
+
+def _line(name: str, batch: int, r: dict) -> str:
+    steps = "" if r["mean_accepted_length"] is None else (
+        f", {r['mean_accepted_length']:.2f} accepted, {r['nodes_per_step']:.1f} nodes verified per step")
+    return f"{name} at batch {batch}: {r['tokens_per_second']:.1f} tok/s{steps}"
+
+
+def print_batched(report: dict, console: Console | None = None) -> None:
+    console = console or Console(width=None if console else 200)
+    table = Table(title=f"{report['recipe']} on {report['device']}" + (f", widened to {report['widen']}"
+                  if report["widen"] else "") + f": {report['prompts']} prompts x {report['max_new_tokens']} tokens")
+    for column in ("system", "batch", "tok/s", "per request", "specgraph ÷", "TTFT ms", "accepted", "draft ms",
+                   "verify ms", "nodes/step", "peak GiB", "= ar"):
+        table.add_column(column, no_wrap=True)
+    for name, by_batch in report["systems"].items():
+        for batch, r in by_batch.items():
+            ours = report["systems"]["specgraph"][batch]["tokens_per_second"]
+            table.add_row(name, str(batch), f"{r['tokens_per_second']:.1f}", _fmt(r["request_tokens_per_second"], ".1f"),
+                          "—" if name == "specgraph" else f"{ours / r['tokens_per_second']:.2f}x",
+                          _fmt(r["ttft_seconds"], ".1f", 1e3), _fmt(r["mean_accepted_length"], ".2f"),
+                          _fmt(r["draft_step_ms"], ".2f"), _fmt(r["verify_step_ms"], ".2f"), _fmt(r["nodes_per_step"], ".1f"),
+                          _fmt(r["peak_memory_bytes"], ".1f", 2 ** -30), _fmt(r["same_tokens_as_ar"], ".0%"))
+    console.print(table)
+    console.print("tok/s: output tokens per second of the whole run; per request: a request's tokens over its own "
+                  "time, averaged; specgraph ÷: its tok/s over the row's at the same batch size; nodes/step: draft "
+                  "nodes verified per step over the batch; = ar: share of prompts whose tokens equal ar's")
+
+
+def plot_batched(report: dict, path) -> None:
+    """Tokens/s against batch size, a line per system."""
+    from specgraph.bench.report import plot_format
+    from specgraph.files import write_output
+
+    fmt = plot_format(path)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(6, 4))
+    for name, by_batch in report["systems"].items():
+        batches = sorted(by_batch)
+        axis.plot(batches, [by_batch[b]["tokens_per_second"] for b in batches], marker="o", label=name)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("requests at once")
+    axis.set_ylabel("output tokens/s")
+    axis.set_title(f"{report['recipe']} on {report['device']}", fontsize=9)
+    axis.legend()
+    fig.tight_layout()
+    write_output(path, lambda f: fig.savefig(f, dpi=110, format=fmt))
+    plt.close(fig)
