@@ -14,7 +14,13 @@ class CheckpointError(SpecgraphError):
 
 
 class PromptError(SpecgraphError):
-    """One request cannot be decoded (too long, a bad token budget); the program is fine."""
+    """One request cannot be decoded (too long, a bad token budget); the program is fine. `field`:
+    the request's setting at fault (prompt, max_new_tokens, temperature, ...), where one is (a
+    server names it to its client)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class RecipeWarning(UserWarning):

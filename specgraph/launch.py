@@ -197,13 +197,13 @@ class Cluster:
             client.close()  # the ranks hold it
             self._reply()  # rank 0 is ready once every rank has loaded its stages
         except SpecgraphError as exc:
-            self._stop()
+            self.stop()
             if "exited with status" not in str(exc):
                 raise
             raise SpecgraphError(f"{exc} while starting (a Python script that loads a multi-process program "
                                  "needs its code under `if __name__ == '__main__':`, as the processes import it)") from None
         except BaseException:
-            self._stop()
+            self.stop()
             if FORK_SERVER._forkserver_pid not in (None, server):
                 # we started it: it may still be importing its preload, with our fork request
                 # queued, and would fork a rank after we are gone before it noticed
@@ -223,7 +223,7 @@ class Cluster:
             self._conn.send((fn, args))
             return self._reply()
         except BaseException:
-            self._stop()
+            self.stop()
             raise
 
     def close(self) -> None:
@@ -235,7 +235,7 @@ class Cluster:
             for process in self.processes:
                 process.join(timeout=30)
         finally:
-            self._stop()
+            self.stop()
 
     def _reply(self):
         sentinels = {p.sentinel: r for r, p in enumerate(self.processes)}
@@ -274,8 +274,9 @@ class Cluster:
             return (own or [reports[0][1]])[0]
         return f"{self.names[rank]} exited with status {self.processes[rank].exitcode}"
 
-    def _stop(self) -> None:
-        """Stop every rank (terminate, then kill what is left) and wait for them: none outlives the run."""
+    def stop(self) -> None:
+        """Stop every rank (terminate, then kill what is left) and wait for them: none outlives the run.
+        Another thread's `call` in progress then fails, naming the rank."""
         self._closed = True
         for process in self.processes:
             if process.is_alive():
@@ -291,7 +292,7 @@ class Cluster:
 
     def __del__(self):
         if not getattr(self, "_closed", True):
-            self._stop()
+            self.stop()
 
 
 def launched_by_torchrun() -> bool:
@@ -310,6 +311,8 @@ class InProcessCluster:
 
     def close(self) -> None:
         self.worker.shutdown()
+
+    stop = close  # (torchrun's ranks end only through the collective shutdown, after the call in progress)
 
 
 def join_torchrun(spec: LaunchSpec) -> InProcessCluster:

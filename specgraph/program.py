@@ -63,10 +63,11 @@ class Program:
         """The target alone, one token per step, on the same loaded stage (the `ar` baseline)."""
         return build_engine(self.graph, self.executor.runner.verifier, None)
 
-    def close(self) -> None:
-        """Stop the program's processes, if it has any."""
+    def close(self, now: bool = False) -> None:
+        """Stop the program's processes, if it has any: after the call in progress (another thread's),
+        or `now`, whatever they are doing (that call then fails)."""
         if self.cluster is not None:
-            self.cluster.close()
+            (self.cluster.stop if now else self.cluster.close)()
 
     def __enter__(self) -> Program:
         return self
@@ -84,25 +85,26 @@ class Program:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def _checked(self, prompt_ids: list[int], max_new_tokens: int | None) -> int:
+    def check(self, prompt_ids: list[int], max_new_tokens: int | None) -> int:
         """A request's budget (the recipe's where None) once its prompt and budget are seen to be
         decodable; a PromptError naming what is wrong where not."""
         if not 0 < len(prompt_ids) < self.recipe.max_seq_len:
             raise PromptError(f"a prompt of {len(prompt_ids)} tokens does not fit: prompts need 1 to "
-                              f"{self.recipe.max_seq_len - 1} tokens (max_seq_len {self.recipe.max_seq_len})")
+                              f"{self.recipe.max_seq_len - 1} tokens (max_seq_len {self.recipe.max_seq_len})", "prompt")
         vocab = self.graph.node(self.graph.target)["vocab"][1]
         outside = next(((i, t) for i, t in enumerate(prompt_ids) if not 0 <= t < vocab), None)
         if outside is not None:
             raise PromptError(f"prompt token {outside[1]} (at {outside[0]}) is outside the vocabulary: ids are 0 to "
-                              f"{vocab - 1}")
+                              f"{vocab - 1}", "prompt")
         if max_new_tokens is None:
             max_new_tokens = self.recipe.max_new_tokens
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise PromptError(f"max_new_tokens: must be a whole number of at least 1 (got {max_new_tokens!r})")
+            raise PromptError(f"max_new_tokens: must be a whole number of at least 1 (got {max_new_tokens!r})",
+                              "max_new_tokens")
         return max_new_tokens
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None, seed: int | None = None) -> Generation:
-        max_new_tokens = self._checked(prompt_ids, max_new_tokens)
+        max_new_tokens = self.check(prompt_ids, max_new_tokens)
         return self.executor.generate(prompt_ids, max_new_tokens, self.recipe.sampling.seed if seed is None else seed)
 
     def generate_many(self, prompts: list[list[int]], max_new_tokens: int | None = None, seed: int | None = None
@@ -122,7 +124,7 @@ class Program:
         sampling = self.recipe.sampling.model_copy(update={"seed": seed})
         for index, ids in enumerate(prompts):
             try:
-                pending[engine.add_request(ids, self._checked(ids, max_new_tokens), sampling).id] = index
+                pending[engine.add_request(ids, self.check(ids, max_new_tokens), sampling).id] = index
             except PromptError as exc:
                 yield index, exc
         try:

@@ -207,6 +207,8 @@ class ServingSpec(_Strict):
                                           "A request is admitted once the blocks of its prompt and new tokens are free")
     prefill_chunk: PositiveInt = Field(512, description="most prompt tokens fed in one step: a newcomer delays the "
                                        "requests being decoded by one chunk at most")
+    max_waiting: NonNegativeInt = Field(64, description="specgraph serve: requests waiting for a place in the batch "
+                                        "at most; more are refused (503, Retry-After) until some finish")
 
     @field_validator("block_size")
     @classmethod

@@ -256,6 +256,16 @@ def _running(pid: int) -> bool:
         return False
 
 
+def children(pid: int) -> list[int]:
+    import subprocess
+
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+
+
+def descendants(pid: int) -> list[int]:
+    return [d for child in children(pid) for d in [child, *descendants(child)]]
+
+
 def interruptible() -> None:
     """A subprocess's preexec_fn: Ctrl-C's default action, whatever the test process inherited (a
     shell's background job ignores SIGINT, and its children would too)."""

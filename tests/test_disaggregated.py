@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from conftest import EMBEDDED, REPO, shared_models
-from helpers import (PROMPT, fault_ends_the_run, gone, interruptible, sampled_law, splittable_recipe, total_variation, two_stage,
-                     two_token_law)
+from helpers import (PROMPT, children, descendants, fault_ends_the_run, gone, interruptible, sampled_law,
+                     splittable_recipe, total_variation, two_stage, two_token_law)
 
 from specgraph.program import Program
 from specgraph.recipe import Recipe
@@ -156,14 +156,6 @@ def disaggregated_recipe(tmp_path: Path) -> Path:
     recipe = tmp_path / "r.yaml"
     recipe.write_text((REPO / "recipes" / "disaggregated.yaml").read_text().replace("models/", str(REPO / "recipes" / "models") + "/"))
     return recipe
-
-
-def children(pid: int) -> list[int]:
-    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
-
-
-def descendants(pid: int) -> list[int]:
-    return [d for child in children(pid) for d in [child, *descendants(child)]]
 
 
 def test_ctrl_c_stops_every_worker(tmp_path):

@@ -62,14 +62,16 @@ class Engine:
         cannot be decoded is refused here (PromptError), before it takes any place."""
         if not 0 < len(prompt_ids) < self.max_seq_len:
             raise PromptError(f"a prompt of {len(prompt_ids)} tokens does not fit: prompts need 1 to "
-                              f"{self.max_seq_len - 1} tokens (max_seq_len {self.max_seq_len})")
+                              f"{self.max_seq_len - 1} tokens (max_seq_len {self.max_seq_len})", "prompt")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise PromptError(f"max_new_tokens: must be a whole number of at least 1 (got {max_new_tokens!r})")
+            raise PromptError(f"max_new_tokens: must be a whole number of at least 1 (got {max_new_tokens!r})",
+                              "max_new_tokens")
         sampling = sampling or self.sampling
         if (sampling.temperature > 0) != (self.sampling.temperature > 0):
             raise PromptError(f"temperature {sampling.temperature}: this program verifies "
                               f"{'by sampling' if self.sampling.temperature > 0 else 'greedily'}; give a temperature "
-                              f"{'above 0' if self.sampling.temperature > 0 else 'of 0'}, or a recipe that does")
+                              f"{'above 0' if self.sampling.temperature > 0 else 'of 0'}, or a recipe that does",
+                              "temperature")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise PromptError(f"request id {request_id!r} is in use")
