@@ -1,4 +1,4 @@
-"""specgraph command line: run | bench | compile | export | inspect | tune | report."""
+"""specgraph command line: run | bench | compile | export | inspect | tune | report | serve | loadgen."""
 
 from __future__ import annotations
 
@@ -104,6 +104,44 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--nodes", default="4,8,16,32,64",
                       help="candidate node counts, each cut to what the width and depth grow (default 4,8,16,32,64)")
     tune.add_argument("--widen", **WIDEN)
+
+    serve = sub.add_parser("serve", help="serve the recipe over HTTP with the OpenAI API (completions, chat, "
+                                         "streaming), until Ctrl-C or SIGTERM")
+    _recipe_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                       "only; 0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one, "
+                       "printed)")
+    serve.add_argument("--batch", type=int, metavar="N", help="decode up to N requests at once (serial recipes; same "
+                       "as --set serving.max_batch=N; default: the recipe's, 1)")
+    serve.add_argument("--chat-template", type=Path, metavar="FILE", help="a Jinja chat template for "
+                       "/v1/chat/completions, as transformers applies it (default: the tokenizer's own)")
+    serve.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 requests")
+    serve.add_argument("--grace", type=float, metavar="SECONDS", help="after SIGTERM or Ctrl-C, seconds "
+                       "the requests in flight get to finish before they are cancelled (default 5)")
+    serve.add_argument("--widen", **WIDEN)
+    serve.set_defaults(compile=None, cuda_graphs=True)
+
+    loadgen = sub.add_parser("loadgen", help="measure an OpenAI-compatible completions server under load: streamed "
+                                             "requests at a rate or a concurrency; latency and throughput")
+    loadgen.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8000 (its /v1/completions is "
+                         "requested)")
+    loadgen.add_argument("--prompts", type=Path, required=True, metavar="FILE.jsonl",
+                         help="JSON lines with 'prompt' (text) and optional 'id'; taken in turn")
+    loadgen.add_argument("--requests", type=int, required=True, metavar="N", help="requests to send")
+    pace = loadgen.add_mutually_exclusive_group()
+    pace.add_argument("--rate", type=float, metavar="R", help="Poisson arrivals at R requests/s (default: all at once)")
+    pace.add_argument("--concurrency", type=int, metavar="C", help="keep C requests in flight")
+    loadgen.add_argument("--max-tokens", type=int, default=128, metavar="M", help="max_tokens of each request "
+                         "(default 128)")
+    loadgen.add_argument("--model", help="the model to ask for (default: the server's first, from /v1/models)")
+    loadgen.add_argument("--api-key", metavar="KEY", help="send 'Authorization: Bearer KEY'")
+    loadgen.add_argument("--json", type=Path, metavar="OUT", help="write the report and every request's figures as "
+                         "JSON")
+    loadgen.add_argument("--plot", type=Path, metavar="OUT.png", help="plot the latency distributions, in the "
+                         "format the suffix names (.png, .jpg, .pdf, .svg, ...)")
+    loadgen.add_argument("--allow-remote", action="store_true", help="send load to a URL that is not on this machine")
+    loadgen.add_argument("--seed", type=int, default=0, help="seed of the arrival times (default 0)")
 
     report = sub.add_parser("report", help="print bench reports (--json) of the same systems on parts of a prompt "
                                            "file, merged into one")
@@ -369,6 +407,37 @@ def _serial_in_one_process(graph, command: str, cannot: str) -> None:
                              "give each stage one device")
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from specgraph.recipe import Recipe
+    from specgraph.serve.server import serve
+
+    if not 0 <= args.port < 65536:
+        raise SpecgraphError(f"--port: must be 0 to 65535 (got {args.port})")
+    if args.grace is not None and not args.grace >= 0:
+        raise SpecgraphError(f"--grace: must be 0 seconds or more (got {args.grace})")
+    recipe = Recipe.from_yaml(args.recipe, _overrides(args))
+    if args.batch is not None and args.batch > 1 and recipe.execution != "serial":
+        raise SpecgraphError(f"--batch: execution {recipe.execution!r} decodes one request at a time; give --batch 1, "
+                             "or a serial recipe")
+    serve(recipe, args.host, args.port, args.chat_template, args.api_key, args.widen, args.grace)
+
+
+def cmd_loadgen(args: argparse.Namespace) -> None:
+    from specgraph.loadgen import LoadSpec, run_loadgen
+
+    for flag, value in (("--requests", args.requests), ("--concurrency", args.concurrency),
+                        ("--max-tokens", args.max_tokens)):
+        if value is not None and value < 1:
+            raise SpecgraphError(f"{flag}: must be at least 1 (got {value})")
+    if args.rate is not None and not args.rate > 0:
+        raise SpecgraphError(f"--rate: must be above 0 requests/s (got {args.rate})")
+    _check_report_outputs(args)
+    args.prompt = None  # (read_prompts: loadgen takes a file only)
+    prompts = [row["prompt"] for row in read_prompts(args, None)]
+    run_loadgen(LoadSpec(args.url, prompts, args.requests, args.rate, args.concurrency, args.max_tokens, args.model,
+                         args.api_key, args.allow_remote, args.seed), args.json, args.plot)
+
+
 def cmd_compile(args: argparse.Namespace) -> None:
     from specgraph.export import check_program_folder, export_program
     from specgraph.passes import plan
@@ -493,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "max_new_tokens", None) is not None and args.max_new_tokens < 1:
             raise SpecgraphError(f"--max-new-tokens: must be at least 1 (got {args.max_new_tokens})")
         commands = {"run": cmd_run, "bench": cmd_bench, "compile": cmd_compile, "export": cmd_compile,
-                    "inspect": cmd_inspect, "tune": cmd_tune, "report": cmd_report}
+                    "inspect": cmd_inspect, "tune": cmd_tune, "report": cmd_report, "serve": cmd_serve,
+                    "loadgen": cmd_loadgen}
         with warnings.catch_warnings():
             warnings.simplefilter("default", RecipeWarning)  # each once
             python_warning = warnings.showwarning

@@ -1,0 +1,42 @@
+"""A request's text as its tokens come, cut at its first stop string.
+
+The text is always the decoding of all its tokens so far (what `specgraph run` prints for them),
+handed out in pieces that never take back what they gave: a trailing partial character (U+FFFD,
+the rest of its bytes in the next token) waits, and so does text that may be the start of a stop
+string. Streamed or not, a request's text is the pieces joined.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+PARTIAL = "\ufffd"  # what a byte-level tokenizer decodes an incomplete UTF-8 sequence to
+
+
+class TextStream:
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
+        self.decode, self.stops = decode, stops
+        self.ids: list[int] = []
+        self.text = ""  # handed out so far
+        self.stopped = False  # a stop string came: the text ends before it
+
+    def add(self, ids: list[int], last: bool) -> str:
+        """Take a step's tokens (`last`: the request's final ones) -> the text that may be handed out now."""
+        self.ids.extend(ids)
+        text = self.decode(self.ids)
+        found = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
+        if found:
+            self.stopped = True
+            text = text[: min(found)]
+        elif not last:
+            text = text[: len(text) - self._held(text)]
+        piece = text[len(self.text):] if text.startswith(self.text) else ""
+        self.text += piece
+        return piece
+
+    def _held(self, text: str) -> int:
+        """Characters at the end of `text` that must wait: a partial character, or the longest
+        ending that begins a stop string."""
+        partial = len(text) - len(text.rstrip(PARTIAL))
+        begun = max((k for stop in self.stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+        return max(partial, begun)
