@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import EMBEDDED, NEW_TOKENS, REPO, SHARED
 from conftest import PROMPTS as HELD_OUT
-from helpers import one_token_steps, path_alone, random_tree, sampled_law, total_variation, two_stage, two_token_law
+from helpers import one_token_steps, path_alone, random_layout, sampled_law, total_variation, two_stage, two_token_law
 
 from specgraph.export import export_program
 from specgraph.program import Program
@@ -235,10 +235,10 @@ def test_a_hybrid_drafter_captured_on_the_gpu_equals_transformers(small_hybrid, 
 def test_row_invariant_kernels_give_a_token_the_same_bits_in_any_step_in_bf16():
     """bf16: every row of the row-invariant projection and SwiGLU at 2-128 rows (K split or not) is,
     bit for bit, the row projected alone, as is every row of add + RMSNorm and of the per-head
-    RMSNorm; every node of a 21-node tree's attention over a 700-token prefix is the node decoded
-    alone with its path committed; every node of a gated-DeltaNet step (Qwen3.5-9B and 27B layer
-    shapes) is the node decoded by one-token steps along its path, and committing a path leaves
-    their state and conv window."""
+    RMSNorm; every node of a 21-node tree's attention over a 700-token prefix, packed with two
+    other requests in a paged pool, is the node decoded alone with its path committed; every node
+    of a gated-DeltaNet step (Qwen3.5-9B and 27B layer shapes) is the node decoded by one-token
+    steps along its path, and committing a path leaves their state and conv window."""
     from specgraph.kernels.attention.invariant import attention_invariant
     from specgraph.kernels.gated_delta.invariant import gated_delta_commit_invariant, gated_delta_step_invariant
     from specgraph.kernels.linear.invariant import linear_invariant
@@ -259,14 +259,14 @@ def test_row_invariant_kernels_give_a_token_the_same_bits_in_any_step_in_bf16():
     for i in range(21):
         one = add_rmsnorm(x[i : i + 1], delta[i : i + 1], w, 1e-5)
         assert torch.equal(one[0][0], total[i]) and torch.equal(one[1][0], normed[i])
-    t, prefix, width = 21, 700, 1024
-    q = torch.randn(1, 32, t, 128, **bf16)
-    k, v = torch.randn(1, 8, width, 128, **bf16), torch.randn(1, 8, width, 128, **bf16)
-    mask = step_mask(torch.tensor(prefix, device="cuda"), random_tree(t, torch.Generator().manual_seed(1)).ancestors.cuda(),
-                     width)
-    tree = attention_invariant(q, k, v, mask, prefix + torch.arange(t, device="cuda"))
-    for node in range(t):
-        assert torch.equal(tree[:, :, node], path_alone(k, v, q, mask, prefix, node)), node
+    t, prefix = 21, 700
+    layout = random_layout([t, 1, 5], [prefix, 300, 40], torch.Generator().manual_seed(1), block_size=64, device="cuda")
+    q = torch.randn(1, 32, layout.tokens, 128, **bf16)
+    slots = (1 + layout.table.numel()) * layout.block_size
+    k, v = torch.randn(1, 8, slots, 128, **bf16), torch.randn(1, 8, slots, 128, **bf16)
+    tree = attention_invariant(q, k, v, *layout.attention_inputs())
+    for token in range(int(layout.cu[-1])):
+        assert torch.equal(tree[:, :, token], path_alone(q, k, v, layout, token)), token
     heads = rmsnorm(q.transpose(1, 2), w[:128], 1e-6)  # [1, T, 32, 128]: the per-head norms
     assert all(torch.equal(heads[0, i], rmsnorm(q.transpose(1, 2)[0, i], w[:128], 1e-6)) for i in range(t))
 

@@ -7,7 +7,7 @@ reference output (1e-4 fp32, 2e-2 bf16)."""
 
 import pytest
 import torch
-from helpers import gated_delta_layer, random_tree
+from helpers import gated_delta_layer, random_layout, random_tree
 
 from specgraph.kernels.accept import accept_greedy_reference, accept_sampling_reference
 from specgraph.kernels.accept.triton import accept_greedy, accept_sampling
@@ -37,26 +37,34 @@ def close(got: torch.Tensor, expected: torch.Tensor, slack: float = 1.0) -> bool
                                                  <= slack * TOL[got.dtype] * scale).all())
 
 
-@pytest.mark.parametrize("b, h, hkv, t, d, prefix, width, dtype", [
-    (1, 6, 2, 13, 60, 37, 64, torch.float32),  # odd head dim, GQA 3:1, prefix not a tile multiple
-    (2, 4, 4, 1, 64, 70, 600, torch.float32),  # one query (autoregressive), batch 2, several splits
-    (1, 3, 1, 7, 128, 0, 7, torch.float32),  # empty prefix: the tree alone, width exactly the tree
-    (1, 8, 2, 33, 32, 5, 300, torch.bfloat16),  # rows past one row block (MAX_BLOCK_M), more nodes than a key tile
+@pytest.mark.parametrize("h, hkv, d, counts, prefixes, chains, dtype", [
+    (6, 2, 60, [13, 1, 5, 1], [37, 70, 0, 5], False, torch.float32),  # odd head dim, GQA 3: trees and one-token segments
+    (4, 4, 64, [1, 1, 1, 1, 1], [600, 3, 1100, 64, 290], False, torch.float32),  # autoregressive decoding of five, 4 splits
+    (8, 2, 32, [40, 7], [100, 0], True, torch.bfloat16),  # prefill chunks (chains), GQA 4: rows past one row block
+    (4, 1, 48, [33, 2, 1], [5, 700, 0], False, torch.bfloat16),  # a 33-node tree (more than a key tile), 2 splits
 ])
-def test_step_attention_matches_reference(b, h, hkv, t, d, prefix, width, dtype):
-    g = torch.Generator().manual_seed(t * 131 + d)
-    s = width + 5  # cache slots; everything past the tree is garbage the mask hides
-    q = torch.randn(b, h, t, d, generator=g).to(dtype)
-    k = torch.randn(b, hkv, s, d, generator=g).to(dtype)
-    v = torch.randn(b, hkv, s, d, generator=g).to(dtype)
-    mask = step_mask(torch.tensor(prefix), random_tree(t, g).ancestors, width)  # [T, width]
-    slots = prefix + torch.arange(t)
-    expected = attention_reference(q.float(), k.float(), v.float(), mask, slots)
-    got = attention(q, k, v, mask, slots)
+def test_step_attention_matches_reference(h, hkv, d, counts, prefixes, chains, dtype):
+    g = torch.Generator().manual_seed(sum(counts) * 131 + d)
+    layout = random_layout(counts, prefixes, g, block_size=64 if chains else 32, chains=chains)
+    s = (1 + layout.table.numel()) * layout.block_size  # the pool; every slot no segment sees is garbage
+    q = torch.randn(1, h, layout.tokens, d, generator=g).to(dtype)
+    k = torch.randn(1, hkv, s, d, generator=g).to(dtype)
+    v = torch.randn(1, hkv, s, d, generator=g).to(dtype)
+    attend = layout.attention_inputs()
+    expected = attention_reference(q.float(), k.float(), v.float(), *attend)
+    got = attention(q, k, v, *attend)
     assert got.dtype == dtype and got.shape == q.shape
     assert got.transpose(1, 2).is_contiguous()  # token-major: the output projection reads it without a copy
-    torch.library.opcheck(attention, (q, k, v, mask, slots), test_utils=("test_faketensor",))  # compiled: the same layout
+    torch.library.opcheck(attention, (q, k, v, *attend), test_utils=("test_faketensor",))  # compiled: the same layout
     assert (got.float() - expected).abs().max() < TOL[dtype]
+    assert not got[:, :, sum(counts):].any()  # padding
+
+
+def test_step_attention_needs_blocks_of_whole_key_tiles():
+    layout = random_layout([3], [10], torch.Generator().manual_seed(0), block_size=16)
+    q, k = torch.randn(1, 2, layout.tokens, 16), torch.randn(1, 2, (1 + layout.table.numel()) * 16, 16)
+    with pytest.raises(ValueError, match="multiple of 32, not 16"):
+        attention(q, k, k, *layout.attention_inputs())
 
 
 @pytest.mark.parametrize("b, t, h, hkv, d, rotary, norms, dtype", [
