@@ -397,3 +397,14 @@ def test_pipeline_decodes_the_autoregressive_tokens(devices):
         for text in PROMPTS:
             ids = alone.encode(text)
             assert program.generate(ids).output_ids == alone.generate(ids).output_ids
+
+
+def test_row_invariant_requests_decode_the_same_tokens_alone_and_in_a_batch(code_prompts):
+    """bf16, lowering.row_invariant: a request's tokens do not depend on what else is in its batch
+    (each of eight prompts alone, then all eight at once, steps captured per batch size)."""
+    program = on_gpu({"shape": "dynamic", "width": 3, "depth": 4, "nodes": 12}, dtype="bfloat16", max_new_tokens=64,
+                     lowering={"row_invariant": True}, serving={"max_batch": 8})
+    encoded = [program.encode(row["prompt"]) for row in code_prompts[:8]]
+    alone = [program.generate(ids).output_ids for ids in encoded]
+    together = dict(program.generate_many(encoded))
+    assert [together[i].output_ids for i in range(8)] == alone
