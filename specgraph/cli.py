@@ -218,6 +218,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from specgraph.errors import PromptError
     from specgraph.export import load_program
     from specgraph.files import check_output
+    from specgraph.passes import plan
+    from specgraph.passes.place import world_size
     from specgraph.program import Program
 
     if args.json is not None:
@@ -228,6 +230,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.batch is not None:
             raise SpecgraphError("--batch: a compiled program decodes as many requests at once as its recipe's "
                                  "serving.max_batch; compile with --set serving.max_batch=N")
+        if args.compile is not None or not args.cuda_graphs:
+            raise SpecgraphError("--compile/--no-cuda-graphs: a compiled program is lowered already; compile again "
+                                 "with --set lowering.compile=... or lowering.cuda_graphs=false")
         if args.overrides:
             raise SpecgraphError("--set: a compiled program runs the recipe it was compiled from; compile again "
                                  "with the change (`specgraph compile RECIPE --set KEY=VALUE -o DIR`)")
@@ -242,7 +247,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise SpecgraphError(f"--batch: execution {recipe.execution!r} decodes one request at a time; give --batch 1, "
                                  "or a serial recipe")
         print(f"specgraph: loading {recipe.name} ({', '.join(s.name for s in recipe.stages)})", file=sys.stderr)
-        program = Program.from_recipe(recipe)
+        graph = plan(recipe)
+        if world_size(graph) > 1 and recipe.serving.max_batch > 1:
+            raise SpecgraphError(f"--batch: recipe {recipe.name} runs over several processes (split stages), which "
+                                 "decode one request at a time; give --batch 1, or each stage one device")
+        program = Program(graph)
         if any(program.graph.node(name)["compile"] for name in program.graph.stages()):
             print("specgraph: step functions compile with torch.compile during the first steps "
                   "(--no-compile skips it)", file=sys.stderr)

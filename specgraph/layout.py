@@ -66,7 +66,8 @@ class Layout:
         device = visible.device
         cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # [R + 1]
         index = torch.arange(t, device=device)
-        segment = torch.searchsorted(cu[1:], index, right=True)  # [T]: the segment of each token
+        segment = (index[:, None] >= cu[None, 1:]).sum(1)  # [T]: the segment of each token (Inductor fails on
+        # a searchsorted of a slice)
         live = index < cu[-1]
         segment = segment.clamp(max=rows.numel() - 1)
         virtual = torch.where(live, starts.index_select(0, segment) + offsets, 0)  # [T]

@@ -174,7 +174,7 @@ class LoweringSpec(_Strict):
     row_invariant: bool = Field(
         False, description="the target's projections and attention give each token the same bits in a tree step as "
         "in a one-token step (Triton kernels of fixed tiling), so greedy speculation in bf16 on a GPU reproduces the "
-        "target's own greedy output exactly; Llama-family targets on one or two devices")
+        "target's own greedy output exactly, alone or in any batch; Llama-family and Qwen3.5 targets on one or two devices")
 
     @field_validator("kernels")
     @classmethod

@@ -333,22 +333,30 @@ def random_layout(counts: list[int], prefixes: list[int], generator: torch.Gener
     return layout.to(device)
 
 
-def path_alone(k, v, q, mask, prefix: int, node: int):
-    """Node `node` of a tree step at slots [prefix, prefix + T) decoded alone: its ancestors' K/V
-    copied to slots prefix, prefix + 1, ... (committed, at their positions), the node last."""
-    from specgraph.kernels.attention.invariant import (
-        attention_invariant,  # a Triton module: imported when used
-    )
+def path_alone(q, k, v, layout: Layout, token: int) -> torch.Tensor:
+    """Packed token `token` of `layout` decoded alone ([1, H, K]): a one-token forward of a request
+    of its own whose committed slots hold the token's segment's prefix and then its path (the
+    region offsets it sees, in order) at their positions, in a pool of its own whose blocks lie
+    elsewhere (virtual block b in physical block n - b of n)."""
+    from specgraph.kernels.attention.invariant import attention_invariant  # a Triton module: imported when used
+    from specgraph.layout import physical
 
-    path = mask[node, prefix:].nonzero().flatten().tolist()
-    k2, v2 = k.clone(), v.clone()
-    for depth, i in enumerate(path):
-        k2[:, :, prefix + depth], v2[:, :, prefix + depth] = k[:, :, prefix + i], v[:, :, prefix + i]
-    p = prefix + len(path) - 1
-    alone = torch.zeros(1, mask.shape[1], dtype=torch.bool, device=k.device)
-    alone[0, : p + 1] = True
-    slot = torch.tensor([p], device=k.device)
-    return attention_invariant(q[:, :, node : node + 1].contiguous(), k2, v2, alone, slot)[:, :, 0]
+    device, bs = k.device, layout.block_size
+    r = int(torch.searchsorted(layout.cu[1:], torch.tensor(token, device=device), right=True))
+    start = int(layout.starts[r])
+    path = start + layout.visible[token].nonzero().flatten()  # its region slots, root first
+    virtual = torch.cat([torch.arange(start, device=device), path])  # [p + 1]: positions 0..p of its request
+    p = virtual.numel() - 1
+    n = p // bs + 1
+    table = torch.arange(n, 0, -1, device=device)[None]  # [1, n]
+    src = physical(layout.table, bs, layout.rows[r], virtual)
+    dst = physical(table, bs, torch.zeros((), dtype=torch.long, device=device), torch.arange(p + 1, device=device))
+    k2, v2 = (x.new_zeros(1, x.shape[1], (n + 1) * bs, x.shape[3]) for x in (k, v))
+    k2[:, :, dst], v2[:, :, dst] = k[:, :, src], v[:, :, src]
+    one = torch.zeros(1, dtype=torch.long, device=device)
+    alone = Layout.single(table, bs, torch.tensor(p, device=device), one, torch.ones(1, 1, dtype=torch.bool, device=device),
+                          one + p, n * bs)
+    return attention_invariant(q[:, :, token : token + 1].contiguous(), k2, v2, *alone.attention_inputs())[:, :, 0]
 
 
 def gated_delta_layer(trees: list[tuple[int, int]], h: int, hk: int, dk: int, dv: int, pool: int, seed: int,

@@ -122,3 +122,29 @@ def test_a_budget_verifies_its_nodes_and_keeps_every_request_exact(target_refere
     budget = program.executor.budget
     assert all(nodes == budget(batch) and packed == batch + nodes for batch, nodes, packed in verified)
     assert {batch for batch, _, _ in verified} >= {5, 1}  # a full batch, and the last request alone
+
+
+def test_the_budget_is_calibrated_from_measured_forwards():
+    """With an epsilon nothing can exceed, every node fits; with one nothing meets, none does."""
+    from specgraph.engine.budget import calibrate
+
+    program = Program.from_recipe(two_stage(EMBEDDED / "target", None, serving={"max_batch": 2, "block_size": 16}))
+    verifier = program.executor.runner.verifier
+    assert calibrate(verifier, [1, 2], 4, 1e6, 40) == {1: 4, 2: 8}
+    assert calibrate(verifier, [1, 2], 4, 1e-9, 40) == {1: 0, 2: 0}
+
+
+def test_bench_measures_each_batch_size(tmp_path, code_prompts):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": row["prompt"][:200]}) + "\n"
+                               for i, row in enumerate(code_prompts[:3])))
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(REPO / "recipes" / "tree.yaml"), "--prompts", str(prompts), "--max-new-tokens", "8",
+                 "--batch", "1,2", "--baselines", "ar", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["systems"]) == ["specgraph", "ar"] and report["batches"] == [1, 2]
+    for name, by_batch in report["systems"].items():
+        assert list(by_batch) == ["1", "2"]
+        for result in by_batch.values():
+            assert result["tokens_per_second"] > 0 and result["same_tokens_as_ar"] == 1.0  # greedy: exact
+    assert report["systems"]["specgraph"]["2"]["nodes_per_step"] > 0 == report["systems"]["ar"]["2"]["nodes_per_step"]

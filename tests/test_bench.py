@@ -91,8 +91,8 @@ def test_a_recipe_file_baseline_runs_its_trees_over_the_recipes_models(tmp_path,
     variant = demo.with_tree(0, DynamicTree(shape="dynamic", width=2, depth=3, nodes=6))
     tuned.write_text(variant.model_copy(update={"name": "tuned", "max_new_tokens": 99}).to_yaml(tuned.parent))
     loads = []
-    load_model = specgraph.program.load_model
-    monkeypatch.setattr(specgraph.program, "load_model", lambda path, *a: loads.append(path) or load_model(path, *a))
+    load_model = specgraph.lower.load_model
+    monkeypatch.setattr(specgraph.lower, "load_model", lambda path, *a: loads.append(path) or load_model(path, *a))
     out = tmp_path / "bench.json"
     # --set applies to the file too, a relative model path as the recipe's folder resolves it (the file is elsewhere)
     assert main(["bench", str(REPO / "recipes" / "demo.yaml"), "--prompts", str(prompts), "--max-new-tokens", "12",

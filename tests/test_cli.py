@@ -24,7 +24,9 @@ def test_run_writes_the_documented_json(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["recipe"] == "demo" and [r["id"] for r in data["results"]] == ["a", "001"]
     for r in data["results"]:
-        assert set(r) == {"id", "prompt_tokens", "output_ids", "text", "target_steps", "accepted_lengths"}
+        assert set(r) == {"id", "prompt_tokens", "output_ids", "text", "target_steps", "accepted_lengths",
+                          "finish_reason"}
+        assert r["finish_reason"] == ("length" if len(r["output_ids"]) == 12 else "stop")
         assert len(r["output_ids"]) <= 12 and r["target_steps"] == len(r["accepted_lengths"])
         assert sum(r["accepted_lengths"]) == len(r["output_ids"])  # each step's count is what it emitted
     summary = data["summary"]

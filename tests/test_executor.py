@@ -138,3 +138,22 @@ def test_requests_decoded_together_keep_their_own_tokens_for_every_tree_shape():
         while engine.busy:
             engine.step()
         assert [r.generation.output_ids for r in requests] == alone and alone[0][-1] == 0
+
+
+def test_an_aborted_request_gives_its_place_to_the_next():
+    engine = executor(eos=(), batch=1)
+    first, second = engine.add_request([1], 50), engine.add_request([2], 5)
+    engine.step()
+    assert first.status == "decode" and second.status == "waiting"
+    engine.abort(first.id)
+    while engine.busy:
+        engine.step()
+    assert second.finished and len(second.generation.output_ids) == 5 and len(first.generation.output_ids) < 50
+
+
+def test_the_budget_table_gives_each_batch_size_its_nodes():
+    from specgraph.engine.budget import Budget, batch_sizes
+
+    budget = Budget({1: 6, 2: 8, 4: 12}, per_request=5)
+    assert [budget(c) for c in (1, 2, 3, 4, 6, 8)] == [5, 8, 12, 12, 18, 24]  # 1: capped by its tree; 3: 2's share
+    assert batch_sizes(12) == [1, 2, 4, 8, 12] and batch_sizes(1) == [1]

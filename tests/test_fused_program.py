@@ -39,7 +39,7 @@ def test_triton_kernels_sample_the_reference_tokens():
         return Program.from_recipe(recipe)
 
     fused, reference = program("triton"), program("reference")
-    assert fused.executor.verifier.kernels.accept_sampling is accept_sampling
+    assert fused.executor.runner.verifier.kernels.accept_sampling is accept_sampling
     ids = fused.encode("def parse(path):\n    with open(path) as f:\n")
     result = fused.generate(ids, seed=3)
     assert result.output_ids == reference.generate(ids, seed=3).output_ids

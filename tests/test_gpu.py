@@ -9,12 +9,11 @@ import pytest
 import torch
 from conftest import EMBEDDED, NEW_TOKENS, REPO, SHARED
 from conftest import PROMPTS as HELD_OUT
-from helpers import one_token_steps, path_alone, random_tree, sampled_law, total_variation, two_stage, two_token_law
+from helpers import one_token_steps, path_alone, random_layout, sampled_law, total_variation, two_stage, two_token_law
 
 from specgraph.export import export_program
 from specgraph.program import Program
 from specgraph.recipe import Recipe
-from specgraph.runtime.clock import Clock
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -27,18 +26,26 @@ def on_gpu(tree: dict, target=EMBEDDED / "target", **fields) -> Program:
     return Program.from_recipe(recipe)
 
 
-def step_without_host_sync(executor) -> int:
-    """One more step of the executor's last sequence under sync debug mode (raises on any host
-    sync) -> the number of new tokens."""
-    length = int(executor.sequence.length)
+def step_without_host_sync(engine) -> int:
+    """One more step of a request (kept in the engine's slot 0 by `generate`) under sync debug mode
+    (raises on any host sync) -> its number of new tokens."""
+    runner = engine.runner
+    size = runner.sizes[0] if runner.captured else 1
+    rows = torch.tensor([0] + [runner.padding] * (size - 1), device="cuda")
+    live = torch.arange(size, device="cuda") < 1
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        with torch.inference_mode():  # as in generate
-            result = executor._step(length, (None, None), Clock(torch.device("cpu")))
+        with torch.inference_mode():  # as in decode
+            result = runner.step(rows, live, runner.host_lengths[0], None)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    return int(result[0])
+    return int(result[0, 0])
+
+
+def phases(engine) -> set[str]:
+    """The step phases the engine replays from CUDA graphs."""
+    return {key[0] for key in engine.runner._replays.graphs}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -50,8 +57,8 @@ def test_cuda_graphs_replay_the_eager_program(dtype, tree):
     for text in PROMPTS:
         ids = graphed.encode(text)
         assert graphed.generate(ids).output_ids == eager.generate(ids).output_ids
-    assert set(graphed.executor._graphs) == {"draft", "verify"}  # whole steps captured, static or dynamic trees
-    assert not eager.executor._graphs and not eager.stages["target"]._graphs
+    assert phases(graphed.executor) == {"draft", "verify"}  # whole steps captured, static or dynamic trees
+    assert not phases(eager.executor) and not eager.stages["target"]._replays.graphs
 
 
 @pytest.mark.parametrize("lowering", [{"compile": False}, {"compile": False, "cuda_graphs": False}], ids=["graphs", "eager"])
@@ -76,14 +83,15 @@ def test_sampling_on_gpu_follows_the_target_distribution():
     assert total_variation(observed, exact) < 0.06 < total_variation(draft, exact) / 4
 
 
-def test_fp32_speculation_on_gpu_equals_autoregressive():
+def test_fp32_speculation_on_gpu_equals_autoregressive_alone_and_in_a_batch():
     program = on_gpu({"shape": "chain", "length": 4}, max_new_tokens=64)
-    in_order = on_gpu({"shape": "chain", "length": 4}, max_new_tokens=64)
-    in_order.executor.lookahead = False  # read each step before enqueueing the next
-    for text in PROMPTS:
-        ids = program.encode(text)
-        tokens = program.generate(ids).output_ids
-        assert tokens == program.autoregressive().generate(ids, 64).output_ids == in_order.generate(ids).output_ids
+    batched = on_gpu({"shape": "dynamic", "width": 3, "depth": 4, "nodes": 10}, max_new_tokens=64,
+                     serving={"max_batch": 4})
+    encoded = [program.encode(text) for text in PROMPTS]
+    alone = [program.generate(ids).output_ids for ids in encoded]
+    assert alone == [program.autoregressive().generate(ids, 64).output_ids for ids in encoded]
+    together = dict(batched.generate_many(encoded * 2))  # four requests at once, graphs of batch 4 and fewer
+    assert [together[i].output_ids for i in range(4)] == alone * 2
 
 
 def test_compiled_layers_give_the_eager_tokens_on_gpu():
@@ -170,7 +178,7 @@ def test_hybrid_target_captured_and_compiled_gives_the_eager_tokens_and_never_wa
     for text in PROMPTS:
         ids = fast.encode(text)
         assert fast.generate(ids).output_ids == slow.generate(ids).output_ids
-    assert set(fast.executor._graphs) == {"draft", "verify"}
+    assert phases(fast.executor) == {"draft", "verify"}
     assert step_without_host_sync(fast.executor) >= 1
 
 
@@ -228,17 +236,17 @@ def test_a_hybrid_drafter_captured_on_the_gpu_equals_transformers(small_hybrid, 
         s.model_copy(update={"devices": ["cuda:0"]}) for s in recipe.stages]}))
     for ids, expected in hybrid_reference[:4]:
         assert program.generate(ids).output_ids == expected
-    assert set(program.executor._graphs) == {"draft", "verify"}
+    assert phases(program.executor) == {"draft", "verify"}
     assert step_without_host_sync(program.executor) >= 1
 
 
 def test_row_invariant_kernels_give_a_token_the_same_bits_in_any_step_in_bf16():
     """bf16: every row of the row-invariant projection and SwiGLU at 2-128 rows (K split or not) is,
     bit for bit, the row projected alone, as is every row of add + RMSNorm and of the per-head
-    RMSNorm; every node of a 21-node tree's attention over a 700-token prefix is the node decoded
-    alone with its path committed; every node of a gated-DeltaNet step (Qwen3.5-9B and 27B layer
-    shapes) is the node decoded by one-token steps along its path, and committing a path leaves
-    their state and conv window."""
+    RMSNorm; every node of a 21-node tree's attention over a 700-token prefix, packed with two
+    other requests in a paged pool, is the node decoded alone with its path committed; every node
+    of a gated-DeltaNet step (Qwen3.5-9B and 27B layer shapes) is the node decoded by one-token
+    steps along its path, and committing a path leaves their state and conv window."""
     from specgraph.kernels.attention.invariant import attention_invariant
     from specgraph.kernels.gated_delta.invariant import gated_delta_commit_invariant, gated_delta_step_invariant
     from specgraph.kernels.linear.invariant import linear_invariant
@@ -259,14 +267,14 @@ def test_row_invariant_kernels_give_a_token_the_same_bits_in_any_step_in_bf16():
     for i in range(21):
         one = add_rmsnorm(x[i : i + 1], delta[i : i + 1], w, 1e-5)
         assert torch.equal(one[0][0], total[i]) and torch.equal(one[1][0], normed[i])
-    t, prefix, width = 21, 700, 1024
-    q = torch.randn(1, 32, t, 128, **bf16)
-    k, v = torch.randn(1, 8, width, 128, **bf16), torch.randn(1, 8, width, 128, **bf16)
-    mask = step_mask(torch.tensor(prefix, device="cuda"), random_tree(t, torch.Generator().manual_seed(1)).ancestors.cuda(),
-                     width)
-    tree = attention_invariant(q, k, v, mask, prefix + torch.arange(t, device="cuda"))
-    for node in range(t):
-        assert torch.equal(tree[:, :, node], path_alone(k, v, q, mask, prefix, node)), node
+    t, prefix = 21, 700
+    layout = random_layout([t, 1, 5], [prefix, 300, 40], torch.Generator().manual_seed(1), block_size=64, device="cuda")
+    q = torch.randn(1, 32, layout.tokens, 128, **bf16)
+    slots = (1 + layout.table.numel()) * layout.block_size
+    k, v = torch.randn(1, 8, slots, 128, **bf16), torch.randn(1, 8, slots, 128, **bf16)
+    tree = attention_invariant(q, k, v, *layout.attention_inputs())
+    for token in range(int(layout.cu[-1])):
+        assert torch.equal(tree[:, :, token], path_alone(q, k, v, layout, token)), token
     heads = rmsnorm(q.transpose(1, 2), w[:128], 1e-6)  # [1, T, 32, 128]: the per-head norms
     assert all(torch.equal(heads[0, i], rmsnorm(q.transpose(1, 2)[0, i], w[:128], 1e-6)) for i in range(t))
 
@@ -320,15 +328,17 @@ def test_sampling_distributions_of_a_tree_step_have_each_rows_one_token_bits():
     distribution (temperature, top-k, top-p, softmax over the logits of a step's nodes, at a
     128k vocabulary) has the bits of the same row's distribution in a one-token step."""
     from specgraph.recipe import SamplingSpec
-    from specgraph.sampling import probs_from_logits
+    from specgraph.sampling import SamplingRows, probs_from_logits
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for rows in (21, 64):
         logits = (3 * torch.randn(rows, 128256, device="cuda", generator=g)).bfloat16().float()  # as the head gives them
         for spec in (SamplingSpec(temperature=0.8), SamplingSpec(temperature=0.7, top_k=50),
                      SamplingSpec(temperature=1.0, top_p=0.9), SamplingSpec(temperature=0.6, top_k=200, top_p=0.8)):
-            whole = probs_from_logits(logits, spec)
-            assert all(torch.equal(whole[i], probs_from_logits(logits[i : i + 1], spec)[0]) for i in range(rows)), spec
+            settings = SamplingRows.of([spec], "cuda")
+            whole = probs_from_logits(logits[None], settings)[0]
+            assert all(torch.equal(whole[i], probs_from_logits(logits[None, i : i + 1], settings)[0, 0])
+                       for i in range(rows)), spec
 
 
 @pytest.mark.parametrize("target", ["target", "hybrid"])
@@ -387,3 +397,14 @@ def test_pipeline_decodes_the_autoregressive_tokens(devices):
         for text in PROMPTS:
             ids = alone.encode(text)
             assert program.generate(ids).output_ids == alone.generate(ids).output_ids
+
+
+def test_row_invariant_requests_decode_the_same_tokens_alone_and_in_a_batch(code_prompts):
+    """bf16, lowering.row_invariant: a request's tokens do not depend on what else is in its batch
+    (each of eight prompts alone, then all eight at once, steps captured per batch size)."""
+    program = on_gpu({"shape": "dynamic", "width": 3, "depth": 4, "nodes": 12}, dtype="bfloat16", max_new_tokens=64,
+                     lowering={"row_invariant": True}, serving={"max_batch": 8})
+    encoded = [program.encode(row["prompt"]) for row in code_prompts[:8]]
+    alone = [program.generate(ids).output_ids for ids in encoded]
+    together = dict(program.generate_many(encoded))
+    assert [together[i].output_ids for i in range(8)] == alone

@@ -212,3 +212,17 @@ def test_hybrid_recipe_runs_from_the_cli_and_its_exported_program_decodes_the_sa
     loaded, reference = load_program(program), Program.from_recipe(Recipe.from_yaml(recipe, ["max_seq_len=256"]))
     ids = reference.encode(LONG_PROMPT)
     assert loaded.autoregressive().generate(ids, 16).output_ids == reference.autoregressive().generate(ids, 16).output_ids
+
+
+def test_a_hybrid_drafter_starts_each_request_from_a_fresh_state(small_hybrid):
+    """Drafter.prefill (what every executor's drafter calls per request) resets the request's
+    DeltaNet state and conv window: after another prompt, the state equals a fresh stage's."""
+    model = load_model(small_hybrid, torch.float32, "cpu")
+    used, fresh = (Drafter(Stage(name, model, 64, torch.device("cpu")), TreeTopology.from_spec(StaticTree(
+        branching=[2])), "greedy") for name in ("used", "fresh"))
+    first, second = torch.randint(0, 4096, (9,)), torch.randint(0, 4096, (3,))
+    used.prefill(first)
+    used.prefill(second)  # (its one fed token would fold into the first prompt's state, were it not reset)
+    fresh.prefill(second)
+    assert torch.equal(used.stage.cache.state, fresh.stage.cache.state)
+    assert torch.equal(used.stage.cache.conv, fresh.stage.cache.conv)

@@ -8,7 +8,7 @@ its state. (On a GPU in bf16: tests/test_gpu.py.)"""
 import numpy as np
 import pytest
 import torch
-from helpers import gated_delta_layer, one_token_steps, path_alone, random_tree
+from helpers import gated_delta_layer, one_token_steps, path_alone, random_layout
 
 from specgraph.kernels.attention import attention_reference
 from specgraph.kernels.attention.invariant import attention_invariant
@@ -20,6 +20,7 @@ from specgraph.kernels.swiglu import swiglu_reference
 from specgraph.kernels.norm import rmsnorm_reference
 from specgraph.kernels.norm.triton import rmsnorm
 from specgraph.kernels.swiglu.invariant import swiglu_invariant
+from specgraph.layout import Layout, physical
 from specgraph.models.hybrid import conv_windows
 from specgraph.tree import Tree
 
@@ -59,43 +60,100 @@ def test_invariant_projection_matches_reference_and_each_row_its_bits_alone(op, 
         assert tiling(n, k, 4)[2] > 1
 
 
-@pytest.mark.parametrize("b, h, hkv, t, d, prefix, width", [
-    (1, 6, 2, 13, 60, 37, 64),  # odd head dim, GQA 3 (rows of 4 tokens), prefix not a tile multiple
-    (2, 4, 4, 9, 16, 300, 600),  # no GQA (16 tokens a block), batch 2, several splits
-    (1, 8, 1, 21, 32, 0, 64),  # GQA 8 (2 tokens a block), empty prefix
-    (1, 2, 1, 1, 32, 130, 256),  # one token past a split boundary
+def pool_for(layout: Layout, hkv: int, d: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random keys and values [1, Hkv, S, K] for every block `layout`'s table can name (block 0 too)."""
+    s = (1 + int(layout.table.max())) * layout.block_size
+    return torch.randn(1, hkv, s, d, generator=g), torch.randn(1, hkv, s, d, generator=g)
+
+
+@pytest.mark.parametrize("h, hkv, d, counts, prefixes, dtype", [
+    (6, 2, 60, [13, 1], [37, 5], torch.float32),  # odd head dim, GQA 3 (rows of 4 tokens), prefixes not a tile multiple
+    (4, 4, 16, [9, 3], [300, 0], torch.float32),  # no GQA (16 tokens a block), several splits, an empty prefix
+    (8, 1, 32, [21], [0], torch.float32),  # GQA 8 (2 tokens a block), the tree alone
+    (2, 1, 32, [1, 1], [130, 64], torch.float32),  # one token past a split boundary; one at a block boundary
+    (8, 2, 64, [6, 1, 3], [200, 90, 0], torch.bfloat16),  # GQA 4; bf16 (the one case not in fp32)
 ])
-def test_invariant_attention_matches_reference_and_gives_each_node_its_bits_alone(b, h, hkv, t, d, prefix, width):
-    g = torch.Generator().manual_seed(t * 7 + d)
-    q = torch.randn(b, h, t, d, generator=g)
-    k, v = torch.randn(b, hkv, width, d, generator=g), torch.randn(b, hkv, width, d, generator=g)
-    mask = step_mask(torch.tensor(prefix), random_tree(t, g).ancestors, width)  # [T, width]
-    slots = prefix + torch.arange(t)
-    got = attention_invariant(q, k, v, mask, slots)
-    assert (got - attention_reference(q, k, v, mask, slots)).abs().max() < 1e-5
+def test_invariant_attention_matches_reference_and_gives_each_node_its_bits_alone(h, hkv, d, counts, prefixes, dtype):
+    g = torch.Generator().manual_seed(sum(counts) * 7 + d)
+    layout = random_layout(counts, prefixes, g, block_size=32)
+    q = torch.randn(1, h, layout.tokens, d, generator=g).to(dtype)
+    k, v = (x.to(dtype) for x in pool_for(layout, hkv, d, g))
+    attend = layout.attention_inputs()
+    got = attention_invariant(q, k, v, *attend)
+    assert got.dtype == dtype
+    expected = attention_reference(q.float(), k.float(), v.float(), *attend)
+    assert (got.float() - expected).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+    assert not got[:, :, sum(counts):].any()  # padding
     assert got.transpose(1, 2).is_contiguous()  # token-major, as the split kernel's
-    torch.library.opcheck(attention_invariant, (q, k, v, mask, slots), test_utils=("test_faketensor",))
-    for node in range(t):
-        assert torch.equal(got[:, :, node], path_alone(k, v, q, mask, prefix, node))
+    torch.library.opcheck(attention_invariant, (q, k, v, *attend), test_utils=("test_faketensor",))
+    for token in range(sum(counts)):
+        assert torch.equal(got[:, :, token], path_alone(q, k, v, layout, token)), token
 
 
 def test_invariant_attention_of_a_prefill_chunk_and_of_a_drafters_level():
-    """A causal chunk after a prefix (every path contiguous) and a drafter's level, whose ancestors
-    lie between the committed prefix and the level's slots: both as the reference."""
+    """A causal chunk after a prefix (every path contiguous) and a drafter's level, written past
+    nodes fed earlier in the same region: both as the reference; the level's nodes with the bits
+    of their paths decoded alone (the region's nodes were fed in feed order)."""
     g = torch.Generator().manual_seed(3)
-    h, hkv, d, width = 4, 2, 16, 320
-    k, v = torch.randn(1, hkv, width, d, generator=g), torch.randn(1, hkv, width, d, generator=g)
-    q = torch.randn(1, h, 150, d, generator=g)
-    causal = torch.ones(150, 150, dtype=torch.bool).tril()
-    chunk = step_mask(torch.tensor(100), causal, width), 100 + torch.arange(150)
-    got = attention_invariant(q, k, v, *chunk)
-    assert (got - attention_reference(q, k, v, *chunk)).abs().max() < 1e-5
-    level = torch.zeros(3, width, dtype=torch.bool)  # committed [0, 40); fed nodes at 40..45; the level at 46..48
-    level[:, :40] = True
-    level[0, [41, 43, 46]] = level[1, [41, 47]] = level[2, [44, 45, 48]] = True
-    slots = torch.tensor([46, 47, 48])
-    got = attention_invariant(q[:, :, :3].contiguous(), k, v, level, slots)
-    assert (got - attention_reference(q[:, :, :3], k, v, level, slots)).abs().max() < 1e-5
+    h, hkv, d = 4, 2, 16
+    chunk = random_layout([150], [100], g, block_size=64, chains=True)
+    k, v = pool_for(chunk, hkv, d, g)
+    q = torch.randn(1, h, chunk.tokens, d, generator=g)
+    got = attention_invariant(q, k, v, *chunk.attention_inputs())
+    assert (got - attention_reference(q, k, v, *chunk.attention_inputs())).abs().max() < 1e-5
+    visible = torch.zeros(3, 9, dtype=torch.bool)  # committed [0, 40); fed nodes at offsets 0..5; the level at 6..8
+    visible[0, [1, 3, 6]] = visible[1, [1, 7]] = visible[2, [4, 5, 8]] = True
+    table = (1 + torch.randperm(4, generator=g))[None]  # [1, 4]: 128 virtual slots
+    level = Layout.single(table, 32, torch.tensor(40), torch.tensor([6, 7, 8]), visible, torch.tensor([42, 41, 42]), 128)
+    k, v = pool_for(level, hkv, d, g)
+    got = attention_invariant(q[:, :, :3].contiguous(), k, v, *level.attention_inputs())
+    assert (got - attention_reference(q[:, :, :3], k, v, *level.attention_inputs())).abs().max() < 1e-5
+    for token in range(3):
+        assert torch.equal(got[:, :, token], path_alone(q[:, :, :3], k, v, level, token)), token
+
+
+def repacked(q, k, v, layout: Layout, order: list[int], g: torch.Generator) -> tuple:
+    """Segments `order` of `layout` packed in that order (then two padding tokens) into a forward
+    of their own over a new pool: each request's blocks copied to other blocks (a shuffled table,
+    rows in another order, 16 blocks longer: another width), garbage elsewhere -> q, k, v, the
+    layout and, for each of its tokens, its index in `layout`."""
+    bs, m = layout.block_size, layout.table.shape[1]
+    cu, n = layout.cu.tolist(), len(order)
+    table = (1 + torch.randperm(n * (m + 16), generator=g)).view(n, m + 16)
+    rows = torch.randperm(n, generator=g)
+    k2, v2 = (torch.randn(1, x.shape[1], (1 + table.numel()) * bs, x.shape[3], generator=g) for x in (k, v))
+    virtual = torch.arange(m * bs)
+    for i, r in enumerate(order):
+        src, dst = physical(layout.table, bs, layout.rows[r], virtual), physical(table, bs, rows[i], virtual)
+        k2[:, :, dst], v2[:, :, dst] = k[:, :, src], v[:, :, src]
+    counts = [cu[r + 1] - cu[r] for r in order]
+    tokens = [t for r in order for t in range(cu[r], cu[r + 1])]
+    index = torch.tensor(tokens + [0, 0])
+    region = max(counts)
+    assert not layout.visible[tokens, region:].any()
+    offsets = torch.cat([torch.arange(c) for c in counts] + [torch.zeros(2, dtype=torch.long)])
+    packed = Layout.build(table, bs, rows, layout.starts[order], torch.tensor(counts), offsets,
+                          layout.visible[index, :region], layout.positions[index], (m + 16) * bs)
+    return q[:, :, index].contiguous(), k2, v2, packed, tokens
+
+
+@pytest.mark.parametrize("h, hkv, d, counts, prefixes, chains", [
+    (6, 2, 60, [9, 1, 4, 1], [37, 200, 0, 130], False),  # GQA 3, trees and one-token segments, several splits
+    (4, 1, 32, [6, 17, 2], [300, 64, 129], True),  # GQA 4, chains (prefill chunks) of up to 3 token blocks
+])
+def test_invariant_attention_gives_a_segment_the_same_bits_alone_and_in_any_pack(h, hkv, d, counts, prefixes, chains):
+    """Each segment's outputs are the same bits decoded alone (one segment) and packed with the
+    others in other orders, its request's slots in other blocks."""
+    g = torch.Generator().manual_seed(sum(counts) + d)
+    layout = random_layout(counts, prefixes, g, block_size=32, chains=chains)
+    q = torch.randn(1, h, layout.tokens, d, generator=g)
+    k, v = pool_for(layout, hkv, d, g)
+    got = attention_invariant(q, k, v, *layout.attention_inputs())
+    segments = list(range(len(counts)))
+    for order in [[r] for r in segments] + [segments[::-1], segments[1:] + segments[:1]]:
+        q2, k2, v2, packed, tokens = repacked(q, k, v, layout, order, g)
+        out = attention_invariant(q2, k2, v2, *packed.attention_inputs())
+        assert torch.equal(out[:, :, : len(tokens)], got[:, :, tokens]), order
 
 
 @pytest.mark.parametrize("gated", [False, True])

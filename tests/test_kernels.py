@@ -7,7 +7,7 @@ reference output (1e-4 fp32, 2e-2 bf16)."""
 
 import pytest
 import torch
-from helpers import gated_delta_layer, random_tree
+from helpers import gated_delta_layer, random_layout, random_tree
 
 from specgraph.kernels.accept import accept_greedy_reference, accept_sampling_reference
 from specgraph.kernels.accept.triton import accept_greedy, accept_sampling
@@ -26,7 +26,7 @@ from specgraph.kernels.rope import rope_write_reference
 from specgraph.kernels.rope.triton import rope_write
 from specgraph.kernels.swiglu import swiglu_reference
 from specgraph.kernels.swiglu.triton import swiglu
-from specgraph.tree import Tree
+from specgraph.tree import Tree, TreeStructure
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
@@ -37,26 +37,34 @@ def close(got: torch.Tensor, expected: torch.Tensor, slack: float = 1.0) -> bool
                                                  <= slack * TOL[got.dtype] * scale).all())
 
 
-@pytest.mark.parametrize("b, h, hkv, t, d, prefix, width, dtype", [
-    (1, 6, 2, 13, 60, 37, 64, torch.float32),  # odd head dim, GQA 3:1, prefix not a tile multiple
-    (2, 4, 4, 1, 64, 70, 600, torch.float32),  # one query (autoregressive), batch 2, several splits
-    (1, 3, 1, 7, 128, 0, 7, torch.float32),  # empty prefix: the tree alone, width exactly the tree
-    (1, 8, 2, 33, 32, 5, 300, torch.bfloat16),  # rows past one row block (MAX_BLOCK_M), more nodes than a key tile
+@pytest.mark.parametrize("h, hkv, d, counts, prefixes, chains, dtype", [
+    (6, 2, 60, [13, 1, 5, 1], [37, 70, 0, 5], False, torch.float32),  # odd head dim, GQA 3: trees and one-token segments
+    (4, 4, 64, [1, 1, 1, 1, 1], [600, 3, 1100, 64, 290], False, torch.float32),  # autoregressive decoding of five, 4 splits
+    (8, 2, 32, [40, 7], [100, 0], True, torch.bfloat16),  # prefill chunks (chains), GQA 4: rows past one row block
+    (4, 1, 48, [33, 2, 1], [5, 700, 0], False, torch.bfloat16),  # a 33-node tree (more than a key tile), 2 splits
 ])
-def test_step_attention_matches_reference(b, h, hkv, t, d, prefix, width, dtype):
-    g = torch.Generator().manual_seed(t * 131 + d)
-    s = width + 5  # cache slots; everything past the tree is garbage the mask hides
-    q = torch.randn(b, h, t, d, generator=g).to(dtype)
-    k = torch.randn(b, hkv, s, d, generator=g).to(dtype)
-    v = torch.randn(b, hkv, s, d, generator=g).to(dtype)
-    mask = step_mask(torch.tensor(prefix), random_tree(t, g).ancestors, width)  # [T, width]
-    slots = prefix + torch.arange(t)
-    expected = attention_reference(q.float(), k.float(), v.float(), mask, slots)
-    got = attention(q, k, v, mask, slots)
+def test_step_attention_matches_reference(h, hkv, d, counts, prefixes, chains, dtype):
+    g = torch.Generator().manual_seed(sum(counts) * 131 + d)
+    layout = random_layout(counts, prefixes, g, block_size=64 if chains else 32, chains=chains)
+    s = (1 + layout.table.numel()) * layout.block_size  # the pool; every slot no segment sees is garbage
+    q = torch.randn(1, h, layout.tokens, d, generator=g).to(dtype)
+    k = torch.randn(1, hkv, s, d, generator=g).to(dtype)
+    v = torch.randn(1, hkv, s, d, generator=g).to(dtype)
+    attend = layout.attention_inputs()
+    expected = attention_reference(q.float(), k.float(), v.float(), *attend)
+    got = attention(q, k, v, *attend)
     assert got.dtype == dtype and got.shape == q.shape
     assert got.transpose(1, 2).is_contiguous()  # token-major: the output projection reads it without a copy
-    torch.library.opcheck(attention, (q, k, v, mask, slots), test_utils=("test_faketensor",))  # compiled: the same layout
+    torch.library.opcheck(attention, (q, k, v, *attend), test_utils=("test_faketensor",))  # compiled: the same layout
     assert (got.float() - expected).abs().max() < TOL[dtype]
+    assert not got[:, :, sum(counts):].any()  # padding
+
+
+def test_step_attention_needs_blocks_of_whole_key_tiles():
+    layout = random_layout([3], [10], torch.Generator().manual_seed(0), block_size=16)
+    q, k = torch.randn(1, 2, layout.tokens, 16), torch.randn(1, 2, (1 + layout.table.numel()) * 16, 16)
+    with pytest.raises(ValueError, match="multiple of 32, not 16"):
+        attention(q, k, k, *layout.attention_inputs())
 
 
 @pytest.mark.parametrize("b, t, h, hkv, d, rotary, norms, dtype", [
@@ -127,70 +135,195 @@ def test_kv_move_matches_reference(shape, moves):
     assert torch.equal(cache, expected)
 
 
-@pytest.mark.parametrize("nodes, seed", [(1, 0), (6, 1), (23, 2), (40, 3)])
-def test_greedy_acceptance_matches_reference(nodes, seed):
-    g = torch.Generator().manual_seed(seed)
-    tree = random_tree(nodes, g)
-    vocab = 64
-    best = torch.randint(0, vocab, (nodes,), generator=g)  # the target's argmax at each node
-    tokens = torch.zeros(nodes, dtype=torch.long)
-    for node in range(nodes):  # siblings distinct; a coin decides whether the first child matches
-        hit = int(torch.randint(0, 2, (), generator=g))
-        for rank, kid in enumerate(tree.children(node)):
-            tokens[kid] = (best[node] + rank + 1 - hit) % vocab
-    args = (tokens, tree.parents, tree.ancestors, tree.depths, best, tree.max_depth)
-    path, bonus = accept_greedy(*args)
-    ref_path, ref_bonus = accept_greedy_reference(*args)
-    assert torch.equal(path, ref_path) and torch.equal(bonus, ref_bonus)
+def tree_batch(sizes: list[int], g: torch.Generator, shared: bool = False) -> tuple[Tree, list[list[int]]]:
+    """R = len(sizes) random trees padded to N + 1 = max(sizes) node slots, as verification gets them:
+    padding slots are children of the root in no child table (their tokens, -1, are the caller's);
+    `shared`: one tree's shape in every row, its structure expanded (rows of stride 0), as a static
+    tree's. Also each tree's parents on the host. Tokens 0."""
+    r, n = len(sizes), max(sizes)
+    if shared:
+        one = random_tree(n, g)
+        return Tree(torch.zeros(r, n, dtype=torch.long), one.parents.expand(r, -1), None,
+                    one.structure.expand(r)), [one.parents[0].tolist()] * r
+    host = [random_tree(s, g).parents[0].tolist() for s in sizes]
+    parents = torch.tensor([p + [0] * (n - len(p)) for p in host])
+    alone = [TreeStructure.of(p, "cpu") for p in host]
+    max_depth, width = max(s.max_depth for s in alone), max(s.child_table.shape[2] for s in alone)
+    shape = TreeStructure.of_parents(parents, max_depth, width)
+    structure = TreeStructure.on_device(parents, shape.depths, shape.ancestors, max_depth, width, torch.tensor(sizes))
+    return Tree(torch.zeros(r, n, dtype=torch.long), parents, None, structure, torch.tensor(sizes)), host
 
 
-def sampled_tree(nodes: int, vocab: int, g: torch.Generator) -> tuple[Tree, torch.Tensor]:
-    """A random tree whose siblings are drawn without replacement from a draft law (recorded as
-    proposals; a first child's law is sometimes the target's own, where the ratio is 1), and the
-    target's probs [N + 1, V]."""
-    shape = random_tree(nodes, g)
-    logits = torch.randn(nodes, vocab, generator=g) * 2
+def host_depths(parents: list[int]) -> list[int]:
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return depth
+
+
+def greedy_drafts(parents: list[int], best: list[int], accept: int, ties: bool, vocab: int,
+                  g: torch.Generator) -> list[int]:
+    """Tokens of one tree's nodes (the root's 0) such that exactly `accept` drafts along the path to
+    its first deepest node are the target's argmax `best` at their parents; other nodes' first
+    children match at random (also under mismatched ancestors), their siblings never. `ties`: the
+    sibling after each matching path node carries the same token (outside verification's contract,
+    which has siblings distinct): several paths match."""
+    depth = host_depths(parents)
+    path = [depth.index(max(depth))]
+    while path[-1] > 0:
+        path.append(parents[path[-1]])
+    path.reverse()  # root first
+    tokens = [0] * len(parents)
+    for node in range(len(parents)):
+        kids = [c for c in range(len(parents)) if parents[c] == node]
+        if node in path[:accept]:
+            rank = kids.index(path[path.index(node) + 1])
+            hits = set(kids[rank : rank + 2 if ties else rank + 1])
+        elif node == path[accept] or not kids:
+            hits = set()
+        else:
+            hits = {kids[0]} if int(torch.randint(0, 2, (), generator=g)) else set()
+        for rank, kid in enumerate(kids):
+            tokens[kid] = best[node] if kid in hits else (best[node] + 1 + rank) % vocab
+    return tokens
+
+
+def greedy_on_the_host(parents: list[int], tokens: list[int], best: list[int]) -> tuple[list[int], int]:
+    """The oracle: the deepest node (the lowest index of equals) whose root path's every draft is the
+    target's argmax at its parent -> that path, root first, and the argmax at the node."""
+    depth, matched = host_depths(parents), [True] * len(parents)
+    for i in range(1, len(parents)):
+        matched[i] = matched[parents[i]] and tokens[i] == best[parents[i]]
+    last = max((i for i in range(len(parents)) if matched[i]), key=lambda i: (depth[i], -i))
+    path = [last]
+    while path[-1] > 0:
+        path.append(parents[path[-1]])
+    return path[::-1], best[last]
+
+
+@pytest.mark.parametrize("sizes, shared", [([1, 6, 3], False), ([23, 1, 9, 40], False), ([12, 12, 12], True)])
+def test_greedy_acceptance_matches_reference(sizes, shared):
+    """A batch of trees, one trial per depth: row r accepts exactly min(trial, its depth) drafts
+    (greedy_drafts), so every tree gives paths of every depth, and again with ties. The reference
+    gives what a walk on the host gives (padding included: it matches nothing), the kernel exactly
+    what the reference gives."""
+    g = torch.Generator().manual_seed(sum(sizes))
+    tree, host = tree_batch(sizes, g, shared)
+    vocab, r, n = 64, len(sizes), max(sizes)
+    deepest = [max(host_depths(p)) for p in host]
+    for trial in range(max(deepest) + 1):
+        for ties in (False, True):
+            best = torch.randint(0, vocab, (r, n), generator=g)  # the target's argmax at each node
+            tokens = torch.full((r, n), -1)  # padding matches nothing
+            for row, parents in enumerate(host):
+                drafts = greedy_drafts(parents, best[row].tolist(), min(trial, deepest[row]), ties, vocab, g)
+                tokens[row, : len(parents)] = torch.tensor(drafts)
+            args = (tokens, tree.parents, tree.ancestors, tree.depths, best, tree.max_depth)
+            ref_path, ref_bonus = accept_greedy_reference(*args)
+            for row, parents in enumerate(host):
+                path, bonus = greedy_on_the_host(parents, tokens[row].tolist(), best[row].tolist())
+                assert ref_path[row].tolist() == path + [-1] * (tree.max_depth + 1 - len(path))
+                assert int(ref_bonus[row]) == bonus and (ties or len(path) == 1 + min(trial, deepest[row]))
+            path, bonus = accept_greedy(*args)
+            assert torch.equal(path, ref_path) and torch.equal(bonus, ref_bonus)
+    torch.library.opcheck(accept_greedy, args, test_utils=("test_faketensor",))
+
+
+def sampled_drafts(tree: Tree, host: list[list[int]], vocab: int, chosen: bool,
+                   g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens [R, N + 1] whose siblings are drawn without replacement from a draft law (`chosen`:
+    its most likely tokens in order), those laws [R, N + 1, V] (a first child's law is sometimes the
+    target's own, where the ratio is 1), and the target's probs [R, N + 1, V], a few tokens of each
+    node likely as a language model's. Padding: token -1."""
+    r, n = tree.rows, tree.size
+    logits = torch.randn(r, n, vocab, generator=g) * 2 + 8 * (torch.rand(r, n, vocab, generator=g) < 4 / vocab)
     probs = logits.softmax(-1)
-    tokens, proposals = torch.zeros(nodes, dtype=torch.long), torch.zeros(nodes, vocab)
-    for node in range(nodes):  # the draft's law near the target's, so that ratios fall inside (0, 1)
-        law = probs[node].clone() if int(torch.randint(0, 3, (), generator=g)) == 0 else \
-            (logits[node] + torch.randn(vocab, generator=g)).softmax(-1)
-        for kid in shape.children(node):
-            proposals[kid] = law / law.sum()
-            tokens[kid] = torch.multinomial(proposals[kid], 1, generator=g)[0]
-            law[tokens[kid]] = 0
-    return Tree(tokens, shape.parents, proposals=proposals), probs
+    tokens, proposals = torch.full((r, n), -1), torch.zeros(r, n, vocab)
+    for row, parents in enumerate(host):
+        tokens[row, 0] = int(torch.randint(0, vocab, (), generator=g))
+        for node in range(len(parents)):  # the draft's law near the target's, so that ratios fall inside (0, 1)
+            law = probs[row, node].clone() if int(torch.randint(0, 3, (), generator=g)) == 0 else \
+                (logits[row, node] + torch.randn(vocab, generator=g)).softmax(-1)
+            for kid in tree.children(node, row):
+                proposals[row, kid] = law / law.sum()
+                tokens[row, kid] = law.argmax() if chosen else torch.multinomial(proposals[row, kid], 1, generator=g)[0]
+                law[tokens[row, kid]] = 0
+    return tokens, proposals, probs
 
 
-@pytest.mark.parametrize("nodes, vocab", [(1, 7), (9, 50), (30, 300), (12, 5000)])  # 5000: past one vocabulary block
-def test_sampling_acceptance_matches_reference(nodes, vocab):
-    g = torch.Generator().manual_seed(nodes * 7 + vocab)
+@pytest.mark.parametrize("one_hot", [False, True], ids=["proposals", "one-hot"])
+@pytest.mark.parametrize("sizes, vocab, shared", [([9, 1, 5], 50, False), ([30, 7, 12], 300, False),
+                                                  ([12, 3, 8], 5000, False),  # 5000: past one vocabulary block
+                                                  ([6, 6, 6], 50, True)])
+def test_sampling_acceptance_matches_reference(sizes, vocab, shared, one_hot):
+    """The kernel gives exactly the reference's paths and bonuses for the same uniforms, with the
+    drafts' laws given and with every draft chosen (proposals None: one-hot laws), on trees of
+    different sizes padded to one (their padding never tried) or one shape expanded over the rows."""
+    g = torch.Generator().manual_seed(sum(sizes) * 7 + vocab)
+    tree, host = tree_batch(sizes, g, shared)
     accepted = set()
-    for _ in range(48):
-        tree, probs = sampled_tree(nodes, vocab, g)
-        uniforms = torch.rand(tree.max_depth * tree.child_table.shape[1] + 1, generator=g)
-        args = (tree.tokens, tree.child_table, probs, tree.proposals, uniforms, tree.max_depth)
+    for _ in range(12):
+        tokens, proposals, probs = sampled_drafts(tree, host, vocab, one_hot, g)
+        uniforms = torch.rand(tree.rows, tree.max_depth * tree.child_table.shape[2] + 1, generator=g)
+        args = (tokens, tree.child_table, probs, None if one_hot else proposals, uniforms, tree.max_depth)
         path, bonus = accept_sampling(*args)
         ref_path, ref_bonus = accept_sampling_reference(*args)
         assert torch.equal(path, ref_path) and torch.equal(bonus, ref_bonus)
-        accepted.add(int((path[1:] >= 0).sum()))
-    assert nodes == 1 or len(accepted) > 1  # both acceptances and rejections happened
+        accepted |= set((path[:, 1:] >= 0).sum(1).tolist())
+    assert len(accepted) > 1  # both acceptances and rejections happened
+    torch.library.opcheck(accept_sampling, args, test_utils=("test_faketensor",))
+
+
+HAND_PROBS = torch.tensor([[0.5, 0.25, 0.25], [0.3, 0.0, 0.7], [0.0, 0.0, 1.0]])
+HAND_PROPOSALS = torch.tensor([[0.0, 0.0, 0.0], [0.8, 0.2, 0.0], [0.0, 1.0, 0.0]])
+HAND_CASES = {  # (uniforms, path, bonus), each a row of one batch
+    # drawn: the first is accepted with probability .5 / .8 = .625; after its rejection p becomes the
+    # residual [0, .05, .25] / .3, so the second is accepted with 1/6
+    "proposals": [([0.6, 0.9, 0.5], [0, 1], 2),  # first accepted; node 1 is a leaf: bonus from its p,
+                  ([0.6, 0.9, 0.2], [0, 1], 0),  # by inverse CDF over [.3, .3, 1]
+                  ([0.7, 0.1, 0.5], [0, 2], 2),  # first rejected (.7 >= .625), second accepted (.1 < 1/6)
+                  ([0.7, 0.2, 0.1], [0, -1], 2)],  # both rejected: the residual left is [0, 0, 1]
+    # chosen: the first is accepted with p(0) = .5; after its rejection p becomes [0, .25, .25] / .5,
+    # so the second is accepted with .5
+    "one-hot": [([0.4, 0.9, 0.5], [0, 1], 2), ([0.4, 0.9, 0.2], [0, 1], 0),
+                ([0.6, 0.3, 0.5], [0, 2], 2),  # first rejected (.6 >= .5), second accepted (.3 < .5)
+                ([0.6, 0.7, 0.1], [0, -1], 2)]}  # both rejected: [0, 0, 1] left
 
 
 @pytest.mark.parametrize("accept", [accept_sampling, accept_sampling_reference], ids=["triton", "reference"])
-def test_sampling_acceptance_by_hand(accept):
-    """Root children: token 0 drawn from q1 = [.8, .2, 0], then token 1 from q1 without token 0. The
-    target's p = [.5, .25, .25]: the first is accepted with probability .5 / .8 = .625; after its
-    rejection p becomes the residual [0, .05, .25] / .3, so the second is accepted with 1/6."""
-    tree = Tree(torch.tensor([7, 0, 1]), torch.tensor([-1, 0, 0]),
-                proposals=torch.tensor([[0.0, 0.0, 0.0], [0.8, 0.2, 0.0], [0.0, 1.0, 0.0]]))
-    probs = torch.tensor([[0.5, 0.25, 0.25], [0.3, 0.0, 0.7], [0.0, 0.0, 1.0]])
-    for u, path, bonus in [([0.6, 0.9, 0.5], [0, 1], 2),  # first accepted; node 1 is a leaf: bonus from its p,
-                           ([0.6, 0.9, 0.2], [0, 1], 0),  # by inverse CDF over [.3, .3, 1]
-                           ([0.7, 0.1, 0.5], [0, 2], 2),  # first rejected (.7 >= .625), second accepted (.1 < 1/6)
-                           ([0.7, 0.2, 0.1], [0, -1], 2)]:  # both rejected: the residual left is [0, 0, 1]
-        got_path, got_bonus = accept(tree.tokens, tree.child_table, probs, tree.proposals, torch.tensor(u), 1)
-        assert got_path.tolist() == path and int(got_bonus) == bonus
+@pytest.mark.parametrize("laws", ["proposals", "one-hot"])
+def test_sampling_acceptance_by_hand(accept, laws):
+    """Root children: token 0, then token 1, drawn (from q1 = [.8, .2, 0], then q1 without token 0)
+    or chosen (proposals None); the target's p = [.5, .25, .25] at the root. Every input one row
+    expanded over the batch (stride 0), the uniforms each row's own."""
+    cases = HAND_CASES[laws]
+    r = len(cases)
+    shape = Tree(torch.tensor([[7, 0, 1]]), torch.tensor([[-1, 0, 0]])).structure.expand(r)
+    proposals = HAND_PROPOSALS.expand(r, -1, -1) if laws == "proposals" else None
+    path, bonus = accept(torch.tensor([7, 0, 1]).expand(r, -1), shape.child_table, HAND_PROBS.expand(r, -1, -1),
+                         proposals, torch.tensor([u for u, _, _ in cases]), 1)
+    assert path.tolist() == [p for _, p, _ in cases] and bonus.tolist() == [b for _, _, b in cases]
+
+
+@pytest.mark.parametrize("accept", [accept_sampling, accept_sampling_reference], ids=["triton", "reference"])
+def test_sampling_acceptance_keeps_p_where_a_residual_is_zero(accept):
+    """A rejection whose residual is zero (p <= the child's law everywhere, yet p(x) below it: as
+    rounding can leave them, here masses short of or past 1) leaves p as it was, not zero.
+    Chosen children (one-hot laws), tokens 2 then 1, p = [0, 0, .5] at the root: token 2 is accepted
+    with .5; rejected, p stays, token 1 is rejected (p(1) = 0) and the bonus is token 2.
+    Drawn children, tokens 0 (law [.8, .2, 0]) then 1 (law [0, 1, 1]), p = [.5, .25, .25]: token 0
+    is rejected (.7 >= .625) and p becomes [0, 1/6, 5/6]; token 1 is rejected (.5 >= 1/6) with a
+    zero residual, and the bonus is drawn from [0, 1/6, 5/6]."""
+    shape = Tree(torch.tensor([[5, 2, 1]]), torch.tensor([[-1, 0, 0]])).structure.expand(2)
+    probs = torch.tensor([[0.0, 0.0, 0.5], [0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]).expand(2, -1, -1)
+    path, bonus = accept(torch.tensor([[5, 2, 1], [5, 2, 1]]), shape.child_table, probs, None,
+                         torch.tensor([[0.6, 0.3, 0.5], [0.4, 0.3, 0.5]]), 1)
+    assert path.tolist() == [[0, -1], [0, 1]] and bonus.tolist() == [2, 1]  # the second row: accepted, p = [0, 1, 0]
+    probs = torch.tensor([[0.5, 0.25, 0.25], [0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]).expand(2, -1, -1)
+    proposals = torch.tensor([[0.0, 0.0, 0.0], [0.8, 0.2, 0.0], [0.0, 1.0, 1.0]]).expand(2, -1, -1)
+    path, bonus = accept(torch.tensor([[5, 0, 1], [5, 0, 1]]), shape.child_table, probs, proposals,
+                         torch.tensor([[0.7, 0.5, 0.1], [0.7, 0.5, 0.5]]), 1)
+    assert path.tolist() == [[0, -1], [0, -1]] and bonus.tolist() == [1, 2]
 
 
 @pytest.mark.parametrize("rows, k, n, bias, dtype", [

@@ -106,14 +106,17 @@ def test_capture_graphs_lists_the_step_sizes_of_each_stage():
     sampled = place(validate(graph(tree={"shape": "static", "branching": [3, 2, 1]}, sampling={"temperature": 0.7})))
     for name in sampled.stages():
         sampled.node(name)["device"] = torch.device("cuda:0")
-    sampled = capture_graphs(plan_memory(plan_tree(sampled)))  # draws: forwards are captured one by one instead
+    together = capture_graphs(plan_memory(plan_tree(sampled)))  # counter-based draws: a graph holds them
+    assert together.node("target")["step_graphs"] and together.node("target")["graph_buckets"] == ()
+    sampled.node("draft")["device"] = torch.device("cuda:1")
+    sampled = capture_graphs(plan_memory(plan_tree(sampled)))  # two GPUs: forwards are captured one by one instead
     assert not sampled.node("target")["step_graphs"]
     assert sampled.node("target")["graph_buckets"] == (1, 1 + 3 + 6 + 6)
     assert sampled.node("draft")["graph_buckets"] == (2, 3, 6)  # catch-up, then 3 and 6 nodes expanded
     hybrid = place(validate(graph(draft=shared_models() / "hybrid", tree={"shape": "static", "branching": [3, 2, 1]},
                                   sampling={"temperature": 0.7})))
-    for name in hybrid.stages():
-        hybrid.node(name)["device"] = torch.device("cuda:0")
+    for name, device in zip(hybrid.stages(), ("cuda:1", "cuda:0")):
+        hybrid.node(name)["device"] = torch.device(device)
     hybrid = capture_graphs(plan_memory(plan_tree(hybrid)))  # a hybrid drafter re-feeds the catch-up and all fed so far
     assert hybrid.node("draft")["graph_buckets"] == (2, 2 + 3, 2 + 3 + 6)
     dyn = place(validate(graph(tree={"shape": "dynamic", "width": 5, "depth": 3, "nodes": 20})))

@@ -51,6 +51,9 @@ def run_batched_bench(spec: BatchSpec) -> dict:
     most = max(spec.batches)
     recipe = spec.recipe.model_copy(update={"serving": spec.recipe.serving.model_copy(update={"max_batch": most})})
     with Program(plan(recipe), widen=spec.widen) as program:
+        if program.cluster is not None:
+            raise SpecgraphError(f"--batch: recipe {spec.recipe.name} runs over several processes (split stages), "
+                                 "which decode one request at a time; measure a recipe whose stages have one device each")
         encoded = [program.encode(p["prompt"]) for p in spec.prompts]
         systems = {"specgraph": program.executor}
         if "ar" in spec.baselines:

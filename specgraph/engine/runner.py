@@ -105,20 +105,30 @@ class Runner:
         size = next(b for b in self.sizes if b >= n) if self.captured else n
         rows = torch.tensor(slots + [self.padding] * (size - n), device=self.device)
         live = torch.arange(size, device=self.device) < n
-        longest = max(self.host_lengths[s] for s in slots)
         clock = Clock(self.device)
-        clock.mark()
-        drafted = () if self.drafter is None else self._replays.run(
-            ("draft", size, budget), lambda rows, live: self._draft(rows, live, longest, budget).tensors(), rows, live)
-        clock.mark()
-        result = self._replays.run(("verify", size, budget), lambda rows, *drafted: self._verify(
-            rows, drafted, longest, budget), rows, *drafted)  # [R, D + 2]
-        clock.mark()
+        result = self.step(rows, live, max(self.host_lengths[s] for s in slots), budget, clock)  # [R, D + 2]
         out = []
         for slot, (count, *new) in zip(slots, result[:n].tolist()):  # the step's one host read
             self.host_lengths[slot] += count
             out.append(new[:count])
         return out, clock
+
+    def step(self, rows: torch.Tensor, live: torch.Tensor, longest: int, budget: int | None,
+             clock: Clock | None = None) -> torch.Tensor:
+        """The device work of a step of the requests in table rows `rows` [R] (`live` [R]: not
+        padding; `longest`: the most committed tokens among them, which sizes eager forwards) ->
+        [R, D + 2]: each one's count of new tokens, then the new tokens; no host read. `clock`:
+        marked around the draft and the verify phases."""
+        marks = clock.mark if clock is not None else lambda: None
+        marks()
+        size = rows.numel()
+        drafted = () if self.drafter is None else self._replays.run(
+            ("draft", size, budget), lambda rows, live: self._draft(rows, live, longest, budget).tensors(), rows, live)
+        marks()
+        result = self._replays.run(("verify", size, budget), lambda rows, *drafted: self._verify(
+            rows, drafted, longest, budget), rows, *drafted)
+        marks()
+        return result
 
     def _requests(self, rows: torch.Tensor) -> tuple[Requests, SamplingRows, Draws]:
         """The step's requests (table rows `rows` [R]), their settings and random streams."""

@@ -1,6 +1,7 @@
 """The executor interface: every execution style turns a prompt into a `Generation` behind it.
 
-`Program` asks `make_executor` for the one its recipe's `execution` names; `specgraph run` and
+`Program` asks `lower.build_executor` for the one its recipe's `execution` names (serial: the engine,
+engine/); `specgraph run` and
 `bench` only ever call `generate`.
 """
 

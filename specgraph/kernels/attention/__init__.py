@@ -1,5 +1,6 @@
-"""Attention of a step's queries (one token, a catch-up chain or a draft tree) over a stage's KV
-cache, under the step's mask (one [T, width] mask shared by every head and layer)."""
+"""Attention of a forward's packed queries (per segment: one token, a chain or a draft tree) over a
+stage's paged KV cache, each seeing its request's committed prefix and the region offsets its
+layout marks (specgraph/layout.py; the same inputs for every head and layer)."""
 
 import torch
 
