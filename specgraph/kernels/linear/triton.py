@@ -63,7 +63,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if weight.stride() != (k, 1):
         raise ValueError("the one-token projection needs a contiguous [N, K] weight")
     out = torch.empty(n, dtype=x.dtype, device=x.device)
-    block_n = 1  # a program per row: the fastest measured with dependent launch (docs/benchmarks.md, run 20)
+    # A GPU: a program per row, the fastest measured with dependent launch (docs/benchmarks.md, run 20).
+    # The CPU's interpreter runs programs one by one in Python: 64 rows each, every row summed alike.
+    block_n = 1 if x.is_cuda else 64
     _gemv[(triton.cdiv(n, block_n),)](x.contiguous(), weight, bias if bias is not None else out, out, n, k,
                                       HAS_BIAS=bias is not None, BLOCK_N=block_n,
                                       BLOCK_K=min(1024, triton.next_power_of_2(k)), **launch(x.device))
