@@ -81,7 +81,7 @@ def test_a_tensor_parallel_target_with_a_one_process_drafter(tmp_path, target_re
                                                             "stages.1.devices=[cpu,cpu]", "max_new_tokens=128"])
     with Program.from_recipe(recipe) as program:
         assert len(program.cluster.pids) == 3
-        for ids, expected in target_reference:
+        for ids, expected in target_reference[:6]:  # three processes a step: the serial tests take all prompts
             assert program.generate(ids).output_ids == expected
 
 
