@@ -20,7 +20,9 @@ for name in $RECIPES; do
   recipe=recipes/$name.yaml extra=()
   [ "$name" = budget ] && recipe=recipes/dynamic.yaml extra=(--set 'stages.1.verify.budget={epsilon: 0.1}')
   [ "$SHAPE" != "${SHAPE#qwen}" ] && extra+=(--set models.target.path=../.fixtures/hybrid)
-  sg serve "$recipe" --widen "$SHAPE" --batch "$BATCH" --port "$PORT" "${extra[@]}" > "$OUT/serve-$SHAPE-$name.log" 2>&1 &
+  # (python itself in the background, not the `sg` function's subshell: SIGTERM must reach the server)
+  python3 -m specgraph serve "$recipe" --widen "$SHAPE" --batch "$BATCH" --port "$PORT" "${extra[@]}" \
+    > "$OUT/serve-$SHAPE-$name.log" 2>&1 &
   server=$!
   until python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2> /dev/null; do
     kill -0 "$server" 2> /dev/null || { echo "serve $name failed:"; tail -5 "$OUT/serve-$SHAPE-$name.log"; exit 1; }
@@ -35,5 +37,5 @@ for name in $RECIPES; do
       "${pace[@]}" --json "$OUT/loadgen-$SHAPE-$name-rate$rate.json"
   done
   kill -TERM "$server"
-  wait "$server" || true
+  wait "$server" || true  # (the port is free for the next recipe's server)
 done
