@@ -16,7 +16,9 @@ from specgraph.engine.runner import Runner
 from specgraph.errors import SpecgraphError
 from specgraph.graph import SpecGraph
 from specgraph.growing import GrowingDrafter
+from specgraph.head import HeadDrafter
 from specgraph.kernels import Kernels
+from specgraph.models.eagle import Eagle3Head
 from specgraph.models.loader import load_model
 from specgraph.parallel import shard_model
 from specgraph.passes.place import resolve_device
@@ -135,7 +137,14 @@ def build_drafter(graph: SpecGraph, stages: dict[str, Stage], name: str | None =
     draft_name = graph.drafter_of(name or graph.target)
     if draft_name is None:
         return None
-    return Drafter(stages[draft_name], graph.node(draft_name)["tree"], graph.node(graph.target)["rule"])
+    stage, tree, rule = stages[draft_name], graph.node(draft_name)["tree"], graph.node(graph.target)["rule"]
+    if not isinstance(stage.model, Eagle3Head):
+        return Drafter(stage, tree, rule)
+    target = stages[graph.target]
+    target.capture = graph.node(draft_name)["features"]  # (the target's verification hands them over)
+    if stage.model.shares_embedding:
+        stage.model.embed_tokens.weight = target.model.embed_tokens.weight
+    return HeadDrafter(stage, tree, rule)
 
 
 def widened_models(graph: SpecGraph, names: list[str], shape: str | None, ranks: Ranks = Ranks()) -> dict[str, nn.Module]:

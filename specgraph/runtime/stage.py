@@ -53,6 +53,7 @@ class Stage:
         self.static_shapes = static_shapes or bool(graph_buckets)  # attend over the whole capacity
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self._replays = Replays(device.type == "cuda", self.pool)
+        self.capture: tuple[int, ...] = ()  # layers whose inputs forward_features returns (a head drafts for this stage)
 
     def width(self, length: int, step_tokens: int) -> int:
         """Virtual slots a step's forwards attend over, `length` tokens committed and `step_tokens` written past them."""
@@ -72,6 +73,12 @@ class Stage:
             return run(*inputs)
         key = (layout.tokens, layout.segments, layout.region)
         return self._replays.run(key, run, *inputs).clone()  # (the next replay overwrites it)
+
+    def forward_features(self, tokens: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, eager, also returning the inputs of the layers `capture` names [T, C H] (the
+        features a head drafts from: models/eagle.py)."""
+        logits, features = self.model(tokens[None], self.cache, layout, self.capture)
+        return self._aligned(logits[0]), features[0]
 
     def pack(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
              offsets: torch.Tensor, visible: torch.Tensor, width: int, counts: torch.Tensor | None = None,

@@ -1,0 +1,173 @@
+"""EAGLE-3 heads (models/eagle.py, head.py): a head in the published layout, built here from its
+documented names and shapes, loads and drafts what EAGLE-3 computes (a plain PyTorch reading of
+those tensors over transformers' hidden states); greedy decoding with a head equals transformers'
+greedy decoding of the target; heads we do not support are refused in one line."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import EMBEDDED
+from helpers import two_stage
+from safetensors.torch import load_file, save_file
+
+from specgraph.errors import SpecgraphError
+from specgraph.program import Program
+from specgraph.recipe import Recipe
+
+TARGET = EMBEDDED / "target"
+TREES = {
+    "chain": {"shape": "chain", "length": 4},
+    "static": {"shape": "static", "branching": [3, 2, 1, 1]},
+    "dynamic": {"shape": "dynamic", "width": 4, "depth": 5, "nodes": 24},
+}
+H, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 384, 3, 1, 128, 1024, 4096  # the target fixture's shape
+
+
+def published_head(folder: Path, draft_vocab: int = 1024, seed: int = 0, **config) -> Path:
+    """An EAGLE-3 head for the target fixture in the published layout (random weights): config.json
+    naming LlamaForCausalLMEagle3, fc [H, 3H], one midlayer whose q/k/v read 2H, norm, a reduced
+    lm_head [draft_vocab, H], d2t (draft id -> target id offset) and t2d; no embed_tokens (the target's)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) / math.sqrt(shape[-1])
+
+    state = {"fc.weight": rand(H, 3 * H), "norm.weight": 1 + 0.1 * rand(H), "lm_head.weight": 4 * rand(draft_vocab, H)}
+    layer = {"hidden_norm.weight": 1 + 0.1 * rand(H), "input_layernorm.weight": 1 + 0.1 * rand(H),
+             "post_attention_layernorm.weight": 1 + 0.1 * rand(H),
+             "self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, 2 * H), "self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, 2 * H),
+             "self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, 2 * H), "self_attn.o_proj.weight": rand(H, HEADS * HEAD_DIM),
+             "mlp.gate_proj.weight": rand(FFN, H), "mlp.up_proj.weight": rand(FFN, H), "mlp.down_proj.weight": rand(H, FFN)}
+    state |= {f"midlayer.{name}": tensor for name, tensor in layer.items()}
+    ids = torch.randperm(VOCAB, generator=g)[:draft_vocab].sort().values  # the target ids the head covers
+    state["d2t"] = ids - torch.arange(draft_vocab)
+    state["t2d"] = torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, ids, True)
+    folder.mkdir(parents=True)
+    save_file(state, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H, "intermediate_size": FFN,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "draft_vocab_size": draft_vocab, "max_position_embeddings": 4096,
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0,
+        "eos_token_id": 0} | config))
+    return folder
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, d] rotated as Llama's rotary embedding (theta 500000) at `positions` [n]."""
+    d = x.shape[-1]
+    freqs = positions[:, None].float() / 500000.0 ** (torch.arange(0, d, 2).float() / d)  # [n, d/2]
+    cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+
+
+def eagle3_chain(head: Path, ids: list[int], length: int) -> list[int]:
+    """EAGLE-3's greedy chain of `length` drafts after `ids`, read off the published tensors in plain
+    PyTorch: pairs (the target's layer-2, 4 and 5 inputs at token p — transformers' hidden states —
+    fused by fc, token p + 1) at positions p through the midlayer with full causal attention, each
+    draft fed back as (the midlayer's output, its token)."""
+    w = load_file(head / "model.safetensors")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    with torch.no_grad():
+        states = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states  # input of layer i: states[i]
+        hidden = torch.cat([states[i][0] for i in (2, 4, 5)], -1)[:-1] @ w["fc.weight"].T  # [n, H]
+        tokens, chain = list(ids[1:]), []
+        embed = hf.model.embed_tokens.weight
+        for _ in range(length):
+            n = len(tokens)
+            x = torch.cat([_rms(embed[tokens], w["midlayer.input_layernorm.weight"]),
+                           _rms(hidden, w["midlayer.hidden_norm.weight"])], -1)  # [n, 2H]
+            q = _rotate((x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, HEAD_DIM), torch.arange(n))
+            k = _rotate((x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM), torch.arange(n))
+            v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM)
+            scores = torch.einsum("qhd,khd->hqk", q, k.expand(n, HEADS, HEAD_DIM)) / math.sqrt(HEAD_DIM)
+            scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+            attended = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.expand(n, HEADS, HEAD_DIM)).reshape(n, -1)
+            r = hidden + attended @ w["midlayer.self_attn.o_proj.weight"].T
+            m = _rms(r, w["midlayer.post_attention_layernorm.weight"])
+            out = r + (torch.nn.functional.silu(m @ w["midlayer.mlp.gate_proj.weight"].T)
+                       * (m @ w["midlayer.mlp.up_proj.weight"].T)) @ w["midlayer.mlp.down_proj.weight"].T
+            draft = int((_rms(out[-1], w["norm.weight"]) @ w["lm_head.weight"].T).argmax())
+            token = draft + int(w["d2t"][draft])
+            chain.append(token)
+            tokens.append(token)
+            hidden = torch.cat([hidden, out[-1:]])
+    return chain
+
+
+def drafted_chains(program: Program, ids: list[int], steps: int) -> list[tuple[list[int], list[int]]]:
+    """Each of the first `steps` steps of the engine on `ids`: (what was committed before it, its drafted chain)."""
+    engine = program.executor
+    runner, chains = engine.runner, []
+    draft = runner.drafter.draft
+
+    def noting(requests, *args, **kwargs):
+        drafted = draft(requests, *args, **kwargs)
+        length = int(requests.lengths[0])
+        chains.append((requests.tokens[requests.rows[0], :length].tolist(), drafted.tree.tokens[0, 1:].tolist()))
+        return drafted
+
+    runner.drafter.draft = noting
+    request = engine.add_request(ids, 64)
+    while len(chains) < steps and not request.finished:
+        engine.step()
+    return chains
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory) -> Path:
+    return published_head(tmp_path_factory.mktemp("eagle3") / "head")
+
+
+def test_a_published_head_drafts_what_eagle3_computes(head):
+    program = Program.from_recipe(two_stage(TARGET, head, {"shape": "chain", "length": 3}))
+    ids = program.encode("import os\nimport sys\n\n\ndef main(argv):\n")
+    chains = drafted_chains(program, ids, 3)
+    assert len(chains) == 3
+    for committed, chain in chains:
+        assert chain == eagle3_chain(head, committed, 3)
+
+
+@pytest.mark.parametrize("shape", list(TREES))
+def test_greedy_output_with_a_head_equals_the_target_alone(target_reference, head, shape):
+    program = Program.from_recipe(two_stage(TARGET, head, TREES[shape], max_new_tokens=128))
+    for ids, expected in target_reference[:4]:
+        assert program.generate(ids).output_ids == expected
+
+
+def refusal(recipe: Recipe) -> str:
+    with pytest.raises(SpecgraphError) as caught:
+        Program.from_recipe(recipe)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_heads_we_do_not_support_are_refused_in_one_line(tmp_path, head):
+    older = published_head(tmp_path / "eagle1", architectures=["LlamaForCausalLMEagle"])
+    assert "EAGLE-1/2 head, which is not supported" in refusal(two_stage(TARGET, older, TREES["chain"]))
+    layers = published_head(tmp_path / "layers", num_hidden_layers=2)
+    assert "one decoder layer" in refusal(two_stage(TARGET, layers, TREES["chain"]))
+    wide = published_head(tmp_path / "wide", vocab_size=8192)
+    assert "the head is for a target of vocab_size 8192" in refusal(two_stage(TARGET, wide, TREES["chain"]))
+    deep = published_head(tmp_path / "deep", eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 4, 9]})
+    assert "reads target layers [1, 4, 9]" in refusal(two_stage(TARGET, deep, TREES["chain"]))
+    unfused = published_head(tmp_path / "unfused")
+    state = load_file(unfused / "model.safetensors")
+    save_file({k: v for k, v in state.items() if k != "fc.weight"}, unfused / "model.safetensors")
+    assert "missing fc.weight" in refusal(two_stage(TARGET, unfused, TREES["chain"]))
+    scattered = published_head(tmp_path / "scattered")
+    state = load_file(scattered / "model.safetensors")
+    save_file(state | {"d2t": state["d2t"] + VOCAB}, scattered / "model.safetensors")
+    assert "d2t maps draft ids outside the target's vocabulary" in refusal(two_stage(TARGET, scattered, TREES["chain"]))
+    assert "it cannot be the target" in refusal(two_stage(head, None))
+    recipe = two_stage(TARGET, head, TREES["chain"]).model_copy(update={"execution": "disaggregated"})
+    assert "drafts under execution: serial only" in refusal(recipe)
