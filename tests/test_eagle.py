@@ -1,7 +1,8 @@
-"""EAGLE-3 heads (models/eagle.py, head.py): a head in the published layout, built here from its
-documented names and shapes, loads and drafts what EAGLE-3 computes (a plain PyTorch reading of
-those tensors over transformers' hidden states); greedy decoding with a head equals transformers'
-greedy decoding of the target; heads we do not support are refused in one line."""
+"""EAGLE-3 heads (models/eagle.py, head.py, train_head.py): a head in the published layout, built
+here from its documented names and shapes, loads and drafts what EAGLE-3 computes (a plain PyTorch
+reading of those tensors over transformers' hidden states); greedy decoding with a head equals
+transformers' greedy decoding of the target; `train-draft` writes a head that does the same, and
+resumes exactly; heads and training data we do not support are refused in one line."""
 
 import json
 import math
@@ -10,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import EMBEDDED
+from conftest import EMBEDDED, REPO
 from helpers import two_stage
 from safetensors.torch import load_file, save_file
 
+from specgraph.cli import main
 from specgraph.errors import SpecgraphError
 from specgraph.program import Program
 from specgraph.recipe import Recipe
@@ -171,3 +173,72 @@ def test_heads_we_do_not_support_are_refused_in_one_line(tmp_path, head):
     assert "it cannot be the target" in refusal(two_stage(head, None))
     recipe = two_stage(TARGET, head, TREES["chain"]).model_copy(update={"execution": "disaggregated"})
     assert "drafts under execution: serial only" in refusal(recipe)
+
+
+def training_data(path: Path) -> Path:
+    """Training texts for the tests' heads: this repository's own sources (not the held-out prompts)."""
+    path.write_text("".join(json.dumps({"text": f.read_text()}) + "\n" for f in sorted((REPO / "specgraph").glob("*.py"))))
+    return path
+
+
+def train_draft(data: Path, out: Path, *flags: str) -> int:
+    return main(["train-draft", str(TARGET), "--data", str(data), "-o", str(out), "--batch", "4", "--seq-len", "64",
+                 "--ttt", "3", "--draft-vocab", "512", "--intermediate-size", "256", *flags])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("trained")
+    assert train_draft(training_data(folder / "data.jsonl"), folder / "head", "--steps", "40", "--lr", "3e-3") == 0
+    return folder / "head"
+
+
+def test_train_draft_writes_the_published_layout(trained):
+    names = set(load_file(trained / "model.safetensors"))
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "norm.weight",
+            "lm_head.weight", "d2t", "t2d"} <= names and "embed_tokens.weight" not in names
+    config = json.loads((trained / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 512
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+
+
+@pytest.mark.parametrize("shape", list(TREES))
+def test_a_trained_head_decodes_as_the_target_alone(target_reference, trained, shape):
+    program = Program.from_recipe(two_stage(TARGET, trained, TREES[shape], max_new_tokens=48))
+    for ids, expected in target_reference[:2]:
+        assert program.generate(ids).output_ids == expected[:48]
+
+
+def test_a_resumed_run_ends_where_one_run_does(tmp_path):
+    data = training_data(tmp_path / "data.jsonl")
+    assert train_draft(data, tmp_path / "whole", "--steps", "6") == 0
+    assert train_draft(data, tmp_path / "parts", "--steps", "3") == 0
+    assert json.loads((tmp_path / "parts" / "training" / "state.json").read_text())["step"] == 3
+    assert train_draft(data, tmp_path / "parts", "--steps", "6") == 0
+    whole, parts = (load_file(tmp_path / run / "model.safetensors") for run in ("whole", "parts"))
+    assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
+
+
+def test_train_draft_refuses_bad_data_and_targets_in_one_line(tmp_path, capsys, head):
+    data = training_data(tmp_path / "data.jsonl")
+    cases = [
+        (tmp_path / "none.jsonl", [], "does not exist"),
+        (tmp_path / "bad.jsonl", [], "line 2 is not JSON"),
+        (tmp_path / "field.jsonl", [], "line 1 needs a 'text' (or 'prompt') string"),
+        (tmp_path / "short.jsonl", [], "training windows need more than 64"),
+        (data, ["--layers", "1,2,9"], "--layers: three layers of the target's 8"),
+        (data, ["--layers", "a,b"], "--layers: three layer indices"),
+    ]
+    (tmp_path / "bad.jsonl").write_text('{"text": "x = 1"}\nnot json\n')
+    (tmp_path / "field.jsonl").write_text('{"code": "x = 1"}\n')
+    (tmp_path / "short.jsonl").write_text('{"prompt": "x = 1"}\n')
+    for file, flags, message in cases:
+        assert train_draft(file, tmp_path / "out", "--steps", "1", *flags) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err
+    assert main(["train-draft", str(head), "--data", str(data), "-o", str(tmp_path / "out")]) == 2
+    assert "train-draft trains heads for Llama-family targets, not LlamaForCausalLMEagle3" in capsys.readouterr().err
+    assert train_draft(data, tmp_path / "out", "--steps", "1") == 0
+    capsys.readouterr()
+    assert train_draft(data, tmp_path / "out", "--steps", "2", "--lr", "0.5") == 2
+    assert "holds a run with other settings (lr)" in capsys.readouterr().err
