@@ -479,6 +479,10 @@ def cmd_compile(args: argparse.Namespace) -> None:
     recipe = Recipe.from_yaml(args.recipe, [*args.overrides, "lowering.compile=false"])
     graph = plan(recipe)
     _serial_in_one_process(graph, "compile", "cannot be exported yet")
+    heads = [name for name in graph.stages() if graph.node(name)["features"] is not None]
+    if heads:
+        raise SpecgraphError(f"compile: stage {heads[0]} drafts with an EAGLE-3 head, which cannot be exported yet; "
+                             "run the recipe itself (specgraph run RECIPE)")
     export_program(Program(graph), args.output)
 
 

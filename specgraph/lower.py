@@ -19,7 +19,7 @@ from specgraph.growing import GrowingDrafter
 from specgraph.head import HeadDrafter
 from specgraph.kernels import Kernels
 from specgraph.models.eagle import Eagle3Head
-from specgraph.models.loader import load_model
+from specgraph.models.loader import is_head, load_model
 from specgraph.parallel import shard_model
 from specgraph.passes.place import resolve_device
 from specgraph.recipe import ChainTree
@@ -156,6 +156,9 @@ def widened_models(graph: SpecGraph, names: list[str], shape: str | None, ranks:
     plans = {}  # name -> (small model, its shape name, what it is): every misfit found before any widening
     for name in names:
         node = graph.node(name)
+        if is_head(node["config"]):
+            raise SpecgraphError(f"--widen: stage {name} drafts with an EAGLE-3 head (models.{node['spec'].model}), "
+                                 "which is not widened yet; widen a recipe with a draft model")
         small = load_model(node["model"].path, node["dtype"], "cpu")
         big = shape if name == graph.target else draft_shape_for(small.shape)
         plans[name] = small, big, f"stage {name}'s model (models.{node['spec'].model})"

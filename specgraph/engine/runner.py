@@ -118,7 +118,7 @@ class Runner:
         causal = torch.ones(count, count, dtype=torch.bool, device=self.device).tril()
         tokens, layout = target.pack(self.tokens[slot, start:stop][None], (start + offsets)[None], rows,
                                      torch.tensor([start], device=self.device), offsets[None], causal[None], stop)
-        features = target.forward_features(tokens, layout)[1][:count]  # [count, C H]
+        features = target.forward_features(tokens, layout)[1]  # [count, C H]
         target.cache.keep(rows, torch.tensor([count], device=self.device))
         pairs = min(stop, length - 2) - start
         if pairs > 0:
