@@ -83,11 +83,12 @@ def stage_over(graph: SpecGraph, name: str, model: nn.Module) -> Stage:
     """Stage `name` over `model`, lowered already: a fresh cache of the plan's `cache_slots`, its
     `graph_buckets` and `static_shapes` (one lowered model serves the plans of several trees:
     `specgraph tune`)."""
-    node = graph.node(name)
+    node, drafter = graph.node(name), graph.drafter_of(name)
     paged = graph.recipe.execution == "serial"  # (the engine assigns the table's rows; the others use row 0)
+    capture = graph.node(drafter)["features"] if drafter is not None else None  # (an EAGLE-3 head's)
     return Stage(name, model, node["cache_slots"], node["device"], node["graph_buckets"], node["static_shapes"],
                  Kernels.select(node["kernels"]), node["vocab"], node["requests"], node["kv_blocks"] if paged else None,
-                 node["block_size"])
+                 node["block_size"], capture or ())
 
 
 def build_executor(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks = Ranks()) -> Executor:
@@ -140,27 +141,21 @@ def build_drafter(graph: SpecGraph, stages: dict[str, Stage], name: str | None =
     stage, tree, rule = stages[draft_name], graph.node(draft_name)["tree"], graph.node(graph.target)["rule"]
     if not isinstance(stage.model, Eagle3Head):
         return Drafter(stage, tree, rule)
-    target = stages[graph.target]
-    target.capture = graph.node(draft_name)["features"]  # (the target's verification hands them over)
-    if stage.model.shares_embedding:
-        stage.model.embed_tokens.weight = target.model.embed_tokens.weight
+    stage.model.tie_embedding(stages[graph.target].model.embed_tokens)
     return HeadDrafter(stage, tree, rule)
 
 
 def widened_models(graph: SpecGraph, names: list[str], shape: str | None, ranks: Ranks = Ranks()) -> dict[str, nn.Module]:
     """Stages `names` widened to a real model's shape (the target to `shape`, drafters to the small
-    shape with their head dim: bench/widen.py), as this rank's shard where a stage is split; {}
+    shape with their head dim, an EAGLE-3 head to a head of `shape`: bench/widen.py), as this rank's shard where a stage is split; {}
     when `shape` is None."""
     if not shape:
         return {}
     plans = {}  # name -> (small model, its shape name, what it is): every misfit found before any widening
     for name in names:
         node = graph.node(name)
-        if is_head(node["config"]):
-            raise SpecgraphError(f"--widen: stage {name} drafts with an EAGLE-3 head (models.{node['spec'].model}), "
-                                 "which is not widened yet; widen a recipe with a draft model")
         small = load_model(node["model"].path, node["dtype"], "cpu")
-        big = shape if name == graph.target else draft_shape_for(small.shape)
+        big = shape if name == graph.target or is_head(node["config"]) else draft_shape_for(small.shape)
         plans[name] = small, big, f"stage {name}'s model (models.{node['spec'].model})"
         widened_shape(small.shape, big, what=plans[name][2])
     models = {}

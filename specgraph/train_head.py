@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
 from specgraph.errors import CheckpointError, SpecgraphError
-from specgraph.files import read_text
+from specgraph.files import read_text, write_output
 from specgraph.models import eagle
 from specgraph.models.eagle import Eagle3Head
 from specgraph.models.llama import hf_state
@@ -170,7 +170,7 @@ class Trainer:
             torch.bincount(self.stream, minlength=vocab).argsort(descending=True, stable=True)[: min(spec.draft_vocab, vocab)]
             .sort().values)  # [Vd] the target ids the head covers
         spec.out.mkdir(parents=True, exist_ok=True)
-        (spec.out / "config.json").write_text(json.dumps(head_config(spec.target, spec, layers, ids.numel()), indent=2))
+        write_output(spec.out / "config.json", json.dumps(head_config(spec.target, spec, layers, ids.numel()), indent=2))
         config = read_config(spec.out)
         with torch.device(device):
             self.head = Eagle3Head(head_shape(config, spec.out))
@@ -179,7 +179,7 @@ class Trainer:
         self.head.t2d.zero_().index_fill_(0, ids, True)
         self.draft_ids = torch.full((vocab,), -100, dtype=torch.long, device=device).index_copy_(
             0, ids, torch.arange(ids.numel(), device=device))  # [V] target id -> draft id (-100: none)
-        self.head.embed_tokens = target.embed_tokens  # (shared and frozen, as at inference)
+        self.head.tie_embedding(target.embed_tokens)  # (shared and frozen, as at inference)
         self.params = {n: p for n, p in self.head.named_parameters() if not n.startswith("embed_tokens.")}
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.step = 0
@@ -187,8 +187,7 @@ class Trainer:
             self._resume(resumed)
         else:
             self._initialise()
-        self.target = Stage("target", target, spec.seq_len, device, requests=spec.batch)
-        self.target.capture = tuple(layers)
+        self.target = Stage("target", target, spec.seq_len, device, requests=spec.batch, capture=tuple(layers))
 
     def _resumed(self) -> dict | None:
         """OUT/training's state where a run left one (refused if it trained with other settings)."""
@@ -225,8 +224,8 @@ class Trainer:
         """The published layout in OUT, and the state to resume from in OUT/training/."""
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.spec.dtype]
         published = eagle.to_published(hf_state(self.head))
-        save_file({n: (t.to(dtype) if t.is_floating_point() else t).contiguous().cpu() for n, t in published.items()
-                   if n != "embed_tokens.weight"}, self.spec.out / "model.safetensors")
+        _write_tensors(self.spec.out / "model.safetensors", {n: t.to(dtype) if t.is_floating_point() else t
+                                                             for n, t in published.items() if n != "embed_tokens.weight"})
         self.state_dir.mkdir(exist_ok=True)
         state = {"d2t": self.head.d2t}
         for name, param in self.params.items():
@@ -234,9 +233,9 @@ class Trainer:
             state[f"param.{name}"] = param.detach()
             for kind in ("exp_avg", "exp_avg_sq"):
                 state[f"{kind}.{name}"] = moments.get(kind, torch.zeros_like(param))
-        save_file({n: t.contiguous().cpu() for n, t in state.items()}, self.state_dir / "state.safetensors")
+        _write_tensors(self.state_dir / "state.safetensors", state)
         meta = {"step": self.step, "settings": self.spec.settings()}
-        (self.state_dir / "state.json").write_text(json.dumps(meta, indent=2))
+        write_output(self.state_dir / "state.json", json.dumps(meta, indent=2))
 
     def windows(self) -> torch.Tensor:
         """This step's windows [B, S] (the same for a step whether or not the run was resumed)."""
@@ -276,6 +275,12 @@ class Trainer:
         self.optimizer.step()
         self.step += 1
         return float(losses[0].detach()), accuracy
+
+
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A safetensors file written atomically (files.write_output: an interrupted save leaves the last one whole)."""
+    data = save({n: t.contiguous().cpu() for n, t in tensors.items()})
+    write_output(path, lambda f: f.write(data))
 
 
 def train(spec: TrainSpec) -> Path:

@@ -12,9 +12,10 @@ import pytest
 import torch
 import transformers
 from conftest import EMBEDDED, REPO
-from helpers import two_stage
+from helpers import BUDGETS, REDUCED, decode_together, sampled_law, total_variation, two_stage, two_token_law
 from safetensors.torch import load_file, save_file
 
+from specgraph.bench.widen import HEAD_DRAFT_VOCAB, widen
 from specgraph.cli import main
 from specgraph.errors import SpecgraphError
 from specgraph.passes import plan
@@ -22,6 +23,7 @@ from specgraph.program import Program
 from specgraph.recipe import Recipe
 
 TARGET = EMBEDDED / "target"
+SHIPPED = EMBEDDED / "eagle3"  # the head shipped for the target fixture (recipes/eagle3.yaml)
 TREES = {
     "chain": {"shape": "chain", "length": 4},
     "static": {"shape": "static", "branching": [3, 2, 1, 1]},
@@ -174,8 +176,6 @@ def test_heads_we_do_not_support_are_refused_in_one_line(tmp_path, head):
     assert "it cannot be the target" in refusal(two_stage(head, None))
     recipe = two_stage(TARGET, head, TREES["chain"]).model_copy(update={"execution": "disaggregated"})
     assert "drafts under execution: serial only" in refusal(recipe)
-    with pytest.raises(SpecgraphError, match="drafts with an EAGLE-3 head .* which is not widened yet"):
-        Program(plan(two_stage(TARGET, head, TREES["chain"])), widen="llama-3-8b")
 
 
 def test_a_head_recipe_is_not_exported_in_one_line(tmp_path, capsys, head):
@@ -255,3 +255,82 @@ def test_train_draft_refuses_bad_data_and_targets_in_one_line(tmp_path, capsys, 
     assert train_draft(data, tmp_path / "out", "--steps", "2", "--lr", "0.5") == 2
     assert "holds a run with other settings (lr)" in capsys.readouterr().err
 
+
+@pytest.mark.parametrize("shape", list(TREES))
+def test_the_shipped_head_decodes_as_the_target_alone(target_reference, shape):
+    program = Program.from_recipe(two_stage(TARGET, SHIPPED, TREES[shape], max_new_tokens=128))
+    accepted = []
+    for ids, expected in target_reference[:4]:
+        generation = program.generate(ids)
+        assert generation.output_ids == expected
+        accepted += generation.accepted_lengths
+    assert sum(accepted) / len(accepted) > 1.5  # the head's drafts are really being accepted
+
+
+def test_the_shipped_head_drafts_what_eagle3_computes_across_steps():
+    """Steps that commit several tokens: the catch-up feeds all their pairs."""
+    program = Program.from_recipe(two_stage(TARGET, SHIPPED, {"shape": "chain", "length": 3}))
+    chains = drafted_chains(program, program.encode("import os\nimport sys\n\n\ndef main(argv):\n"), 6)
+    committed = [len(before) for before, _ in chains]
+    assert max(b - a for a, b in zip(committed, committed[1:])) > 1
+    for before, chain in chains:
+        assert chain == eagle3_chain(SHIPPED, before, 3)
+
+
+def test_the_eagle3_recipe_decodes_as_the_target_alone(target_reference):
+    program = Program.from_recipe(Recipe.from_yaml(REPO / "recipes" / "eagle3.yaml", ["max_new_tokens=128"]))
+    ids, expected = target_reference[1]
+    assert program.generate(ids).output_ids == expected
+
+
+def test_sampling_through_the_head_follows_the_target_distribution():
+    """Two sampled tokens after a prompt, many seeds, the head drawing its children (a static tree):
+    their empirical joint approaches the target's exact one (temperature 1, top-k 3: 9 outcomes)."""
+    sampling = {"temperature": 1.0, "top_k": 3}
+    program = Program.from_recipe(two_stage(TARGET, SHIPPED, {"shape": "static", "branching": [2, 1]},
+                                            sampling=sampling, max_new_tokens=2))
+    ids = program.encode("import os\nimport sys\n\n\ndef main(")
+    first_steps = []
+
+    def generate(seed):
+        generation = program.generate(ids, seed=seed)
+        first_steps.append(generation.accepted_lengths[0])
+        return generation.output_ids
+
+    observed = sampled_law(generate, 1200)
+    exact = two_token_law(TARGET, ids, sampling)
+    assert set(observed) <= set(exact)  # nothing outside the target's support
+    assert first_steps.count(2) > 300  # the head's drafts are accepted, often
+    assert total_variation(observed, exact) < 0.06  # (the expected distance at 1200 draws is about 0.03)
+
+
+def test_a_widened_head_drafts_as_the_small_one():
+    """`--widen` takes a head to a head of the target's shape (bench/widen.py): at an 8B-like layout
+    (REDUCED) its drafts, so its accepted lengths, are the small head's, step for step."""
+    graph = plan(two_stage(TARGET, SHIPPED, TREES["dynamic"], max_new_tokens=40))
+    small = Program(graph)
+    models = {name: widen(small.stages[name].model, REDUCED, "cpu", torch.float32) for name in ("target", "draft")}
+    head = models["draft"]
+    assert head.fc.weight.shape == (640, 3 * 640) and head.lm_head.weight.shape == (HEAD_DRAFT_VOCAB, 640)
+    assert head.layers[0].mlp.down_proj.weight.shape == (640, REDUCED.intermediate_size)
+    wide = Program(graph, models)
+    ids = small.encode("def load(path):\n    with open(path) as f:\n")
+    a, b = small.generate(ids), wide.generate(ids)
+    assert b.output_ids == a.output_ids == small.autoregressive().generate(ids, 40).output_ids
+    assert b.accepted_lengths == a.accepted_lengths and sum(a.accepted_lengths) > 1.5 * len(a.accepted_lengths)
+
+
+@pytest.mark.parametrize("budget", [None, {1: 6, 2: 8, 4: 12, 5: 14}], ids=["own-trees", "budget"])
+def test_the_head_drafts_for_five_requests_at_a_time(target_reference, budget):
+    """The engine with a head: requests of mixed lengths, five at a time with staggered finishes,
+    each with its own pending features, under each tree's nodes or a batch-wide budget."""
+    target = {"name": "target", "model": "target", "devices": ["cpu"], "verifies": "draft"}
+    if budget:
+        target["verify"] = {"budget": {"epsilon": 0.1, "nodes": budget}}
+    recipe = Recipe.from_dict({
+        "name": "batched", "serving": {"max_batch": 5, "block_size": 16},
+        "models": {"target": {"path": str(TARGET)}, "draft": {"path": str(SHIPPED)}},
+        "stages": [{"name": "draft", "model": "draft", "devices": ["cpu"],
+                    "tree": {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 10}}, target]})
+    outputs = decode_together(Program.from_recipe(recipe), target_reference)
+    assert outputs == [expected[:n] for (_, expected), n in zip(target_reference, BUDGETS)]

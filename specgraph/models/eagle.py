@@ -77,10 +77,16 @@ class Eagle3Head(DecoderModel):
         h, width = head.layer.hidden_size, head.target_hidden_size
         self.fc = nn.Linear(3 * width, h, bias=False)
         self.lm_head = nn.Linear(h, head.draft_vocab_size, bias=False)
-        self.served_vocab = head.draft_vocab_size
+        self.served_vocab = head.draft_vocab_size  # draft ids it proposes (less when widened)
+        self.target_vocab = head.layer.vocab_size  # the width of its logits: target ids [0, target_vocab) (less when widened)
         self.register_buffer("d2t", torch.zeros(head.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(head.layer.vocab_size, dtype=torch.bool))
         self.shares_embedding = True  # embed_tokens is the target's (set by the lowering) unless the checkpoint has one
+
+    def tie_embedding(self, embedding: nn.Embedding) -> None:
+        """Read the target's `embedding` where the checkpoint has none of its own."""
+        if self.shares_embedding:
+            self.embed_tokens.weight = embedding.weight
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features [..., 3 Ht] -> the head's hidden input [..., H]."""
@@ -94,12 +100,12 @@ class Eagle3Head(DecoderModel):
         embeds, _, cos, sin = self.stem(tokens, layout.positions[None])
         out = self.layers[0](embeds, hidden, cos, sin, cache.k[0], cache.v[0], layout.slots, layout.attention_inputs())
         draft = self.logits(out, torch.zeros_like(out))  # [1, T, Vd]
-        logits = draft.new_full((*draft.shape[:-1], self.head.layer.vocab_size), float("-inf"))
+        logits = draft.new_full((*draft.shape[:-1], self.target_vocab), float("-inf"))
         return logits.index_copy_(-1, self.target_ids(), draft), out
 
     def target_ids(self) -> torch.Tensor:
-        """[Vd]: the target id of each draft id."""
-        return torch.arange(self.head.draft_vocab_size, device=self.d2t.device) + self.d2t
+        """[served_vocab]: the target id of each draft id served (all but a widened head's padding)."""
+        return torch.arange(self.served_vocab, device=self.d2t.device) + self.d2t[: self.served_vocab]
 
 
 def from_published(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

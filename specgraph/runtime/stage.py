@@ -32,7 +32,7 @@ class Stage:
     def __init__(self, name: str, model: nn.Module, capacity: int, device: torch.device,
                  graph_buckets: tuple[int, ...] = (), static_shapes: bool = False, kernels: Kernels = Kernels(),
                  vocab: tuple[int, int] | None = None, requests: int = 1, blocks: int | None = None,
-                 block_size: int = BLOCK_SIZE):
+                 block_size: int = BLOCK_SIZE, capture: tuple[int, ...] = ()):
         """`capacity`: virtual slots of one request; `requests`: the table's rows; `blocks`: the
         pool's blocks (default: one for trash and `capacity` for each row); `kernels`: the stage's
         choice of kernels, which its cache runs too; `vocab`: (rows, width) where the model's logits
@@ -53,7 +53,7 @@ class Stage:
         self.static_shapes = static_shapes or bool(graph_buckets)  # attend over the whole capacity
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self._replays = Replays(device.type == "cuda", self.pool)
-        self.capture: tuple[int, ...] = ()  # layers whose inputs forward_features returns (a head drafts for this stage)
+        self.capture = capture  # layers whose inputs forward_features returns (an EAGLE-3 head drafts for this stage)
 
     def width(self, length: int, step_tokens: int) -> int:
         """Virtual slots a step's forwards attend over, `length` tokens committed and `step_tokens` written past them."""
