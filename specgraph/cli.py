@@ -149,6 +149,28 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", type=Path, metavar="OUT", help="write the merged report as JSON")
     report.add_argument("--plot", type=Path, metavar="OUT.png", help="plot tokens/s per system and accepted lengths, "
                        "in the format the suffix names (.png, .jpg, .pdf, .svg, ...)")
+
+    train = sub.add_parser("train-draft", help="train an EAGLE-3 head for a Llama-family target (resumable; writes "
+                                               "the published layout, which a recipe names as its draft model)")
+    train.add_argument("target", type=Path, metavar="TARGET", help="the target's checkpoint folder")
+    train.add_argument("--data", type=Path, required=True, metavar="FILE.jsonl",
+                       help="JSON lines with a 'text' (or 'prompt') field")
+    train.add_argument("-o", "--output", type=Path, required=True, metavar="OUT",
+                       help="the head's folder (resumed where it holds an unfinished run)")
+    train.add_argument("--steps", type=int, default=1000, help="optimizer steps in all (default 1000)")
+    train.add_argument("--layers", metavar="L1,L2,L3", help="the target layers whose inputs the head reads "
+                       "(default: 2, L/2, L-3)")
+    train.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (default 1e-3)")
+    train.add_argument("--batch", type=int, default=8, help="windows per step (default 8)")
+    train.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
+    train.add_argument("--ttt", type=int, default=4, help="rounds of the training-time test (default 4)")
+    train.add_argument("--draft-vocab", type=int, default=32000, help="the head's vocabulary: the data's most "
+                       "frequent tokens (default 32000, at most the target's)")
+    train.add_argument("--intermediate-size", type=int, help="the head's MLP width (default: the target's)")
+    train.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                       help="of the weights written (default float32)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--device", default="cpu", help="where to train (default cpu)")
     return parser
 
 
@@ -457,7 +479,31 @@ def cmd_compile(args: argparse.Namespace) -> None:
     recipe = Recipe.from_yaml(args.recipe, [*args.overrides, "lowering.compile=false"])
     graph = plan(recipe)
     _serial_in_one_process(graph, "compile", "cannot be exported yet")
+    heads = [name for name in graph.stages() if graph.node(name)["features"] is not None]
+    if heads:
+        raise SpecgraphError(f"compile: stage {heads[0]} drafts with an EAGLE-3 head, which cannot be exported yet; "
+                             "run the recipe itself (specgraph run RECIPE)")
     export_program(Program(graph), args.output)
+
+
+def cmd_train_draft(args: argparse.Namespace) -> None:
+    from specgraph.train_head import TrainSpec, train
+
+    layers = None
+    if args.layers is not None:
+        try:
+            layers = tuple(int(x) for x in args.layers.split(","))
+        except ValueError:
+            raise SpecgraphError(f"--layers: three layer indices, as 2,4,5 (got {args.layers!r})") from None
+    for flag, value in (("--steps", args.steps), ("--batch", args.batch), ("--ttt", args.ttt),
+                        ("--draft-vocab", args.draft_vocab), ("--seq-len", args.seq_len - 2)):
+        if value < 1:
+            raise SpecgraphError(f"{flag}: must be at least {3 if flag == '--seq-len' else 1}")
+    if not args.lr > 0:
+        raise SpecgraphError(f"--lr: must be above 0 (got {args.lr})")
+    out = train(TrainSpec(args.target, args.data, args.output, args.steps, layers, args.lr, args.batch, args.seq_len,
+                          args.ttt, args.draft_vocab, args.intermediate_size, args.dtype, args.seed, device=args.device))
+    print(f"wrote {out}")
 
 
 def cmd_tune(args: argparse.Namespace) -> None:
@@ -572,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecgraphError(f"--max-new-tokens: must be at least 1 (got {args.max_new_tokens})")
         commands = {"run": cmd_run, "bench": cmd_bench, "compile": cmd_compile, "export": cmd_compile,
                     "inspect": cmd_inspect, "tune": cmd_tune, "report": cmd_report, "serve": cmd_serve,
-                    "loadgen": cmd_loadgen}
+                    "loadgen": cmd_loadgen, "train-draft": cmd_train_draft}
         with warnings.catch_warnings():
             warnings.simplefilter("default", RecipeWarning)  # each once
             python_warning = warnings.showwarning

@@ -98,6 +98,7 @@ class _StaticPlan:
             longs = [torch.tensor(x, dtype=torch.long, device=device) for x in (rows, ranks, kids)]
             self.levels.append(_Level(torch.tensor(expanding, device=device), fed_so_far, max(ranks) + 1, *longs))
         self.fed_at = torch.tensor([fed_at.get(n, -1) for n in range(len(topo.parents))], device=device)  # [N + 1]
+        self.sources = self.fed_at[self.parents[self.fed]]  # [F] feed offset of each fed node's parent (-1: the root)
 
 
 class Requests(NamedTuple):
@@ -110,6 +111,7 @@ class Requests(NamedTuple):
     lengths: torch.Tensor  # [R]
     feeds: torch.Tensor  # [R]
     max_feeds: int
+    features: torch.Tensor | None = None  # [R, max_feeds, C H] a head's: the target's features of the tokens fed
 
     @classmethod
     def one(cls, tokens: torch.Tensor, length: torch.Tensor, feeds: int = CATCH_UP) -> Requests:
@@ -207,11 +209,22 @@ class Drafter:
         nodes over the whole batch (each request at most the plan's `nodes`), None: each its own;
         `live` [R] bool: the requests that take part in the budget (padding rows do not)."""
         root_logits = catch_up(self.stage, requests, width)  # [R, V]
+
+        def feed(tokens, depths, lineage, sources, new):
+            return self._feed(tokens, depths, lineage, new, requests, width)
+
+        return self._grow(root_logits, requests, feed, sampling, draws, budget, live)
+
+    def _grow(self, root_logits: torch.Tensor, requests: Requests, feed, sampling: SamplingRows | None,
+              draws: Draws | None, budget: int | None, live: torch.Tensor | None) -> Draft:
+        """The trees grown from the roots' logits [R, V]; `feed(tokens, depths, lineage, sources,
+        new)` feeds the last `new` of the F nodes fed so far (tokens, depths, sources [R, F]: each
+        one's parent's feed offset, -1 the root; lineage [R, F, F]) -> their logits [R, new, V]."""
         roots = requests.last(1)[1]  # [R, 1]
         if self.static is not None:
-            return Draft(self._grow_static(roots, root_logits, requests, width, sampling, draws),
+            return Draft(self._grow_static(roots, root_logits, requests, feed, sampling, draws),
                          self.static.fed_at.expand(requests.size, -1), requests.feeds)
-        grown = self._grow_dynamic(roots, root_logits, requests, width)
+        grown = self._grow_dynamic(roots, root_logits, requests, feed)
         return select(grown, self.dynamic.nodes, self.dynamic.depth, self.dynamic.width, budget, requests.feeds, live)
 
     def commit(self, draft: Draft, paths: torch.Tensor, requests: Requests) -> None:
@@ -285,7 +298,7 @@ class Drafter:
             remaining = remaining.scatter(-1, token, 0.0)
         return tokens, torch.stack(proposals, dim=2)
 
-    def _grow_static(self, roots: torch.Tensor, root_logits: torch.Tensor, requests: Requests, width: int,
+    def _grow_static(self, roots: torch.Tensor, root_logits: torch.Tensor, requests: Requests, feed,
                      sampling: SamplingRows | None, draws: Draws | None) -> Tree:
         plan, device, r = self.static, self.stage.device, requests.size
         tokens = torch.empty(r, len(self.tree.parents), dtype=torch.long, device=device)  # [R, N + 1]
@@ -296,9 +309,9 @@ class Drafter:
                 logits = root_logits[:, None]  # [R, 1, V]
             else:
                 fed = plan.fed[: level.fed]
-                logits = self._feed(tokens[:, fed], plan.fed_depths[: level.fed].expand(r, -1),
-                                    plan.lineage[: level.fed, : level.fed].expand(r, -1, -1), level.expanding.numel(),
-                                    requests, width)  # [R, E, V]
+                logits = feed(tokens[:, fed], plan.fed_depths[: level.fed].expand(r, -1),
+                              plan.lineage[: level.fed, : level.fed].expand(r, -1, -1),
+                              plan.sources[: level.fed].expand(r, -1), level.expanding.numel())  # [R, E, V]
             chosen, drawn_from = self._choose(logits, level.width, sampling, draws)
             tokens[:, level.kids] = chosen[:, level.rows, level.ranks]
             if drawn_from is not None:
@@ -307,7 +320,7 @@ class Drafter:
                 proposals[:, level.kids] = drawn_from[:, level.rows, level.ranks]
         return Tree(tokens, plan.parents.expand(r, -1), proposals, plan.structure.expand(r))
 
-    def _grow_dynamic(self, roots: torch.Tensor, root_logits: torch.Tensor, requests: Requests, width: int) -> _Grown:
+    def _grow_dynamic(self, roots: torch.Tensor, root_logits: torch.Tensor, requests: Requests, feed) -> _Grown:
         """Maximum-likelihood expansion, per request: each step feeds the W leaves of highest
         cumulative draft log-probability (ties: the earlier created) and gives each its W most
         likely children."""
@@ -335,7 +348,8 @@ class Drafter:
                 fed_at.scatter_(1, expanding, offsets.expand(r, -1))
                 so_far = fed[:, : s * w]  # [R, F]
                 seen = lineage[rows, so_far].gather(2, so_far[:, None, :].expand(-1, s * w, -1))  # [R, F, F]
-                logits = self._feed(tokens.gather(1, so_far), depths.gather(1, so_far), seen, w, requests, width)
+                logits = feed(tokens.gather(1, so_far), depths.gather(1, so_far), seen,
+                              fed_at.gather(1, parents.gather(1, so_far)), w)
             chosen, gained = best_children(logits, w)  # [R, E, W]
             kids = slice(plan.first_child(s), plan.first_child(s) + chosen.shape[1] * w)
             parent = expanding.repeat_interleave(w, dim=1)  # [R, E W]

@@ -16,8 +16,10 @@ from specgraph.engine.runner import Runner
 from specgraph.errors import SpecgraphError
 from specgraph.graph import SpecGraph
 from specgraph.growing import GrowingDrafter
+from specgraph.head import HeadDrafter
 from specgraph.kernels import Kernels
-from specgraph.models.loader import load_model
+from specgraph.models.eagle import Eagle3Head
+from specgraph.models.loader import is_head, load_model
 from specgraph.parallel import shard_model
 from specgraph.passes.place import resolve_device
 from specgraph.recipe import ChainTree
@@ -81,11 +83,12 @@ def stage_over(graph: SpecGraph, name: str, model: nn.Module) -> Stage:
     """Stage `name` over `model`, lowered already: a fresh cache of the plan's `cache_slots`, its
     `graph_buckets` and `static_shapes` (one lowered model serves the plans of several trees:
     `specgraph tune`)."""
-    node = graph.node(name)
+    node, drafter = graph.node(name), graph.drafter_of(name)
     paged = graph.recipe.execution == "serial"  # (the engine assigns the table's rows; the others use row 0)
+    capture = graph.node(drafter)["features"] if drafter is not None else None  # (an EAGLE-3 head's)
     return Stage(name, model, node["cache_slots"], node["device"], node["graph_buckets"], node["static_shapes"],
                  Kernels.select(node["kernels"]), node["vocab"], node["requests"], node["kv_blocks"] if paged else None,
-                 node["block_size"])
+                 node["block_size"], capture or ())
 
 
 def build_executor(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks = Ranks()) -> Executor:
@@ -135,12 +138,16 @@ def build_drafter(graph: SpecGraph, stages: dict[str, Stage], name: str | None =
     draft_name = graph.drafter_of(name or graph.target)
     if draft_name is None:
         return None
-    return Drafter(stages[draft_name], graph.node(draft_name)["tree"], graph.node(graph.target)["rule"])
+    stage, tree, rule = stages[draft_name], graph.node(draft_name)["tree"], graph.node(graph.target)["rule"]
+    if not isinstance(stage.model, Eagle3Head):
+        return Drafter(stage, tree, rule)
+    stage.model.tie_embedding(stages[graph.target].model.embed_tokens)
+    return HeadDrafter(stage, tree, rule)
 
 
 def widened_models(graph: SpecGraph, names: list[str], shape: str | None, ranks: Ranks = Ranks()) -> dict[str, nn.Module]:
     """Stages `names` widened to a real model's shape (the target to `shape`, drafters to the small
-    shape with their head dim: bench/widen.py), as this rank's shard where a stage is split; {}
+    shape with their head dim, an EAGLE-3 head to a head of `shape`: bench/widen.py), as this rank's shard where a stage is split; {}
     when `shape` is None."""
     if not shape:
         return {}
@@ -148,7 +155,7 @@ def widened_models(graph: SpecGraph, names: list[str], shape: str | None, ranks:
     for name in names:
         node = graph.node(name)
         small = load_model(node["model"].path, node["dtype"], "cpu")
-        big = shape if name == graph.target else draft_shape_for(small.shape)
+        big = shape if name == graph.target or is_head(node["config"]) else draft_shape_for(small.shape)
         plans[name] = small, big, f"stage {name}'s model (models.{node['spec'].model})"
         widened_shape(small.shape, big, what=plans[name][2])
     models = {}

@@ -21,12 +21,15 @@ from specgraph.engine.pool import BlockPool
 from specgraph.engine.runner import Runner
 from specgraph.layout import Layout
 from specgraph.models.hybrid import HybridModel, to_hf_norms
-from specgraph.models.llama import hf_state
+from specgraph.models.llama import LlamaShape, hf_state
 from specgraph.models.loader import load_model
 from specgraph.recipe import Recipe, SamplingSpec, VerifySpec
 from specgraph.runtime.stage import Stage
 from specgraph.runtime.verifier import Verifier
 from specgraph.tree import Tree
+
+REDUCED = LlamaShape(vocab_size=5000, hidden_size=640, intermediate_size=1536, num_layers=11, num_heads=8,
+                     num_kv_heads=2, head_dim=128, rms_norm_eps=1e-5)  # 8B-like layout at a CPU-friendly size
 
 # A prompt longer than an exported package's 64-token step (91 tokens for the embedded pair): a
 # loaded program must feed it in chunks.
@@ -459,3 +462,18 @@ def unwritable_folder(folder: Path) -> tuple[Path, str]:
             return place, exc.strerror
         os.unlink(place / "probe")
     raise AssertionError(f"a file could be created in {readonly} and in /proc")
+
+
+BUDGETS = [8, 48, 16, 64, 24, 40, 8, 56, 32, 12, 64, 20]  # new tokens of each of 12 requests: staggered finishes
+
+
+def decode_together(program, reference, budgets=BUDGETS) -> list[list[int]]:
+    """Every request in the engine at once (it admits max_batch of them), each with its own budget."""
+    engine = program.executor
+    requests = [engine.add_request(ids, budget) for (ids, _), budget in zip(reference, budgets)]
+    in_flight = []
+    while engine.busy:
+        engine.step()
+        in_flight.append(sum(r.status == "decode" for r in requests))
+    assert max(in_flight) == program.recipe.serving.max_batch  # the batch was full at times
+    return [r.generation.output_ids for r in requests]

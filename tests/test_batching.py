@@ -7,27 +7,14 @@ import json
 
 import pytest
 from conftest import EMBEDDED, REPO
-from helpers import two_stage
+from helpers import BUDGETS, decode_together, two_stage
 
 from specgraph.cli import main
 from specgraph.program import Program
 from specgraph.recipe import Recipe
 
-BUDGETS = [8, 48, 16, 64, 24, 40, 8, 56, 32, 12, 64, 20]  # new tokens of each of 12 requests: staggered finishes
 TREES = {"static": {"shape": "static", "branching": [3, 2, 1]},
          "dynamic": {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 10}}
-
-
-def decode_together(program: Program, reference, budgets=BUDGETS) -> list[list[int]]:
-    """Every request in the engine at once (it admits max_batch of them), each with its own budget."""
-    engine = program.executor
-    requests = [engine.add_request(ids, budget) for (ids, _), budget in zip(reference, budgets)]
-    in_flight = []
-    while engine.busy:
-        engine.step()
-        in_flight.append(sum(r.status == "decode" for r in requests))
-    assert max(in_flight) == program.recipe.serving.max_batch  # the batch was full at times
-    return [r.generation.output_ids for r in requests]
 
 
 @pytest.mark.parametrize("tree", list(TREES) + [None], ids=list(TREES) + ["autoregressive"])

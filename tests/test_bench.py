@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 from conftest import EMBEDDED, REPO, shared_models
-from helpers import chain_logits, two_stage
+from helpers import REDUCED, chain_logits, two_stage
 
 from specgraph.bench.systems import HFSystem, SpecgraphSystem, hf_mirror
 from specgraph.bench.widen import SHAPES, draft_shape_for, widen, widened_shape
@@ -217,10 +217,6 @@ def test_a_shape_that_does_not_fit_names_the_stage_and_the_shapes_that_fit(capsy
     hybrid = load_model(shared_models() / "hybrid", torch.float32, "cpu").shape
     for name in ("qwen3.5-9b", "qwen3.5-27b"):
         assert widened_shape(hybrid, name)[0].rotary_dim == hybrid.rotary_dim
-
-
-REDUCED = LlamaShape(vocab_size=5000, hidden_size=640, intermediate_size=1536, num_layers=11, num_heads=8,
-                     num_kv_heads=2, head_dim=128, rms_norm_eps=1e-5)  # 8B-like layout at a CPU-friendly size
 
 
 def test_widened_model_computes_the_same_function():

@@ -24,6 +24,7 @@ from dataclasses import replace
 import torch
 
 from specgraph.errors import SpecgraphError
+from specgraph.models.eagle import Eagle3Head, HeadShape
 from specgraph.models.hybrid import FULL, LINEAR, HybridModel, HybridShape
 from specgraph.models.llama import LlamaModel, LlamaShape, qkv_sizes
 from specgraph.parallel import shard_layer, sharded_shape
@@ -53,6 +54,7 @@ SHAPES: dict[str, tuple[LlamaShape | HybridShape, bool, int]] = {
                     QWEN35_REAL["qwen3.5-27b"].parameter_count(tied=False)),
 }
 DRAFT_SHAPES = ("llama-3.2-1b", "llama-3.2-3b")  # drafters widen to the small shape with their head dim
+HEAD_DRAFT_VOCAB = 32000  # an EAGLE-3 head widens to its target's shape and the published heads' draft vocabulary
 
 
 def draft_shape_for(small: LlamaShape) -> str:
@@ -175,6 +177,8 @@ def widen(small: LlamaModel | HybridModel, name: str | LlamaShape | HybridShape,
     model, for errors."""
     s = small.shape
     big, tied = widened_shape(s, name, tied, what)
+    if isinstance(small, Eagle3Head):
+        return _widen_head(small, big, device, dtype)
     where = f"--widen {name if isinstance(name, str) else 'shape'}"
     if shard is not None:
         sharded_shape(big, shard[1], shard[0], where)  # fail before building
@@ -197,7 +201,44 @@ def widen(small: LlamaModel | HybridModel, name: str | LlamaShape | HybridShape,
     return wide.eval().requires_grad_(False)
 
 
-def _llama_layer(fill: _Filler, a: torch.nn.Module, b: torch.nn.Module, s: LlamaShape, big: LlamaShape) -> None:
+def _widen_head(small: Eagle3Head, target: LlamaShape, device: torch.device | str, dtype: torch.dtype) -> Eagle3Head:
+    """An EAGLE-3 head at the shape of a head for `target` (its width, heads and MLP; the published
+    draft vocabulary) computing `small`'s function over the widened target's features, which carry
+    the small target's in their leading columns (every widened layer's output rows past them are
+    zero). The embedding stays the target's (the lowering ties it)."""
+    s, head = small.shape, small.head
+    big = HeadShape(replace(target, num_layers=1), target.hidden_size, max(HEAD_DRAFT_VOCAB, head.draft_vocab_size),
+                    head.features)
+    with torch.device("meta"):
+        wide = Eagle3Head(big)
+    fill = _Filler(s.hidden_size, target.hidden_size, device, dtype)
+    eps = s.rms_norm_eps * s.hidden_size / target.hidden_size
+    fill.materialize(wide)
+    a, b = small.layers[0], wide.layers[0]
+    b.input_layernorm.eps = b.post_attention_layernorm.eps = eps
+    both = torch.cat([torch.arange(s.hidden_size) + target.hidden_size * k for k in range(2)])  # [embedding, hidden]
+    _llama_layer(fill, a, b, s, big.layer, both[None, :])
+    fill.mlp_and_norms(b, a, eps)
+    fill.hidden_norm(b.hidden_norm, a.hidden_norm, eps)
+    fill.hidden_norm(wide.norm, small.norm, eps)
+    features = torch.cat([torch.arange(head.target_hidden_size) + target.hidden_size * k for k in range(3)])
+    fill.put(wide.fc.weight, small.fc.weight, torch.arange(s.hidden_size)[:, None], features[None, :])
+    fill.put(wide.lm_head.weight, small.lm_head.weight, slice(0, head.draft_vocab_size), slice(0, s.hidden_size))
+    wide.d2t.zero_()[: head.draft_vocab_size] = small.d2t.to(wide.d2t.device)  # (ids past served_vocab: never served)
+    wide.t2d.zero_()[: head.layer.vocab_size] = small.t2d.to(wide.t2d.device)
+    wide.inv_freq, wide.rope_scale = small.inv_freq.to(device), small.rope_scale
+    wide.served_vocab, wide.target_vocab, wide.shares_embedding = small.served_vocab, small.target_vocab, \
+        small.shares_embedding
+    if not small.shares_embedding:
+        v, h = small.embed_tokens.weight.shape
+        fill.put(wide.embed_tokens.weight, small.embed_tokens.weight, slice(0, v), slice(0, h))
+    return wide.eval().requires_grad_(False)
+
+
+def _llama_layer(fill: _Filler, a: torch.nn.Module, b: torch.nn.Module, s: LlamaShape, big: LlamaShape,
+                 cols: torch.Tensor | None = None) -> None:
+    """A decoder layer's attention; `cols`: where the small q/k/v input columns go (default: the leading ones)."""
+    cols = fill.cols if cols is None else cols
     d, h = s.head_dim, s.hidden_size
     q_rows = grouped_rows(s.num_heads, s.num_heads // s.num_kv_heads, big.num_heads // big.num_kv_heads, d)
     kv_rows = torch.arange(s.num_kv_heads * d)
@@ -206,7 +247,7 @@ def _llama_layer(fill: _Filler, a: torch.nn.Module, b: torch.nn.Module, s: Llama
     for part, rows in enumerate((q_rows, kv_rows, kv_rows)):
         src = [x.split(small_qkv)[part] for x in (sa.qkv_proj.weight, sa.qkv_proj.bias) if x is not None]
         dest = [x.split(big_qkv)[part] for x in (ba.qkv_proj.weight, ba.qkv_proj.bias) if x is not None]
-        fill.put(dest[0], src[0], rows[:, None], fill.cols)
+        fill.put(dest[0], src[0], rows[:, None], cols)
         if len(src) > 1:
             fill.put(dest[1], src[1], rows)
     fill.put(ba.o_proj.weight, sa.o_proj.weight, torch.arange(h)[:, None], q_rows[None, :])

@@ -20,6 +20,7 @@ import torch
 
 from specgraph.draft import Draft, Drafter, Requests
 from specgraph.draws import Draws
+from specgraph.head import HeadDrafter
 from specgraph.recipe import SamplingSpec
 from specgraph.runtime.clock import Clock
 from specgraph.runtime.graphs import Replays
@@ -48,6 +49,12 @@ class Runner:
         self.draws = Draws(torch.zeros(rows, dtype=torch.long, device=self.device),
                            torch.zeros(rows, dtype=torch.long, device=self.device))
         self._root = TreeStructure.of([-1], self.device)
+        self.features = self.pending = None  # a head's (head.py): the target's features of each row's pending pairs
+        if isinstance(drafter, HeadDrafter):
+            dtype = verifier.stage.model.embed_tokens.weight.dtype
+            self.features = torch.zeros(rows, drafter.max_feeds, drafter.feature_width, dtype=dtype,
+                                        device=self.device)  # [rows, D + 1, C H]
+            self.pending = torch.zeros(rows, dtype=torch.long, device=self.device)  # [rows] pairs not fed to the head
         self.captured = captured
         self.sizes = sorted({min(1 << k, slots) for k in range(slots.bit_length() + 1)})
         self._replays = Replays(captured, verifier.stage.pool)
@@ -73,11 +80,16 @@ class Runner:
             getattr(self.sampling, name)[slot] = getattr(settings, name)[0]
         self.sampling.filters = self.sampling.filters or settings.filters
         self.draws.seeds[slot], self.draws.counters[slot] = sampling.seed, 0
+        if self.pending is not None:
+            self.pending[slot] = 0
 
     @torch.inference_mode()
     def prefill(self, slot: int, start: int, end: int) -> None:
         """Feed the prompt tokens [start, end) of `slot`'s request to the target, and those below the
-        drafter's share (all but the last two) to the drafter, each chunk kept."""
+        drafter's share (all but the last two) to the drafter, each chunk kept; a head gets the
+        target's features instead (_prefill_head)."""
+        if self.features is not None:
+            return self._prefill_head(slot, start, end)
         stages = [(self.verifier.stage, self.host_lengths[slot] - 1)]
         if self.drafter is not None:
             stages.append((self.drafter.stage, self.host_lengths[slot] - CATCH_UP))
@@ -92,6 +104,28 @@ class Runner:
             stage.forward_rows(self.tokens[slot, start:stop][None], (start + offsets)[None], rows,
                                torch.tensor([start], device=self.device), offsets[None], causal[None], stop)
             stage.cache.keep(rows, torch.tensor([count], device=self.device))
+
+    def _prefill_head(self, slot: int, start: int, end: int) -> None:
+        """The target's chunk [start, end) of the prompt, whose features make the head's pairs at
+        slots [start, end) (head.py): all are fed but the prompt's last pair, which the first
+        catch-up feeds."""
+        length, target = self.host_lengths[slot], self.verifier.stage
+        stop = min(end, length - 1)
+        if stop <= start:
+            return
+        count, rows = stop - start, torch.tensor([slot], device=self.device)
+        offsets = torch.arange(count, device=self.device)
+        causal = torch.ones(count, count, dtype=torch.bool, device=self.device).tril()
+        tokens, layout = target.pack(self.tokens[slot, start:stop][None], (start + offsets)[None], rows,
+                                     torch.tensor([start], device=self.device), offsets[None], causal[None], stop)
+        features = target.forward_features(tokens, layout)[1]  # [count, C H]
+        target.cache.keep(rows, torch.tensor([count], device=self.device))
+        pairs = min(stop, length - 2) - start
+        if pairs > 0:
+            self.drafter.prefill_pairs(rows, self.tokens[slot, start + 1 : start + 1 + pairs], features[:pairs], start)
+        if stop == length - 1:
+            self.features[slot, 0] = features[-1]
+            self.pending[slot] = 1
 
     # -- decoding
     @torch.inference_mode()
@@ -133,8 +167,11 @@ class Runner:
     def _requests(self, rows: torch.Tensor) -> tuple[Requests, SamplingRows, Draws]:
         """The step's requests (table rows `rows` [R]), their settings and random streams."""
         lengths = self.lengths[rows]
-        return (Requests(rows, self.tokens, lengths, lengths.clamp(max=CATCH_UP), CATCH_UP), self.sampling.take(rows),
-                Draws(self.draws.seeds[rows], self.draws.counters[rows]))
+        if self.features is None:
+            requests = Requests(rows, self.tokens, lengths, lengths.clamp(max=CATCH_UP), CATCH_UP)
+        else:
+            requests = Requests(rows, self.tokens, lengths, self.pending[rows], self.drafter.max_feeds, self.features[rows])
+        return requests, self.sampling.take(rows), Draws(self.draws.seeds[rows], self.draws.counters[rows])
 
     def _draft(self, rows: torch.Tensor, live: torch.Tensor, longest: int, budget: int | None) -> Draft:
         requests, sampling, draws = self._requests(rows)
@@ -162,9 +199,16 @@ class Runner:
         the append -> [R, D + 2]: each request's count of new tokens, then the new tokens (padded)."""
         verifier = self.verifier
         width = verifier.stage.width(longest, tree.size)
-        logits, layout = verifier.score(tree, requests.rows, requests.lengths, width)
+        if self.features is None:
+            logits, layout = verifier.score(tree, requests.rows, requests.lengths, width)
+        else:
+            logits, features, layout = verifier.score_features(tree, requests.rows, requests.lengths, width)
         verdict = verifier.verdict(tree, logits, layout, sampling, draws if verifier.draws else None)
         counts, new = verdict.accepted(tree)
+        if self.features is not None:  # the head's next pairs: the accepted path's features, with the new tokens
+            nodes = layout.grid.gather(1, verdict.paths.clamp(min=0))  # [R, D + 1] packed row of each path node
+            self.features.index_copy_(0, requests.rows, features[nodes])
+            self.pending.index_copy_(0, requests.rows, counts)
         verifier.commit(verdict.paths, requests.rows, requests.lengths)
         if draft is not None:
             self.drafter.commit(draft, verdict.paths, requests)

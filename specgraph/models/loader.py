@@ -17,12 +17,15 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from specgraph.errors import CheckpointError
+from specgraph.models import eagle
+from specgraph.models.eagle import Eagle3Head, HeadShape
 from specgraph.models.hybrid import HybridModel, HybridShape, from_hf_norms
 from specgraph.models.llama import LlamaModel, LlamaShape, fuse_hf_state
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 HYBRID = ("Qwen3_5ForCausalLM",)
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + HYBRID
+HEADS = (eagle.ARCHITECTURE,)  # draft heads over a target's features (models/eagle.py)
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + HYBRID + HEADS
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -39,6 +42,9 @@ def read_config(path: Path) -> PretrainedConfig:
     except (ValueError, KeyError, OSError) as exc:
         raise CheckpointError(f"{path}/config.json: cannot be read ({str(exc).splitlines()[0]})") from None
     arch = (getattr(config, "architectures", None) or ["?"])[0]
+    if arch in eagle.OLDER:
+        raise CheckpointError(f"{path}: {arch} is an EAGLE-1/2 head, which is not supported; supported heads: "
+                              f"{', '.join(HEADS)} (EAGLE-3)")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(f"{path}: unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return config
@@ -141,6 +147,25 @@ def hybrid_shape(config: PretrainedConfig) -> HybridShape:
     )
 
 
+def head_shape(config: PretrainedConfig, path: Path) -> HeadShape:
+    """An EAGLE-3 head's shape from its config (one decoder layer; `draft_vocab_size` and
+    `target_hidden_size` default to the vocabulary and the width, as published heads leave them)."""
+    if config.num_hidden_layers != 1:
+        raise CheckpointError(f"{path}: an EAGLE-3 head has one decoder layer (config.json num_hidden_layers: "
+                              f"{config.num_hidden_layers})")
+    features = (getattr(config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+    if features is not None and (len(features) != 3 or not all(isinstance(i, int) and i >= 0 for i in features)):
+        raise CheckpointError(f"{path}: eagle_config.eagle_aux_hidden_state_layer_ids must name three target layers "
+                              f"(got {features!r})")
+    return HeadShape(llama_shape(config), getattr(config, "target_hidden_size", None) or config.hidden_size,
+                     getattr(config, "draft_vocab_size", None) or config.vocab_size,
+                     tuple(features) if features is not None else None)
+
+
+def is_head(config: PretrainedConfig) -> bool:
+    return config.architectures[0] in HEADS
+
+
 def is_hybrid(config: PretrainedConfig) -> bool:
     return config.architectures[0] in HYBRID
 
@@ -168,13 +193,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> LlamaModel | HybridModel:
+def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> LlamaModel | HybridModel | Eagle3Head:
     """Build our module for the checkpoint at `path` and load its safetensors weights onto `device`."""
     path, device = Path(path), torch.device(device)
     config = read_config(path)
-    hybrid = is_hybrid(config)
+    hybrid, head = is_hybrid(config), is_head(config)
     with torch.device("meta"):
-        model = HybridModel(hybrid_shape(config)) if hybrid else LlamaModel(llama_shape(config))
+        if head:
+            model = Eagle3Head(head_shape(config, path))
+        else:
+            model = HybridModel(hybrid_shape(config)) if hybrid else LlamaModel(llama_shape(config))
     model.to_empty(device=device)
     state = {}
     for file in safetensor_files(path):
@@ -186,8 +214,10 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> Ll
             state[name.removeprefix("model.")] = tensor
     if hybrid:
         state = from_hf_norms(state)
-    state = {name: tensor.to(dtype) for name, tensor in state.items()}
-    if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False):
+    if head:
+        state = _head_state(eagle.from_published(state), model, path)
+    state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor for name, tensor in state.items()}
+    if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False) and not head:
         state["lm_head.weight"] = state.get("embed_tokens.weight")
     state = fuse_hf_state(state, model.FUSED)
     expected = set(model.state_dict())
@@ -199,10 +229,39 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> Ll
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:  # a tensor of another shape than config.json says
         raise CheckpointError(f"{path}: weights do not match config.json ({str(exc).splitlines()[-1].strip()[:160]})") from None
-    if getattr(config, "tie_word_embeddings", False):
+    if getattr(config, "tie_word_embeddings", False) and not head:
         model.lm_head.weight = model.embed_tokens.weight
     rotary = model.shape.rotary_dim if hybrid else model.shape.head_dim
     model.inv_freq, model.rope_scale = rope_tables(config, rotary, device)
     model.to(dtype)
     model.inv_freq = model.inv_freq.float()
     return model.eval().requires_grad_(False)
+
+
+def _head_state(state: dict[str, torch.Tensor], model: Eagle3Head, path: Path) -> dict[str, torch.Tensor]:
+    """A head's published state made whole: without embed_tokens it shares the target's (a
+    placeholder until the lowering ties it), without d2t its ids are the target's, without t2d
+    it is d2t's image; d2t must map into the target's vocabulary."""
+    shape = model.head
+    vocab, draft_vocab = shape.layer.vocab_size, shape.draft_vocab_size
+    state = dict(state)
+    model.shares_embedding = "embed_tokens.weight" not in state
+    if model.shares_embedding:
+        state["embed_tokens.weight"] = torch.zeros(vocab, shape.layer.hidden_size)
+    if "d2t" not in state:
+        if draft_vocab != vocab:
+            raise CheckpointError(f"{path}: no d2t, which a head whose draft_vocab_size ({draft_vocab}) differs from "
+                                  f"its vocab_size ({vocab}) needs to map its ids to the target's")
+        state["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
+    d2t = state["d2t"]
+    if d2t.shape != (draft_vocab,) or d2t.is_floating_point():
+        raise CheckpointError(f"{path}: d2t must be {draft_vocab} integers (draft_vocab_size), got {d2t.dtype} "
+                              f"{list(d2t.shape)}")
+    ids = torch.arange(draft_vocab) + d2t.long().cpu()
+    if ids.min() < 0 or ids.max() >= vocab or ids.unique().numel() != draft_vocab:
+        raise CheckpointError(f"{path}: d2t maps draft ids outside the target's vocabulary (0..{vocab - 1}) or two "
+                              "onto one target id")
+    state["d2t"] = d2t.long()
+    if "t2d" not in state:
+        state["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True)
+    return state

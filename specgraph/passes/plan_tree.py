@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from specgraph.errors import RecipeError
 from specgraph.graph import SpecGraph
-from specgraph.models.loader import is_hybrid
+from specgraph.models.loader import is_head, is_hybrid
 from specgraph.passes.base import graph_pass
 from specgraph.recipe import ChainTree, DynamicTree, GrowSpec
 from specgraph.recipe import StaticTree as StaticTreeSpec
@@ -64,7 +64,7 @@ def plan_tree(graph: SpecGraph) -> SpecGraph:
         else:
             topo = TreeTopology.from_spec(tree)
             node.update(tree=topo, tree_nodes=topo.nodes, tree_depth=topo.max_depth)
-        node["feeds"] = CATCH_UP
+        node["feeds"] = node["tree_depth"] + 1 if is_head(node["config"]) else CATCH_UP  # (head.py: a step's new tokens)
     if pipeline:
         _plan_pipeline(graph)
     return graph

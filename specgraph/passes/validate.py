@@ -3,6 +3,7 @@ stage's checkpoint config.
 
 Before: stages carry `spec` and `model`.
 After:  + `config` (the Hugging Face config), `tokenizer` (its files: TokenizerFiles or None),
+        `features` (an EAGLE-3 head's: the target layers whose inputs it reads; None elsewhere),
         `eos_ids` (token ids that end generation), `rule` (the verification rule in force),
         `vocab` (rows, width): a stage's logits are `width` wide (the target's vocabulary) and only
         their first `rows` may be proposed — a drafter whose checkpoint pads its vocabulary past the
@@ -15,12 +16,13 @@ import json
 
 from specgraph.errors import CheckpointError, RecipeError
 from specgraph.graph import SpecGraph
-from specgraph.models.loader import is_hybrid, read_config, read_tokenizer
+from specgraph.models.eagle import default_features
+from specgraph.models.loader import head_shape, is_head, is_hybrid, read_config, read_tokenizer
 from specgraph.passes.base import graph_pass
 from specgraph.recipe import ChainTree, DynamicTree
 
 
-@graph_pass(provides=("config", "tokenizer", "eos_ids", "rule", "vocab"))
+@graph_pass(provides=("config", "tokenizer", "eos_ids", "rule", "vocab", "features"))
 def validate(graph: SpecGraph) -> SpecGraph:
     recipe = graph.recipe
     stages = graph.stages()
@@ -57,10 +59,37 @@ def validate(graph: SpecGraph) -> SpecGraph:
             _check_dynamic(spec.tree, index)
         if spec.verify.budget is not None:
             _check_budget(graph, name)
+    for name in stages:
+        graph.node(name)["features"] = _check_head(graph, name, target) if is_head(graph.node(name)["config"]) else None
     _plan_vocabularies(graph, target)
     if recipe.lowering.row_invariant:
         _check_row_invariant(graph.node(target))
     return graph
+
+
+def _check_head(graph: SpecGraph, name: str, target: str) -> tuple[int, ...]:
+    """An EAGLE-3 head drafts, in the serial executor, for a Llama-family target of its vocabulary
+    and width, from layers the target has -> those layers."""
+    node, ref = graph.node(name), graph.node(target)
+    model, index, config = node["spec"].model, node["index"], ref["config"]
+    what = f"stages.{index}.model: models.{model} is an EAGLE-3 head"
+    if name == target:
+        raise RecipeError(f"{what}, which drafts from a target's features; it cannot be the target")
+    if graph.recipe.execution != "serial":
+        raise RecipeError(f"{what}, which drafts under execution: serial only (got {graph.recipe.execution})")
+    if is_hybrid(config):
+        raise RecipeError(f"{what}, which drafts for a Llama-family target; models.{ref['spec'].model} is a hybrid "
+                          f"({config.architectures[0]})")
+    shape = head_shape(node["config"], node["model"].path)
+    if shape.layer.vocab_size != config.vocab_size or shape.target_hidden_size != config.hidden_size:
+        raise CheckpointError(f"models.{model}: the head is for a target of vocab_size {shape.layer.vocab_size} and "
+                              f"hidden_size {shape.target_hidden_size}; models.{ref['spec'].model} has "
+                              f"{config.vocab_size} and {config.hidden_size}")
+    layers = shape.features or default_features(config.num_hidden_layers)
+    if not all(0 <= i < config.num_hidden_layers for i in layers):
+        raise CheckpointError(f"models.{model}: the head reads target layers {list(layers)}; models."
+                              f"{ref['spec'].model} has {config.num_hidden_layers} (0..{config.num_hidden_layers - 1})")
+    return tuple(layers)
 
 
 def _check_row_invariant(node: dict) -> None:

@@ -32,7 +32,7 @@ class Stage:
     def __init__(self, name: str, model: nn.Module, capacity: int, device: torch.device,
                  graph_buckets: tuple[int, ...] = (), static_shapes: bool = False, kernels: Kernels = Kernels(),
                  vocab: tuple[int, int] | None = None, requests: int = 1, blocks: int | None = None,
-                 block_size: int = BLOCK_SIZE):
+                 block_size: int = BLOCK_SIZE, capture: tuple[int, ...] = ()):
         """`capacity`: virtual slots of one request; `requests`: the table's rows; `blocks`: the
         pool's blocks (default: one for trash and `capacity` for each row); `kernels`: the stage's
         choice of kernels, which its cache runs too; `vocab`: (rows, width) where the model's logits
@@ -53,6 +53,7 @@ class Stage:
         self.static_shapes = static_shapes or bool(graph_buckets)  # attend over the whole capacity
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self._replays = Replays(device.type == "cuda", self.pool)
+        self.capture = capture  # layers whose inputs forward_features returns (an EAGLE-3 head drafts for this stage)
 
     def width(self, length: int, step_tokens: int) -> int:
         """Virtual slots a step's forwards attend over, `length` tokens committed and `step_tokens` written past them."""
@@ -72,6 +73,12 @@ class Stage:
             return run(*inputs)
         key = (layout.tokens, layout.segments, layout.region)
         return self._replays.run(key, run, *inputs).clone()  # (the next replay overwrites it)
+
+    def forward_features(self, tokens: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, eager, also returning the inputs of the layers `capture` names [T, C H] (the
+        features a head drafts from: models/eagle.py)."""
+        logits, features = self.model(tokens[None], self.cache, layout, self.capture)
+        return self._aligned(logits[0]), features[0]
 
     def pack(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
              offsets: torch.Tensor, visible: torch.Tensor, width: int, counts: torch.Tensor | None = None,

@@ -47,6 +47,13 @@ class Verifier:
         tokens, layout = self.placement(tree, rows, lengths, width)
         return self.stage.forward(tokens, layout), layout
 
+    def score_features(self, tree: Tree, rows: torch.Tensor, lengths: torch.Tensor, width: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, Layout]:
+        """`score`, with the features of every node [T, C H] that the stage's `capture` names (a head drafts from them)."""
+        tokens, layout = self.placement(tree, rows, lengths, width)
+        logits, features = self.stage.forward_features(tokens, layout)
+        return logits, features, layout
+
     def placement(self, tree: Tree, rows: torch.Tensor, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, Layout]:
         """Each tree written from its root's slot, in node order, each node seeing its ancestors."""
         starts = lengths - 1

@@ -1,0 +1,103 @@
+"""Drafting with an EAGLE-3 head (models/eagle.py): the Drafter's trees, grown from the target's features.
+
+A head's cache holds pairs, not tokens: the pair at head slot p is (the target's features at
+committed token p, token p + 1), at rotary position p. With L tokens committed the target has
+handed over the features of committed[:L - 1] (the last, the root, has been through no forward
+yet), so the pairs at slots [0, L - 1) are known: the last, (features at L - 2, the root), gives
+the root's children. The head's cache holds the pairs but the last `feeds` (those of the tokens
+the last step committed, whose features that step's verification produced); each draft's
+catch-up feeds those, causally, from their slots. A tree node is fed as (the head's own output at
+its parent, its token), at head-cache slots L - 1 + feed offset and position L - 2 + depth,
+seeing the committed pairs and its fed ancestors.
+
+Unlike a model drafter's, a tree's K/V are never kept: the accepted tokens come back with the
+target's features and the next catch-up feeds them (EAGLE's own order), so `commit` has nothing
+to move.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specgraph.draft import Draft, Drafter, Requests
+from specgraph.draws import Draws
+from specgraph.recipe import DynamicTree
+from specgraph.runtime.stage import Stage
+from specgraph.sampling import SamplingRows
+from specgraph.tree import TreeTopology
+
+
+class HeadDrafter(Drafter):
+    def __init__(self, stage: Stage, tree: TreeTopology | DynamicTree, rule: str):
+        """A catch-up feeds up to a step's new tokens: the accepted path and the bonus (D + 1)."""
+        depth = tree.depth if isinstance(tree, DynamicTree) else tree.max_depth
+        super().__init__(stage, tree, rule, max_feeds=depth + 1)
+        self.span = max(self.span, self.max_feeds)  # (a catch-up's padding columns are written past the pairs)
+        self.head = stage.model
+
+    @property
+    def feature_width(self) -> int:
+        """C H: the width of the target's features it reads."""
+        return self.head.fc.in_features
+
+    def _forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                 starts: torch.Tensor, offsets: torch.Tensor, visible: torch.Tensor, width: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage.forward_rows for a head: tokens [R, E] with their hidden inputs [R, E, H] -> logits
+        [R, E, V] and outputs [R, E, H]."""
+        r, e = tokens.shape
+        packed, layout = self.stage.pack(tokens, positions, rows, starts, offsets, visible, width)
+        logits, out = self.head(packed[None], hidden.flatten(0, 1)[None], self.stage.cache, layout)
+        index = layout.grid[:, :e].clamp(min=0).flatten()
+        return logits[0].index_select(0, index).view(r, e, -1), out[0].index_select(0, index).view(r, e, -1)
+
+    @torch.inference_mode()
+    def prefill_pairs(self, rows: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor, start: int) -> None:
+        """Feed one request's (table row rows [1]) pairs (features [T, C H] at committed tokens
+        start.., tokens [T]: the ones after them) at head slots [start, start + T)."""
+        t, device = tokens.numel(), tokens.device
+        offsets = torch.arange(t, device=device)
+        causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+        self._forward(tokens[None], self.head.fuse(features)[None], (start + offsets)[None], rows,
+                      torch.tensor([start], device=device), offsets[None], causal[None], start + t)
+        self.stage.cache.keep(rows, torch.tensor([t], device=device))
+
+    def _catch_up(self, requests: Requests, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed each request's last feeds[r] pairs -> the roots' logits [R, V] and the head's outputs
+        at the roots [R, H]. Every request feeds max_feeds columns: those past its feeds[r] are
+        padding, written past its pairs (where its tree goes) and seen by none of its pairs."""
+        e, feeds, device = requests.max_feeds, requests.feeds, requests.rows.device
+        columns = torch.arange(e, device=device)
+        starts = (requests.lengths - 1 - feeds).clamp(min=0)  # [R] (clamped: the padding row's)
+        slots = starts[:, None] + columns  # [R, E]
+        tokens = requests.tokens[requests.rows[:, None], (slots + 1).clamp(max=requests.tokens.shape[1] - 1)]
+        causal = torch.ones(e, e, dtype=torch.bool, device=device).tril()
+        logits, out = self._forward(tokens, self.head.fuse(requests.features), slots, requests.rows, starts,
+                                    columns.expand(requests.size, -1), causal.expand(requests.size, -1, -1), width)
+        last = (feeds - 1).clamp(min=0)[:, None, None]  # (no pair yet, a one-token prompt: a draft of padding)
+        return (logits.gather(1, last.expand(-1, 1, logits.shape[-1]))[:, 0],
+                out.gather(1, last.expand(-1, 1, out.shape[-1]))[:, 0])
+
+    @torch.inference_mode()
+    def draft(self, requests: Requests, width: int, sampling: SamplingRows | None = None, draws: Draws | None = None,
+              budget: int | None = None, live: torch.Tensor | None = None) -> Draft:
+        """Drafter.draft from the pairs of `requests.features` (see the module doc)."""
+        root_logits, root_out = self._catch_up(requests, width)  # [R, V], [R, H]
+        r, h = root_out.shape
+        outputs = root_out.new_zeros(r, 1 + self.span, h)  # [R, 1 + S]: the root's output, then each fed node's
+        outputs[:, 0] = root_out
+        lengths, device = requests.lengths, root_out.device
+
+        def feed(tokens, depths, lineage, sources, new):
+            f = tokens.shape[1]
+            fresh = torch.arange(f - new, f, device=device)  # [new] their feed offsets
+            inputs = outputs.gather(1, (sources[:, -new:] + 1)[..., None].expand(-1, -1, h))  # [R, new, H]: parents'
+            logits, out = self._forward(tokens[:, -new:], inputs, lengths[:, None] - 2 + depths[:, -new:],
+                                        requests.rows, lengths - 1, fresh.expand(r, -1), lineage[:, -new:], width)
+            outputs.index_copy_(1, 1 + fresh, out)
+            return logits
+
+        return self._grow(root_logits, requests, feed, sampling, draws, budget, live)
+
+    def commit(self, draft: Draft, paths: torch.Tensor, requests: Requests) -> None:
+        """Nothing to move: the next catch-up feeds the accepted tokens with the target's features."""

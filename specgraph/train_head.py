@@ -1,0 +1,301 @@
+"""`specgraph train-draft`: train an EAGLE-3 head (models/eagle.py) for a Llama-family target.
+
+Each step draws `batch` windows of `seq_len` tokens from the data (its texts tokenized by the
+target's tokenizer, joined end to end), runs the target over them once, through our own model, for
+the features a head drafts from (the inputs of its three layers: what verification hands over at
+inference), and trains the head with EAGLE-3's training-time test: `ttt` rounds, round j feeding
+at each position p the head's own output of round j - 1 (round 0: the fused features) with token
+p + 1 + j, attending to the round-0 pairs up to p and to its own earlier rounds at p — what a
+draft node at depth j sees at inference (head.py) — and predicting token p + 2 + j; round j's loss
+weighs 0.8^j. The draft vocabulary is the data's most frequent tokens.
+
+OUT gets the published layout (config.json naming LlamaForCausalLMEagle3; model.safetensors
+without embed_tokens: the target's), and OUT/training/ what a later run resumes from:
+state.safetensors (fp32 weights and AdamW moments) and state.json (the step and the settings).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save
+from torch import nn
+
+from specgraph.errors import CheckpointError, SpecgraphError
+from specgraph.files import read_text, write_output
+from specgraph.models import eagle
+from specgraph.models.eagle import Eagle3Head
+from specgraph.models.llama import hf_state
+from specgraph.models.loader import head_shape, is_head, is_hybrid, load_model, read_config, rope_tables
+from specgraph.runtime.stage import Stage
+from specgraph.text import Tokenizer
+
+DECAY = 0.8  # round j of the training-time test weighs DECAY ** j (EAGLE-3)
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    target: Path
+    data: Path
+    out: Path
+    steps: int = 1000
+    layers: tuple[int, ...] | None = None  # None: eagle.default_features
+    lr: float = 1e-3
+    batch: int = 8
+    seq_len: int = 256
+    ttt: int = 4  # rounds of the training-time test
+    draft_vocab: int = 32000  # at most the target's vocabulary
+    intermediate_size: int | None = None  # the head's MLP width (None: the target's)
+    dtype: str = "float32"  # of the weights written to OUT/model.safetensors
+    seed: int = 0
+    save_every: int = 100
+    device: str = "cpu"
+
+    def settings(self) -> dict:
+        """What a resumed run must share with the one it resumes (all but the step count and where saves go)."""
+        kept = {k: v for k, v in asdict(self).items() if k not in ("steps", "out", "save_every", "device", "dtype")}
+        kept |= {"target": str(self.target), "data": hashlib.sha256(self.data.read_bytes()).hexdigest(),
+                 "layers": list(self.layers) if self.layers else None}
+        return kept
+
+
+def read_texts(path: Path) -> list[str]:
+    """The `text` (or `prompt`) of every JSON line of `path`."""
+    texts = []
+    for n, line in enumerate(read_text(path, "--data").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SpecgraphError(f"--data: {path} line {n} is not JSON ({exc.msg})") from None
+        text = row.get("text", row.get("prompt")) if isinstance(row, dict) else None
+        if not isinstance(text, str):
+            raise SpecgraphError(f"--data: {path} line {n} needs a 'text' (or 'prompt') string")
+        texts.append(text)
+    if not texts:
+        raise SpecgraphError(f"--data: {path} holds no texts")
+    return texts
+
+
+def check_target(path: Path) -> None:
+    config = read_config(path)
+    if is_head(config) or is_hybrid(config):
+        raise CheckpointError(f"{path}: train-draft trains heads for Llama-family targets, not "
+                              f"{config.architectures[0]}")
+
+
+def head_config(target: Path, spec: TrainSpec, layers: tuple[int, ...], draft_vocab: int) -> dict:
+    """The target's config.json as a head's: one layer, the draft vocabulary, the layers it reads."""
+    config = json.loads((target / "config.json").read_text())
+    config |= {"architectures": [eagle.ARCHITECTURE], "num_hidden_layers": 1, "draft_vocab_size": draft_vocab,
+               "target_hidden_size": config["hidden_size"], "tie_word_embeddings": False,
+               "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}
+    if spec.intermediate_size is not None:
+        config["intermediate_size"] = spec.intermediate_size
+    return config
+
+
+def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight
+
+
+def _rotate(x: torch.Tensor, head: Eagle3Head, positions: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, n, K] rotated at `positions` [n] as the stem's tables do."""
+    freqs = positions[:, None].float() * head.inv_freq  # [n, K/2]
+    emb = torch.cat([freqs, freqs], -1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * emb.cos() * head.rope_scale + rotated * emb.sin() * head.rope_scale
+
+
+def rounds(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, ttt: int) -> list[torch.Tensor]:
+    """The training-time test (module doc) over windows tokens [B, S] with the target's features
+    [B, S, C H] -> each round's draft logits [B, S - 1, Vd] (position p: the pair of features p)."""
+    b, s = tokens.shape
+    n, device = s - 1, tokens.device
+    layer = head.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    h, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    hidden = head.fuse(features[:, :n])  # [B, n, H]
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    keys, values, out = [], [], []
+    for j in range(ttt):
+        ahead = F.pad(tokens[:, 1 + j :], (0, j))  # [B, n]: token p + 1 + j (past the window: padding)
+        x = torch.cat([_rms(head.embed_tokens(ahead), layer.input_layernorm), _rms(hidden, layer.hidden_norm)], -1)
+        q, k, v = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias).split([h * d, kv * d, kv * d], -1)
+        positions = torch.arange(n, device=device) + j
+        q = _rotate(q.view(b, n, h, d).transpose(1, 2), head, positions)  # [B, h, n, K]
+        keys.append(_rotate(k.view(b, n, kv, d).transpose(1, 2), head, positions).repeat_interleave(h // kv, 1))
+        values.append(v.view(b, n, kv, d).transpose(1, 2).repeat_interleave(h // kv, 1))
+        scores = [(q @ keys[0].transpose(-1, -2)).masked_fill(~causal, float("-inf"))]  # [B, h, n, n]: round-0 pairs
+        scores += [(q * key).sum(-1, keepdim=True) for key in keys[1:]]  # [B, h, n, 1]: its own earlier rounds
+        weights = (torch.cat(scores, -1) / math.sqrt(d)).softmax(-1)
+        attended = weights[..., :n] @ values[0]
+        for i, value in enumerate(values[1:]):
+            attended = attended + weights[..., n + i : n + i + 1] * value
+        attended = F.linear(attended.transpose(1, 2).reshape(b, n, h * d), attn.o_proj.weight, attn.o_proj.bias)
+        residual = hidden + attended
+        gate, up = F.linear(_rms(residual, layer.post_attention_layernorm), mlp.gate_up_proj.weight,
+                            mlp.gate_up_proj.bias).chunk(2, -1)
+        hidden = residual + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)  # [B, n, H]
+        out.append(F.linear(_rms(hidden, head.norm), head.lm_head.weight))
+    return out
+
+
+class Trainer:
+    def __init__(self, spec: TrainSpec):
+        self.spec, device = spec, torch.device(spec.device)
+        check_target(spec.target)
+        target = load_model(spec.target, torch.float32, device)
+        layers = spec.layers or eagle.default_features(target.shape.num_layers)
+        if len(layers) != 3 or not all(0 <= i < target.shape.num_layers for i in layers):
+            raise SpecgraphError(f"--layers: three layers of the target's {target.shape.num_layers} (0.."
+                                 f"{target.shape.num_layers - 1}) (got {','.join(map(str, layers))})")
+        stream = [t for text in read_texts(spec.data) for t in Tokenizer(spec.target).encode(text)]
+        if len(stream) <= spec.seq_len:
+            raise SpecgraphError(f"--data: {spec.data} holds {len(stream)} tokens; training windows need more than "
+                                 f"{spec.seq_len}")
+        self.stream = torch.tensor(stream, device=device)
+        self.state_dir = spec.out / "training"
+        resumed = self._resumed()
+        vocab = target.shape.vocab_size
+        ids = resumed["d2t"].to(device) + torch.arange(resumed["d2t"].numel(), device=device) if resumed else (
+            torch.bincount(self.stream, minlength=vocab).argsort(descending=True, stable=True)[: min(spec.draft_vocab, vocab)]
+            .sort().values)  # [Vd] the target ids the head covers
+        spec.out.mkdir(parents=True, exist_ok=True)
+        write_output(spec.out / "config.json", json.dumps(head_config(spec.target, spec, layers, ids.numel()), indent=2))
+        config = read_config(spec.out)
+        with torch.device(device):
+            self.head = Eagle3Head(head_shape(config, spec.out))
+        self.head.inv_freq, self.head.rope_scale = rope_tables(config, self.head.shape.head_dim, device)
+        self.head.d2t.copy_(ids - torch.arange(ids.numel(), device=device))
+        self.head.t2d.zero_().index_fill_(0, ids, True)
+        self.draft_ids = torch.full((vocab,), -100, dtype=torch.long, device=device).index_copy_(
+            0, ids, torch.arange(ids.numel(), device=device))  # [V] target id -> draft id (-100: none)
+        self.head.tie_embedding(target.embed_tokens)  # (shared and frozen, as at inference)
+        self.params = {n: p for n, p in self.head.named_parameters() if not n.startswith("embed_tokens.")}
+        self.optimizer = torch.optim.AdamW(self.params.values(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.step = 0
+        if resumed:
+            self._resume(resumed)
+        else:
+            self._initialise()
+        self.target = Stage("target", target, spec.seq_len, device, requests=spec.batch, capture=tuple(layers))
+
+    def _resumed(self) -> dict | None:
+        """OUT/training's state where a run left one (refused if it trained with other settings)."""
+        if not (self.state_dir / "state.json").is_file():
+            return None
+        meta = json.loads((self.state_dir / "state.json").read_text())
+        if meta["settings"] != self.spec.settings():
+            changed = sorted(k for k in self.spec.settings() if meta["settings"].get(k) != self.spec.settings()[k])
+            raise SpecgraphError(f"-o: {self.spec.out} holds a run with other settings ({', '.join(changed)}); "
+                                 "resume it with the same ones, or give another -o")
+        return {"meta": meta, **load_file(self.state_dir / "state.safetensors", device=self.spec.device)}
+
+    def _initialise(self) -> None:
+        generator = torch.Generator(device=self.spec.device).manual_seed(self.spec.seed)
+        for name, param in self.params.items():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif name.endswith(".bias"):
+                    param.zero_()
+                else:
+                    param.normal_(0.0, 0.02, generator=generator)
+
+    def _resume(self, state: dict) -> None:
+        self.step = state["meta"]["step"]
+        with torch.no_grad():
+            for name, param in self.params.items():
+                param.copy_(state[f"param.{name}"])
+                self.optimizer.state[param] = {"step": torch.tensor(float(self.step)),
+                                               "exp_avg": state[f"exp_avg.{name}"].clone(),
+                                               "exp_avg_sq": state[f"exp_avg_sq.{name}"].clone()}
+
+    def save(self) -> None:
+        """The published layout in OUT, and the state to resume from in OUT/training/."""
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.spec.dtype]
+        published = eagle.to_published(hf_state(self.head))
+        _write_tensors(self.spec.out / "model.safetensors", {n: t.to(dtype) if t.is_floating_point() else t
+                                                             for n, t in published.items() if n != "embed_tokens.weight"})
+        self.state_dir.mkdir(exist_ok=True)
+        state = {"d2t": self.head.d2t}
+        for name, param in self.params.items():
+            moments = self.optimizer.state.get(param, {})
+            state[f"param.{name}"] = param.detach()
+            for kind in ("exp_avg", "exp_avg_sq"):
+                state[f"{kind}.{name}"] = moments.get(kind, torch.zeros_like(param))
+        _write_tensors(self.state_dir / "state.safetensors", state)
+        meta = {"step": self.step, "settings": self.spec.settings()}
+        write_output(self.state_dir / "state.json", json.dumps(meta, indent=2))
+
+    def windows(self) -> torch.Tensor:
+        """This step's windows [B, S] (the same for a step whether or not the run was resumed)."""
+        generator = torch.Generator(device=self.stream.device).manual_seed(self.spec.seed * 1_000_003 + self.step)
+        starts = torch.randint(0, self.stream.numel() - self.spec.seq_len, (self.spec.batch,), generator=generator,
+                               device=self.stream.device)
+        return self.stream[starts[:, None] + torch.arange(self.spec.seq_len, device=self.stream.device)]
+
+    @torch.no_grad()
+    def features(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's features at every token of the windows tokens [B, S] -> [B, S, C H]."""
+        b, s = tokens.shape
+        device = tokens.device
+        offsets = torch.arange(s, device=device).expand(b, -1)
+        causal = torch.ones(s, s, dtype=torch.bool, device=device).tril().expand(b, -1, -1)
+        packed, layout = self.target.pack(tokens, offsets, torch.arange(b, device=device),
+                                          torch.zeros(b, dtype=torch.long, device=device), offsets, causal, s)
+        return self.target.forward_features(packed, layout)[1].view(b, s, -1)
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step -> round 0's loss and top-1 accuracy."""
+        spec = self.spec
+        tokens = self.windows()
+        logits = rounds(self.head, self.features(tokens), tokens, spec.ttt)
+        losses, accuracy = [], 0.0
+        for j, round_logits in enumerate(logits):
+            labels = self.draft_ids[tokens[:, 2 + j :]]  # [B, S - 2 - j]
+            predicted = round_logits[:, : labels.shape[1]]
+            losses.append(DECAY ** j * F.cross_entropy(predicted.flatten(0, 1), labels.flatten(), ignore_index=-100))
+            if j == 0:
+                accuracy = float((predicted.argmax(-1) == labels).float().mean())
+        for group in self.optimizer.param_groups:
+            group["lr"] = spec.lr * min(1.0, (self.step + 1) / max(1, min(100, spec.steps // 10)))  # warm-up
+        self.optimizer.zero_grad(set_to_none=True)
+        sum(losses).backward()
+        nn.utils.clip_grad_norm_(self.params.values(), 1.0)
+        self.optimizer.step()
+        self.step += 1
+        return float(losses[0].detach()), accuracy
+
+
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A safetensors file written atomically (files.write_output: an interrupted save leaves the last one whole)."""
+    data = save({n: t.contiguous().cpu() for n, t in tensors.items()})
+    write_output(path, lambda f: f.write(data))
+
+
+def train(spec: TrainSpec) -> Path:
+    """Train (or resume training) a head as `spec` says, showing progress -> OUT."""
+    from tqdm import tqdm
+
+    trainer = Trainer(spec)
+    with tqdm(total=spec.steps, initial=min(trainer.step, spec.steps), desc="train-draft", unit="step") as bar:
+        while trainer.step < spec.steps:
+            loss, accuracy = trainer.train_step()
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{accuracy:.3f}")
+            if trainer.step % spec.save_every == 0 or trainer.step == spec.steps:
+                trainer.save()
+    if not (spec.out / "model.safetensors").is_file():  # (resumed at or past --steps: nothing trained, all written)
+        trainer.save()
+    return spec.out
+

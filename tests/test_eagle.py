@@ -1,0 +1,336 @@
+"""EAGLE-3 heads (models/eagle.py, head.py, train_head.py): a head in the published layout, built
+here from its documented names and shapes, loads and drafts what EAGLE-3 computes (a plain PyTorch
+reading of those tensors over transformers' hidden states); greedy decoding with a head equals
+transformers' greedy decoding of the target; `train-draft` writes a head that does the same, and
+resumes exactly; heads and training data we do not support are refused in one line."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import EMBEDDED, REPO
+from helpers import BUDGETS, REDUCED, decode_together, sampled_law, total_variation, two_stage, two_token_law
+from safetensors.torch import load_file, save_file
+
+from specgraph.bench.widen import HEAD_DRAFT_VOCAB, widen
+from specgraph.cli import main
+from specgraph.errors import SpecgraphError
+from specgraph.passes import plan
+from specgraph.program import Program
+from specgraph.recipe import Recipe
+
+TARGET = EMBEDDED / "target"
+SHIPPED = EMBEDDED / "eagle3"  # the head shipped for the target fixture (recipes/eagle3.yaml)
+TREES = {
+    "chain": {"shape": "chain", "length": 4},
+    "static": {"shape": "static", "branching": [3, 2, 1, 1]},
+    "dynamic": {"shape": "dynamic", "width": 4, "depth": 5, "nodes": 24},
+}
+H, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 384, 3, 1, 128, 1024, 4096  # the target fixture's shape
+
+
+def published_head(folder: Path, draft_vocab: int = 1024, seed: int = 0, **config) -> Path:
+    """An EAGLE-3 head for the target fixture in the published layout (random weights): config.json
+    naming LlamaForCausalLMEagle3, fc [H, 3H], one midlayer whose q/k/v read 2H, norm, a reduced
+    lm_head [draft_vocab, H], d2t (draft id -> target id offset) and t2d; no embed_tokens (the target's)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) / math.sqrt(shape[-1])
+
+    state = {"fc.weight": rand(H, 3 * H), "norm.weight": 1 + 0.1 * rand(H), "lm_head.weight": 4 * rand(draft_vocab, H)}
+    layer = {"hidden_norm.weight": 1 + 0.1 * rand(H), "input_layernorm.weight": 1 + 0.1 * rand(H),
+             "post_attention_layernorm.weight": 1 + 0.1 * rand(H),
+             "self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, 2 * H), "self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, 2 * H),
+             "self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, 2 * H), "self_attn.o_proj.weight": rand(H, HEADS * HEAD_DIM),
+             "mlp.gate_proj.weight": rand(FFN, H), "mlp.up_proj.weight": rand(FFN, H), "mlp.down_proj.weight": rand(H, FFN)}
+    state |= {f"midlayer.{name}": tensor for name, tensor in layer.items()}
+    ids = torch.randperm(VOCAB, generator=g)[:draft_vocab].sort().values  # the target ids the head covers
+    state["d2t"] = ids - torch.arange(draft_vocab)
+    state["t2d"] = torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, ids, True)
+    folder.mkdir(parents=True)
+    save_file(state, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H, "intermediate_size": FFN,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "draft_vocab_size": draft_vocab, "max_position_embeddings": 4096,
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0,
+        "eos_token_id": 0} | config))
+    return folder
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, d] rotated as Llama's rotary embedding (theta 500000) at `positions` [n]."""
+    d = x.shape[-1]
+    freqs = positions[:, None].float() / 500000.0 ** (torch.arange(0, d, 2).float() / d)  # [n, d/2]
+    cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+
+
+def eagle3_chain(head: Path, ids: list[int], length: int) -> list[int]:
+    """EAGLE-3's greedy chain of `length` drafts after `ids`, read off the published tensors in plain
+    PyTorch: pairs (the target's layer-2, 4 and 5 inputs at token p — transformers' hidden states —
+    fused by fc, token p + 1) at positions p through the midlayer with full causal attention, each
+    draft fed back as (the midlayer's output, its token)."""
+    w = {name: t.float() if t.is_floating_point() else t for name, t in load_file(head / "model.safetensors").items()}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    with torch.no_grad():
+        states = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states  # input of layer i: states[i]
+        hidden = torch.cat([states[i][0] for i in (2, 4, 5)], -1)[:-1] @ w["fc.weight"].T  # [n, H]
+        tokens, chain = list(ids[1:]), []
+        embed = hf.model.embed_tokens.weight
+        for _ in range(length):
+            n = len(tokens)
+            x = torch.cat([_rms(embed[tokens], w["midlayer.input_layernorm.weight"]),
+                           _rms(hidden, w["midlayer.hidden_norm.weight"])], -1)  # [n, 2H]
+            q = _rotate((x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, HEAD_DIM), torch.arange(n))
+            k = _rotate((x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM), torch.arange(n))
+            v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM)
+            scores = torch.einsum("qhd,khd->hqk", q, k.expand(n, HEADS, HEAD_DIM)) / math.sqrt(HEAD_DIM)
+            scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+            attended = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.expand(n, HEADS, HEAD_DIM)).reshape(n, -1)
+            r = hidden + attended @ w["midlayer.self_attn.o_proj.weight"].T
+            m = _rms(r, w["midlayer.post_attention_layernorm.weight"])
+            out = r + (torch.nn.functional.silu(m @ w["midlayer.mlp.gate_proj.weight"].T)
+                       * (m @ w["midlayer.mlp.up_proj.weight"].T)) @ w["midlayer.mlp.down_proj.weight"].T
+            draft = int((_rms(out[-1], w["norm.weight"]) @ w["lm_head.weight"].T).argmax())
+            token = draft + int(w["d2t"][draft])
+            chain.append(token)
+            tokens.append(token)
+            hidden = torch.cat([hidden, out[-1:]])
+    return chain
+
+
+def drafted_chains(program: Program, ids: list[int], steps: int) -> list[tuple[list[int], list[int]]]:
+    """Each of the first `steps` steps of the engine on `ids`: (what was committed before it, its drafted chain)."""
+    engine = program.executor
+    runner, chains = engine.runner, []
+    draft = runner.drafter.draft
+
+    def noting(requests, *args, **kwargs):
+        drafted = draft(requests, *args, **kwargs)
+        length = int(requests.lengths[0])
+        chains.append((requests.tokens[requests.rows[0], :length].tolist(), drafted.tree.tokens[0, 1:].tolist()))
+        return drafted
+
+    runner.drafter.draft = noting
+    request = engine.add_request(ids, 64)
+    while len(chains) < steps and not request.finished:
+        engine.step()
+    return chains
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory) -> Path:
+    return published_head(tmp_path_factory.mktemp("eagle3") / "head")
+
+
+def test_a_published_head_drafts_what_eagle3_computes(head):
+    program = Program.from_recipe(two_stage(TARGET, head, {"shape": "chain", "length": 3}))
+    ids = program.encode("import os\nimport sys\n\n\ndef main(argv):\n")
+    chains = drafted_chains(program, ids, 3)
+    assert len(chains) == 3
+    for committed, chain in chains:
+        assert chain == eagle3_chain(head, committed, 3)
+
+
+@pytest.mark.parametrize("shape", list(TREES))
+def test_greedy_output_with_a_published_head_equals_the_target_alone(target_reference, head, shape):
+    program = Program.from_recipe(two_stage(TARGET, head, TREES[shape], max_new_tokens=48))
+    ids, expected = target_reference[0]
+    assert program.generate(ids).output_ids == expected[:48]
+
+
+def refusal(recipe: Recipe) -> str:
+    with pytest.raises(SpecgraphError) as caught:
+        Program.from_recipe(recipe)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_heads_we_do_not_support_are_refused_in_one_line(tmp_path, head):
+    older = published_head(tmp_path / "eagle1", architectures=["LlamaForCausalLMEagle"])
+    assert "EAGLE-1/2 head, which is not supported" in refusal(two_stage(TARGET, older, TREES["chain"]))
+    layers = published_head(tmp_path / "layers", num_hidden_layers=2)
+    assert "one decoder layer" in refusal(two_stage(TARGET, layers, TREES["chain"]))
+    wide = published_head(tmp_path / "wide", vocab_size=8192)
+    assert "the head is for a target of vocab_size 8192" in refusal(two_stage(TARGET, wide, TREES["chain"]))
+    deep = published_head(tmp_path / "deep", eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 4, 9]})
+    assert "reads target layers [1, 4, 9]" in refusal(two_stage(TARGET, deep, TREES["chain"]))
+    unfused = published_head(tmp_path / "unfused")
+    state = load_file(unfused / "model.safetensors")
+    save_file({k: v for k, v in state.items() if k != "fc.weight"}, unfused / "model.safetensors")
+    assert "missing fc.weight" in refusal(two_stage(TARGET, unfused, TREES["chain"]))
+    scattered = published_head(tmp_path / "scattered")
+    state = load_file(scattered / "model.safetensors")
+    save_file(state | {"d2t": state["d2t"] + VOCAB}, scattered / "model.safetensors")
+    assert "d2t maps draft ids outside the target's vocabulary" in refusal(two_stage(TARGET, scattered, TREES["chain"]))
+    assert "it cannot be the target" in refusal(two_stage(head, None))
+    recipe = two_stage(TARGET, head, TREES["chain"]).model_copy(update={"execution": "disaggregated"})
+    assert "drafts under execution: serial only" in refusal(recipe)
+
+
+def test_a_head_recipe_is_not_exported_in_one_line(tmp_path, capsys, head):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((REPO / "recipes" / "eagle3.yaml").read_text().replace("models/target", str(TARGET))
+                      .replace("models/eagle3", str(head)))
+    assert main(["compile", str(recipe), "-o", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == ("specgraph: error: compile: stage draft drafts with an EAGLE-3 head, "
+                                               "which cannot be exported yet; run the recipe itself (specgraph run RECIPE)")
+
+
+def training_data(path: Path) -> Path:
+    """Training texts for the tests' heads: this repository's own sources (not the held-out prompts)."""
+    path.write_text("".join(json.dumps({"text": f.read_text()}) + "\n" for f in sorted((REPO / "specgraph").glob("*.py"))))
+    return path
+
+
+def train_draft(data: Path, out: Path, *flags: str) -> int:
+    return main(["train-draft", str(TARGET), "--data", str(data), "-o", str(out), "--batch", "4", "--seq-len", "64",
+                 "--ttt", "3", "--draft-vocab", "512", "--intermediate-size", "256", *flags])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("trained")
+    assert train_draft(training_data(folder / "data.jsonl"), folder / "head", "--steps", "40", "--lr", "3e-3") == 0
+    return folder / "head"
+
+
+def test_train_draft_writes_the_published_layout(trained):
+    names = set(load_file(trained / "model.safetensors"))
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "norm.weight",
+            "lm_head.weight", "d2t", "t2d"} <= names and "embed_tokens.weight" not in names
+    config = json.loads((trained / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 512
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+
+
+@pytest.mark.parametrize("shape", list(TREES))
+def test_a_trained_head_decodes_as_the_target_alone(target_reference, trained, shape):
+    program = Program.from_recipe(two_stage(TARGET, trained, TREES[shape], max_new_tokens=48))
+    for ids, expected in target_reference[:2]:
+        assert program.generate(ids).output_ids == expected[:48]
+
+
+def test_a_resumed_run_ends_where_one_run_does(tmp_path):
+    data = training_data(tmp_path / "data.jsonl")
+    assert train_draft(data, tmp_path / "whole", "--steps", "6") == 0
+    assert train_draft(data, tmp_path / "parts", "--steps", "3") == 0
+    assert json.loads((tmp_path / "parts" / "training" / "state.json").read_text())["step"] == 3
+    assert train_draft(data, tmp_path / "parts", "--steps", "6") == 0
+    whole, parts = (load_file(tmp_path / run / "model.safetensors") for run in ("whole", "parts"))
+    assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
+
+
+def test_train_draft_refuses_bad_data_and_targets_in_one_line(tmp_path, capsys, head):
+    data = training_data(tmp_path / "data.jsonl")
+    cases = [
+        (tmp_path / "none.jsonl", [], "does not exist"),
+        (tmp_path / "bad.jsonl", [], "line 2 is not JSON"),
+        (tmp_path / "field.jsonl", [], "line 1 needs a 'text' (or 'prompt') string"),
+        (tmp_path / "short.jsonl", [], "training windows need more than 64"),
+        (data, ["--layers", "1,2,9"], "--layers: three layers of the target's 8"),
+        (data, ["--layers", "a,b"], "--layers: three layer indices"),
+    ]
+    (tmp_path / "bad.jsonl").write_text('{"text": "x = 1"}\nnot json\n')
+    (tmp_path / "field.jsonl").write_text('{"code": "x = 1"}\n')
+    (tmp_path / "short.jsonl").write_text('{"prompt": "x = 1"}\n')
+    for file, flags, message in cases:
+        assert train_draft(file, tmp_path / "out", "--steps", "1", *flags) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err
+    assert main(["train-draft", str(head), "--data", str(data), "-o", str(tmp_path / "out")]) == 2
+    assert "train-draft trains heads for Llama-family targets, not LlamaForCausalLMEagle3" in capsys.readouterr().err
+    assert train_draft(data, tmp_path / "out", "--steps", "1") == 0
+    capsys.readouterr()
+    assert train_draft(data, tmp_path / "out", "--steps", "2", "--lr", "0.5") == 2
+    assert "holds a run with other settings (lr)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", list(TREES))
+def test_the_shipped_head_decodes_as_the_target_alone(target_reference, shape):
+    program = Program.from_recipe(two_stage(TARGET, SHIPPED, TREES[shape], max_new_tokens=128))
+    accepted = []
+    for ids, expected in target_reference[:4]:
+        generation = program.generate(ids)
+        assert generation.output_ids == expected
+        accepted += generation.accepted_lengths
+    assert sum(accepted) / len(accepted) > 1.5  # the head's drafts are really being accepted
+
+
+def test_the_shipped_head_drafts_what_eagle3_computes_across_steps():
+    """Steps that commit several tokens: the catch-up feeds all their pairs."""
+    program = Program.from_recipe(two_stage(TARGET, SHIPPED, {"shape": "chain", "length": 3}))
+    chains = drafted_chains(program, program.encode("import os\nimport sys\n\n\ndef main(argv):\n"), 6)
+    committed = [len(before) for before, _ in chains]
+    assert max(b - a for a, b in zip(committed, committed[1:])) > 1
+    for before, chain in chains:
+        assert chain == eagle3_chain(SHIPPED, before, 3)
+
+
+def test_the_eagle3_recipe_decodes_as_the_target_alone(target_reference):
+    program = Program.from_recipe(Recipe.from_yaml(REPO / "recipes" / "eagle3.yaml", ["max_new_tokens=128"]))
+    ids, expected = target_reference[1]
+    assert program.generate(ids).output_ids == expected
+
+
+def test_sampling_through_the_head_follows_the_target_distribution():
+    """Two sampled tokens after a prompt, many seeds, the head drawing its children (a static tree):
+    their empirical joint approaches the target's exact one (temperature 1, top-k 3: 9 outcomes)."""
+    sampling = {"temperature": 1.0, "top_k": 3}
+    program = Program.from_recipe(two_stage(TARGET, SHIPPED, {"shape": "static", "branching": [2, 1]},
+                                            sampling=sampling, max_new_tokens=2))
+    ids = program.encode("import os\nimport sys\n\n\ndef main(")
+    first_steps = []
+
+    def generate(seed):
+        generation = program.generate(ids, seed=seed)
+        first_steps.append(generation.accepted_lengths[0])
+        return generation.output_ids
+
+    observed = sampled_law(generate, 1200)
+    exact = two_token_law(TARGET, ids, sampling)
+    assert set(observed) <= set(exact)  # nothing outside the target's support
+    assert first_steps.count(2) > 300  # the head's drafts are accepted, often
+    assert total_variation(observed, exact) < 0.06  # (the expected distance at 1200 draws is about 0.03)
+
+
+def test_a_widened_head_drafts_as_the_small_one():
+    """`--widen` takes a head to a head of the target's shape (bench/widen.py): at an 8B-like layout
+    (REDUCED) its drafts, so its accepted lengths, are the small head's, step for step."""
+    graph = plan(two_stage(TARGET, SHIPPED, TREES["dynamic"], max_new_tokens=40))
+    small = Program(graph)
+    models = {name: widen(small.stages[name].model, REDUCED, "cpu", torch.float32) for name in ("target", "draft")}
+    head = models["draft"]
+    assert head.fc.weight.shape == (640, 3 * 640) and head.lm_head.weight.shape == (HEAD_DRAFT_VOCAB, 640)
+    assert head.layers[0].mlp.down_proj.weight.shape == (640, REDUCED.intermediate_size)
+    wide = Program(graph, models)
+    ids = small.encode("def load(path):\n    with open(path) as f:\n")
+    a, b = small.generate(ids), wide.generate(ids)
+    assert b.output_ids == a.output_ids == small.autoregressive().generate(ids, 40).output_ids
+    assert b.accepted_lengths == a.accepted_lengths and sum(a.accepted_lengths) > 1.5 * len(a.accepted_lengths)
+
+
+@pytest.mark.parametrize("budget", [None, {1: 6, 2: 8, 4: 12, 5: 14}], ids=["own-trees", "budget"])
+def test_the_head_drafts_for_five_requests_at_a_time(target_reference, budget):
+    """The engine with a head: requests of mixed lengths, five at a time with staggered finishes,
+    each with its own pending features, under each tree's nodes or a batch-wide budget."""
+    target = {"name": "target", "model": "target", "devices": ["cpu"], "verifies": "draft"}
+    if budget:
+        target["verify"] = {"budget": {"epsilon": 0.1, "nodes": budget}}
+    recipe = Recipe.from_dict({
+        "name": "batched", "serving": {"max_batch": 5, "block_size": 16},
+        "models": {"target": {"path": str(TARGET)}, "draft": {"path": str(SHIPPED)}},
+        "stages": [{"name": "draft", "model": "draft", "devices": ["cpu"],
+                    "tree": {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 10}}, target]})
+    outputs = decode_together(Program.from_recipe(recipe), target_reference)
+    assert outputs == [expected[:n] for (_, expected), n in zip(target_reference, BUDGETS)]
