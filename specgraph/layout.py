@@ -64,7 +64,8 @@ class Layout:
         t, g = visible.shape
         table = table[:, : -(-width // block_size)]
         device = visible.device
-        cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # [R + 1]
+        cu = torch.cat([counts.new_zeros(1), counts]).cumsum(0)  # [R + 1] (not counts.cumsum(0): where counts
+        # is a `full` (a static tree's sizes), torch 2.11's Inductor rewrites full().cumsum() and fails on a symbolic fill)
         index = torch.arange(t, device=device)
         segment = (index[:, None] >= cu[None, 1:]).sum(1)  # [T]: the segment of each token (Inductor fails on
         # a searchsorted of a slice)
