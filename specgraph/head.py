@@ -62,6 +62,18 @@ class HeadDrafter(Drafter):
                       torch.tensor([start], device=device), offsets[None], causal[None], start + t)
         self.stage.cache.keep(rows, torch.tensor([t], device=device))
 
+    def prompt_pairs(self, rows: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor, start: int,
+                     length: int) -> torch.Tensor | None:
+        """A chunk of a prompt's features (features [T, C H] at committed tokens start..; `tokens`
+        [capacity]: the request's, `length` of them in its prompt): feed the pairs it completes, those
+        of tokens below length - 2 -> the features at token length - 2 where the chunk holds them
+        (the pair of the root, which the first catch-up feeds), else None."""
+        pairs = min(start + features.shape[0], length - 2) - start
+        if pairs > 0:
+            self.prefill_pairs(rows, tokens[start + 1 : start + 1 + pairs], features[:pairs], start)
+        last = length - 2 - start
+        return features[last] if 0 <= last < features.shape[0] else None
+
     def _catch_up(self, requests: Requests, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each request's last feeds[r] pairs -> the roots' logits [R, V] and the head's outputs
         at the roots [R, H]. Every request feeds max_feeds columns: those past its feeds[r] are

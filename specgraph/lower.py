@@ -19,7 +19,7 @@ from specgraph.growing import GrowingDrafter
 from specgraph.head import HeadDrafter
 from specgraph.kernels import Kernels
 from specgraph.models.eagle import Eagle3Head
-from specgraph.models.loader import is_head, load_model
+from specgraph.models.loader import is_head, load_embedding, load_model
 from specgraph.parallel import shard_model
 from specgraph.passes.place import resolve_device
 from specgraph.recipe import ChainTree
@@ -180,7 +180,14 @@ def _disaggregated_side(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks
         return VerifySide(build_verifier(graph, stages), trees, verdicts, drafter, draft_node["tree_nodes"],
                             draft_node["tree_depth"], drawn, node["eos_ids"], recipe.max_seq_len, node["step_graphs"],
                             sampling)
-    if isinstance(tree, Growth):
+    head = stages[drafter].model
+    if isinstance(head, Eagle3Head):
+        if head.shares_embedding:  # (the target's own is in another process: its checkpoint's, in the leading block)
+            weight = load_embedding(node["model"].path)
+            with torch.no_grad():
+                head.embed_tokens.weight[: weight.shape[0], : weight.shape[1]] = weight
+        grower = HeadDrafter(stages[drafter], tree, node["rule"])
+    elif isinstance(tree, Growth):
         grower = GrowingDrafter(stages[drafter], tree)
     else:
         grower = Drafter(stages[drafter], tree, node["rule"])

@@ -174,8 +174,11 @@ def test_heads_we_do_not_support_are_refused_in_one_line(tmp_path, head):
     save_file(state | {"d2t": state["d2t"] + VOCAB}, scattered / "model.safetensors")
     assert "d2t maps draft ids outside the target's vocabulary" in refusal(two_stage(TARGET, scattered, TREES["chain"]))
     assert "it cannot be the target" in refusal(two_stage(head, None))
-    recipe = two_stage(TARGET, head, TREES["chain"]).model_copy(update={"execution": "disaggregated"})
-    assert "drafts under execution: serial only" in refusal(recipe)
+    recipe = two_stage(TARGET, head, TREES["dynamic"]).model_copy(update={"execution": "disaggregated"})
+    assert "drafts static trees under execution: disaggregated (drafted anew from each verdict's features; got a " \
+        "dynamic tree)" in refusal(recipe)
+    recipe = two_stage(TARGET, head, TREES["chain"]).model_copy(update={"execution": "pipeline"})
+    assert "drafts under execution: serial or disaggregated (got pipeline)" in refusal(recipe)
 
 
 def test_a_head_recipe_is_not_exported_in_one_line(tmp_path, capsys, head):
@@ -334,3 +337,17 @@ def test_the_head_drafts_for_five_requests_at_a_time(target_reference, budget):
                     "tree": {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 10}}, target]})
     outputs = decode_together(Program.from_recipe(recipe), target_reference)
     assert outputs == [expected[:n] for (_, expected), n in zip(target_reference, BUDGETS)]
+
+
+def test_the_head_drafts_in_a_process_of_its_own(target_reference):
+    """The disaggregated executor with a head: the target sends the prompt's features after its
+    prefill and each verdict's accepted path's with it; the head, in its own process (with the
+    target's embedding read from the target's checkpoint), drafts static trees from them."""
+    recipe = two_stage(TARGET, SHIPPED, TREES["static"], max_new_tokens=128, execution="disaggregated")
+    accepted = []
+    with Program.from_recipe(recipe) as program:
+        for ids, expected in target_reference[:4]:
+            generation = program.generate(ids)
+            assert generation.output_ids == expected
+            accepted += generation.accepted_lengths
+    assert sum(accepted) / len(accepted) > 1.5  # the head's drafts are really being accepted

@@ -106,9 +106,8 @@ class Runner:
             stage.cache.keep(rows, torch.tensor([count], device=self.device))
 
     def _prefill_head(self, slot: int, start: int, end: int) -> None:
-        """The target's chunk [start, end) of the prompt, whose features make the head's pairs at
-        slots [start, end) (head.py): all are fed but the prompt's last pair, which the first
-        catch-up feeds."""
+        """The target's chunk [start, end) of the prompt (all but its last token), whose features make
+        the head's pairs (head.py): all but the prompt's last pair, which the first catch-up feeds."""
         length, target = self.host_lengths[slot], self.verifier.stage
         stop = min(end, length - 1)
         if stop <= start:
@@ -120,11 +119,9 @@ class Runner:
                                      torch.tensor([start], device=self.device), offsets[None], causal[None], stop)
         features = target.forward_features(tokens, layout)[1]  # [count, C H]
         target.cache.keep(rows, torch.tensor([count], device=self.device))
-        pairs = min(stop, length - 2) - start
-        if pairs > 0:
-            self.drafter.prefill_pairs(rows, self.tokens[slot, start + 1 : start + 1 + pairs], features[:pairs], start)
-        if stop == length - 1:
-            self.features[slot, 0] = features[-1]
+        last = self.drafter.prompt_pairs(rows, self.tokens[slot], features, start, length)
+        if last is not None:
+            self.features[slot, 0] = last
             self.pending[slot] = 1
 
     # -- decoding

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
+from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -236,6 +237,20 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> Ll
     model.to(dtype)
     model.inv_freq = model.inv_freq.float()
     return model.eval().requires_grad_(False)
+
+
+def load_embedding(path: Path) -> torch.Tensor:
+    """The token embedding [V, H] of the checkpoint at `path` alone (what a head that shares its
+    target's reads, in a process without the target)."""
+    for file in safetensor_files(Path(path)):
+        try:
+            with safe_open(file, framework="pt") as f:
+                name = next((n for n in ("model.embed_tokens.weight", "embed_tokens.weight") if n in f.keys()), None)
+                if name is not None:
+                    return f.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({str(exc).splitlines()[0][:120]})") from None
+    raise CheckpointError(f"{path}: no embed_tokens.weight in its safetensors files")
 
 
 def _head_state(state: dict[str, torch.Tensor], model: Eagle3Head, path: Path) -> dict[str, torch.Tensor]:

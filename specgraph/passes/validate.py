@@ -20,6 +20,7 @@ from specgraph.models.eagle import default_features
 from specgraph.models.loader import head_shape, is_head, is_hybrid, read_config, read_tokenizer
 from specgraph.passes.base import graph_pass
 from specgraph.recipe import ChainTree, DynamicTree
+from specgraph.recipe import StaticTree as StaticTreeSpec
 
 
 @graph_pass(provides=("config", "tokenizer", "eos_ids", "rule", "vocab", "features"))
@@ -68,15 +69,22 @@ def validate(graph: SpecGraph) -> SpecGraph:
 
 
 def _check_head(graph: SpecGraph, name: str, target: str) -> tuple[int, ...]:
-    """An EAGLE-3 head drafts, in the serial executor, for a Llama-family target of its vocabulary
-    and width, from layers the target has -> those layers."""
+    """An EAGLE-3 head drafts (in the serial executor; static trees in the disaggregated one; on one
+    device) for a Llama-family target of its vocabulary and width, from layers the target has -> those layers."""
     node, ref = graph.node(name), graph.node(target)
     model, index, config = node["spec"].model, node["index"], ref["config"]
     what = f"stages.{index}.model: models.{model} is an EAGLE-3 head"
     if name == target:
         raise RecipeError(f"{what}, which drafts from a target's features; it cannot be the target")
-    if graph.recipe.execution != "serial":
-        raise RecipeError(f"{what}, which drafts under execution: serial only (got {graph.recipe.execution})")
+    execution = graph.recipe.execution
+    if execution not in ("serial", "disaggregated"):
+        raise RecipeError(f"{what}, which drafts under execution: serial or disaggregated (got {execution})")
+    tree = node["spec"].tree
+    if execution == "disaggregated" and not isinstance(tree, StaticTreeSpec):
+        raise RecipeError(f"{what}, which drafts static trees under execution: disaggregated (drafted anew from "
+                          f"each verdict's features; got a {getattr(tree, 'shape', 'chain')} tree); give a static tree, or execution: serial")
+    if len(node["spec"].devices) > 1:
+        raise RecipeError(f"{what}, which runs on one device (got {len(node['spec'].devices)})")
     if is_hybrid(config):
         raise RecipeError(f"{what}, which drafts for a Llama-family target; models.{ref['spec'].model} is a hybrid "
                           f"({config.architectures[0]})")

@@ -10,6 +10,11 @@ grows G more expansion steps while the target verifies them, and re-roots at the
 once when the bonus token is already one of its nodes, which is what keeps the draft off the
 critical path. A static tree is drafted anew after each verdict (the serial drafter's growth).
 
+An EAGLE-3 head (head.py) drafts static trees from the target's features: the target sends the
+prompt's features after its prefill (FEATURE_CHUNK rows a message) and, with each verdict, those
+of the accepted path, which the head's next catch-up feeds. Features travel as fp32 (exact for
+bf16 and fp16 models, whatever the two stages' dtypes).
+
 Each rank of a stage runs the same steps on its shard and receives the same messages (its
 leader broadcasts them), so every rank takes the same decisions. Each side reads the host once
 per step. On a GPU each side's phases are captured as CUDA graphs where they draw nothing; the
@@ -25,6 +30,7 @@ import torch
 from specgraph.draft import Draft, Drafter, Requests
 from specgraph.draws import Draws
 from specgraph.growing import GrowingDrafter
+from specgraph.head import HeadDrafter
 from specgraph.runtime.channel import Link, ProtocolError, TreeMessage, VerdictMessage
 from specgraph.runtime.clock import Clock
 from specgraph.runtime.executor import Generation, Output
@@ -36,9 +42,17 @@ from specgraph.watchdog import PROGRESS
 from specgraph.tree import CATCH_UP, Tree, TreeStructure
 
 
+FEATURE_CHUNK = 64  # rows of prompt features a message carries
+
+
 def _read(result: torch.Tensor) -> list[int]:
     """The step's one host read."""
     return result.tolist()
+
+
+def _padded(rows: torch.Tensor, count: int) -> torch.Tensor:
+    """rows [n, ...] with zero rows after them up to `count`."""
+    return torch.cat([rows, rows.new_zeros(count - rows.shape[0], *rows.shape[1:])])
 
 
 class VerifySide:
@@ -63,10 +77,12 @@ class VerifySide:
         self.budget = torch.zeros((), dtype=torch.long, device=self.device)
         self.phases = Replays(step_graphs, verifier.stage.pool)
         self.waiting = f"waiting for a tree from stage {drafter_name} (rank {trees.src_rank})"
+        self.features = bool(verifier.stage.capture)  # an EAGLE-3 head drafts: features go with the verdicts
 
     def _verify(self, packed: torch.Tensor, sampling: SamplingRows, draws: Draws | None,
                 width: int) -> tuple[torch.Tensor, ...]:
-        """One tree (packed as its message) -> (the verdict's message packed, [ok, stop, count, *new])."""
+        """One tree (packed as its message) -> (the verdict's messages: its own packed, and the accepted
+        path's features where a head drafts; [ok, stop, count, *new])."""
         message = TreeMessage.unpack(packed, self.proposal_buffer)
         seq = self.sequence
         structure = TreeStructure.of_parents(message.parents[None], self.depth, self.nodes)
@@ -74,7 +90,10 @@ class VerifySide:
         tree = Tree(message.tokens[None], message.parents[None], proposals, structure)
         ok = message.continues(seq.length)
         row = torch.zeros(1, dtype=torch.long, device=self.device)
-        logits, layout = self.verifier.score(tree, row, seq.length.reshape(1), width)
+        if self.features:
+            logits, features, layout = self.verifier.score_features(tree, row, seq.length.reshape(1), width)
+        else:
+            logits, layout = self.verifier.score(tree, row, seq.length.reshape(1), width)
         verdict = self.verifier.verdict(tree, logits, layout, sampling, draws)
         counts, news = verdict.accepted(tree)
         count, new, path = counts[0], news[0], verdict.paths[0]
@@ -84,7 +103,9 @@ class VerifySide:
         self.emitted += count
         ends = (new[None, :] == self.eos[:, None]).any(0) & (torch.arange(new.numel(), device=self.device) < count)
         stop = (self.emitted >= self.budget) | ends.any()
-        reply = VerdictMessage(base, count, stop, path, new).pack()
+        reply = (VerdictMessage(base, count, stop, path, new).pack(),)
+        if self.features:  # the accepted path's [D + 1, C H] (past the count: padding)
+            reply += (features[layout.grid[0].gather(0, path.clamp(min=0))].float(),)
         return reply, torch.cat([torch.stack([ok.long(), stop.long(), count]), new])
 
     @torch.inference_mode()
@@ -93,7 +114,10 @@ class VerifySide:
         draws = Draws.of([seed], self.device) if self.verifier.draws else None
         prompt = torch.tensor(prompt_ids, device=self.device)
         self.sequence.start(prompt)
-        self.verifier.prefill(prompt)
+        features = self.verifier.prefill(prompt)
+        if features is not None:
+            for start in range(0, features.shape[0], FEATURE_CHUNK):
+                self.verdicts.send(_padded(features[start : start + FEATURE_CHUNK], FEATURE_CHUNK).float())
         length = len(prompt_ids)
         out = Generation(output_ids=[])
         output = Output(out, length, max_new_tokens, self.max_seq_len, self.eos_ids)
@@ -111,7 +135,7 @@ class VerifySide:
             reply, result = self.phases.run("verify", lambda t: self._verify(t, self.sampling, draws, width),
                                             self.tree_buffer)
             clock.mark()
-            self.verdicts.send(reply)
+            self.verdicts.send(*reply)
             ok, stop, count, *new = _read(result)
             waited, verified = clock.seconds()
             wait_s, verify_s = wait_s + waited, verify_s + verified
@@ -150,6 +174,13 @@ class DraftSide:
         self.waiting = f"waiting for a verdict from stage {target_name} (rank {verdicts.src_rank})"
         self._draft: Draft | None = None  # the static drafter's last tree and request, for its commit
         self._request: Requests | None = None
+        self.head = isinstance(drafter, HeadDrafter)
+        if self.head:  # the target's features of the tokens the next catch-up feeds, and their count
+            self.features = torch.zeros(1, drafter.max_feeds, drafter.feature_width, device=self.device,
+                                        dtype=self.stage.model.fc.weight.dtype)
+            self.pending = torch.zeros(1, dtype=torch.long, device=self.device)
+            self.feature_buffer = torch.zeros(drafter.max_feeds, drafter.feature_width, device=self.device)
+            self.prompt_buffer = torch.zeros(FEATURE_CHUNK, drafter.feature_width, device=self.device)
 
     def _width(self, length: int) -> int:
         """Slots the drafter's forwards attend over, `length` tokens committed."""
@@ -180,7 +211,11 @@ class DraftSide:
     # -- a static tree: drafted anew after each verdict
     def _static_draft(self, length: int, feeds: int, draws: Draws | None) -> tuple[torch.Tensor, ...]:
         seq = self.sequence
-        self._request = Requests.one(seq.tokens, seq.length, feeds)
+        if self.head:
+            self._request = Requests(torch.zeros(1, dtype=torch.long, device=self.device), seq.tokens[None],
+                                     seq.length.reshape(1), self.pending, self.drafter.max_feeds, self.features)
+        else:
+            self._request = Requests.one(seq.tokens, seq.length, feeds)
         self._draft = self.drafter.draft(self._request, self._width(length), self.sampling, draws)
         tree = self._draft.tree
         packed = TreeMessage(seq.length, tree.tokens[0], tree.parents[0]).pack()
@@ -192,8 +227,23 @@ class DraftSide:
         ok = verdict.continues(seq.length)
         self.drafter.commit(self._draft, verdict.path[None], self._request)
         seq.append(verdict.new, verdict.count)
+        if self.head:  # the next catch-up's pairs: the accepted path's features, with the new tokens
+            self.features[0] = self.feature_buffer
+            self.pending.copy_(verdict.count.reshape(1))
         none = torch.zeros_like(verdict.count)
         return torch.stack([ok.long(), verdict.stop.long(), verdict.count, none, none])
+
+    def _prefill_head(self, prompt: torch.Tensor) -> None:
+        """The head's pairs of the prompt, from the features the target sends after its prefill."""
+        self.stage.reset()
+        self.pending.zero_()
+        length, row = prompt.numel(), torch.zeros(1, dtype=torch.long, device=self.device)
+        for start in range(0, length - 1, FEATURE_CHUNK):
+            chunk = self.verdicts.recv(self.prompt_buffer)[0][: min(FEATURE_CHUNK, length - 1 - start)]
+            last = self.drafter.prompt_pairs(row, self.sequence.tokens, chunk.to(self.features.dtype), start, length)
+            if last is not None:
+                self.features[0, 0] = last
+                self.pending.fill_(1)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
@@ -201,7 +251,9 @@ class DraftSide:
         draws = None if growing else Draws.of([seed + 1], self.device)
         prompt = torch.tensor(prompt_ids, device=self.device)
         self.sequence.start(prompt)
-        if not growing:
+        if self.head:
+            self._prefill_head(prompt)
+        elif not growing:
             self.drafter.prefill(prompt)
         else:  # all but the last two tokens: the first catch-up feeds those
             self.stage.reset()
@@ -223,7 +275,7 @@ class DraftSide:
                     self.phases.run("grow", lambda: self._grow(length))
             clock.mark()
             PROGRESS.enter(self.waiting)
-            self.verdicts.recv(self.verdict_buffer)
+            self.verdicts.recv(self.verdict_buffer, *((self.feature_buffer,) if self.head else ()))
             clock.mark()  # the verdict is in
             settle = self._settle if growing else self._static_settle
             ok, stop, count, kept, present = _read(self.phases.run("settle", settle, self.verdict_buffer))

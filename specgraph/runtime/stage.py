@@ -135,17 +135,24 @@ class Stage:
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed tokens [T] at the virtual slots [0, T) of row 0 -> logits [T, V]: eager forwards of
         at most `max_step_tokens`, each kept, attending over the slots written so far."""
-        logits = []
+        return torch.cat([self.forward(packed, layout) for packed, layout in self._prefill_chunks(tokens)])
+
+    def prefill_features(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`prefill`, returning the features `capture` names instead of logits [T, C H]."""
+        return torch.cat([self.forward_features(packed, layout)[1] for packed, layout in self._prefill_chunks(tokens)])
+
+    def _prefill_chunks(self, tokens: torch.Tensor):
+        """Row 0's prefill forwards: (packed chunk, its layout) for each chunk of at most
+        `max_step_tokens`, kept once the caller has run it."""
         row = torch.zeros(1, dtype=torch.long, device=self.device)
         for start in range(0, tokens.numel(), self.max_step_tokens):
             chunk = tokens[start : start + self.max_step_tokens]
             t = chunk.numel()
             offsets = torch.arange(t, device=self.device)
             causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
-            logits.append(self.forward_one(chunk, start + offsets, torch.tensor(start, device=self.device), offsets,
-                                           causal, start + t))
+            yield self.pack(chunk[None], (start + offsets)[None], row, torch.tensor([start], device=self.device),
+                            offsets[None], causal[None], start + t)
             self.cache.keep(row, torch.full((1,), t, device=self.device))
-        return torch.cat(logits)
 
     def reset(self) -> None:
         """Start a new request in row 0."""

@@ -34,11 +34,15 @@ class Verifier:
         return self.spec.rule != "greedy"
 
     @torch.inference_mode()
-    def prefill(self, prompt: torch.Tensor) -> None:
-        """A new request in table row 0: feed all but the last prompt token [L] (the root of the first tree)."""
+    def prefill(self, prompt: torch.Tensor) -> torch.Tensor | None:
+        """A new request in table row 0: feed all but the last prompt token [L] (the root of the first
+        tree) -> where the stage hands features over (an EAGLE-3 head drafts for it), theirs [L - 1, C H]."""
         self.stage.reset()
-        if prompt.numel() > 1:
-            self.stage.prefill(prompt[:-1])
+        if not self.stage.capture:
+            if prompt.numel() > 1:
+                self.stage.prefill(prompt[:-1])
+            return None
+        return self.stage.prefill_features(prompt[:-1])
 
     def score(self, tree: Tree, rows: torch.Tensor, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, Layout]:
         """The target's logits [T, V] at every node of the trees of the requests in table rows `rows`
