@@ -487,6 +487,8 @@ def cmd_compile(args: argparse.Namespace) -> None:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> None:
+    import torch
+
     from specgraph.train_head import TrainSpec, train
 
     layers = None
@@ -501,6 +503,17 @@ def cmd_train_draft(args: argparse.Namespace) -> None:
             raise SpecgraphError(f"{flag}: must be at least {3 if flag == '--seq-len' else 1}")
     if not args.lr > 0:
         raise SpecgraphError(f"--lr: must be above 0 (got {args.lr})")
+    if args.ttt > args.seq_len - 2:
+        raise SpecgraphError(f"--ttt: at most --seq-len - 2 rounds ({args.seq_len - 2}): round j predicts the token "
+                             f"j + 2 ahead (got {args.ttt})")
+    if args.intermediate_size is not None and args.intermediate_size < 1:
+        raise SpecgraphError(f"--intermediate-size: must be at least 1 (got {args.intermediate_size})")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise SpecgraphError(f"--device: {args.device!r} is not a device; valid: cpu, cuda, cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpecgraphError(f"--device: {args.device} asked for, but this machine has no CUDA GPU; give --device cpu")
     out = train(TrainSpec(args.target, args.data, args.output, args.steps, layers, args.lr, args.batch, args.seq_len,
                           args.ttt, args.draft_vocab, args.intermediate_size, args.dtype, args.seed, device=args.device))
     print(f"wrote {out}")

@@ -141,7 +141,7 @@ def build_drafter(graph: SpecGraph, stages: dict[str, Stage], name: str | None =
     stage, tree, rule = stages[draft_name], graph.node(draft_name)["tree"], graph.node(graph.target)["rule"]
     if not isinstance(stage.model, Eagle3Head):
         return Drafter(stage, tree, rule)
-    stage.model.tie_embedding(stages[graph.target].model.embed_tokens)
+    stage.model.tie_embedding(stages[graph.target].model.embed_tokens.weight)
     return HeadDrafter(stage, tree, rule)
 
 
@@ -182,10 +182,8 @@ def _disaggregated_side(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks
                             sampling)
     head = stages[drafter].model
     if isinstance(head, Eagle3Head):
-        if head.shares_embedding:  # (the target's own is in another process: its checkpoint's, in the leading block)
-            weight = load_embedding(node["model"].path)
-            with torch.no_grad():
-                head.embed_tokens.weight[: weight.shape[0], : weight.shape[1]] = weight
+        if head.shares_embedding:  # (the target's is in another process: its checkpoint's)
+            head.tie_embedding(load_embedding(node["model"].path).to(head.embed_tokens.weight))
         grower = HeadDrafter(stages[drafter], tree, node["rule"])
     elif isinstance(tree, Growth):
         grower = GrowingDrafter(stages[drafter], tree)

@@ -179,7 +179,7 @@ class Trainer:
         self.head.t2d.zero_().index_fill_(0, ids, True)
         self.draft_ids = torch.full((vocab,), -100, dtype=torch.long, device=device).index_copy_(
             0, ids, torch.arange(ids.numel(), device=device))  # [V] target id -> draft id (-100: none)
-        self.head.tie_embedding(target.embed_tokens)  # (shared and frozen, as at inference)
+        self.head.tie_embedding(target.embed_tokens.weight)  # (shared and frozen, as at inference)
         self.params = {n: p for n, p in self.head.named_parameters() if not n.startswith("embed_tokens.")}
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.step = 0

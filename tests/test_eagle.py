@@ -179,6 +179,14 @@ def test_heads_we_do_not_support_are_refused_in_one_line(tmp_path, head):
         "dynamic tree)" in refusal(recipe)
     recipe = two_stage(TARGET, head, TREES["chain"]).model_copy(update={"execution": "pipeline"})
     assert "drafts under execution: serial or disaggregated (got pipeline)" in refusal(recipe)
+    mixed = two_stage(TARGET, head, TREES["chain"])
+    mixed = mixed.model_copy(update={"models": {**mixed.models, "draft": mixed.models["draft"].model_copy(
+        update={"dtype": "bfloat16"})}})
+    assert "which runs in its target's dtype: give models.draft.dtype 'float32' (got 'bfloat16')" in refusal(mixed)
+    apart = two_stage(TARGET, head, TREES["chain"])
+    apart = apart.model_copy(update={"stages": [apart.stages[0].model_copy(update={"devices": ["cuda:1"]}),
+                                                apart.stages[1]]})
+    assert "drafts beside its target in serial execution: give it the target's one device (['cpu'])" in refusal(apart)
 
 
 def test_a_head_recipe_is_not_exported_in_one_line(tmp_path, capsys, head):
@@ -243,6 +251,8 @@ def test_train_draft_refuses_bad_data_and_targets_in_one_line(tmp_path, capsys, 
         (tmp_path / "short.jsonl", [], "training windows need more than 64"),
         (data, ["--layers", "1,2,9"], "--layers: three layers of the target's 8"),
         (data, ["--layers", "a,b"], "--layers: three layer indices"),
+        (data, ["--ttt", "63"], "--ttt: at most --seq-len - 2 rounds (62)"),
+        (data, ["--device", "gpu0"], "--device: 'gpu0' is not a device; valid: cpu, cuda, cuda:N"),
     ]
     (tmp_path / "bad.jsonl").write_text('{"text": "x = 1"}\nnot json\n')
     (tmp_path / "field.jsonl").write_text('{"code": "x = 1"}\n')
@@ -350,4 +360,8 @@ def test_the_head_drafts_in_a_process_of_its_own(target_reference):
             generation = program.generate(ids)
             assert generation.output_ids == expected
             accepted += generation.accepted_lengths
+        one = target_reference[0][0][:1]  # a one-token prompt: no features before the first verdict
+        alone = Program.from_recipe(two_stage(TARGET, None, max_new_tokens=24))
+        assert program.generate(one, 24).output_ids == alone.generate(one).output_ids
+    assert max(len(ids) for ids, _ in target_reference[:4]) > 64  # (prompts of several feature messages)
     assert sum(accepted) / len(accepted) > 1.5  # the head's drafts are really being accepted

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specgraph.errors import CheckpointError
 from specgraph.kernels import Kernels
 from specgraph.layout import Layout
 from specgraph.models.llama import FUSED, MLP, Attention, DecoderModel, LlamaShape, RMSNorm
@@ -83,10 +84,21 @@ class Eagle3Head(DecoderModel):
         self.register_buffer("t2d", torch.zeros(head.layer.vocab_size, dtype=torch.bool))
         self.shares_embedding = True  # embed_tokens is the target's (set by the lowering) unless the checkpoint has one
 
-    def tie_embedding(self, embedding: nn.Embedding) -> None:
-        """Read the target's `embedding` where the checkpoint has none of its own."""
-        if self.shares_embedding:
-            self.embed_tokens.weight = embedding.weight
+    def tie_embedding(self, weight: torch.Tensor) -> None:
+        """Read the target's embedding weight [V, H] where the checkpoint has none of its own: shared
+        where it is the head's shape; written into the leading block of a widened head's (in a
+        process without its target: the small target's, from its checkpoint)."""
+        if not self.shares_embedding:
+            return
+        own = self.embed_tokens.weight
+        if weight.shape == own.shape:
+            self.embed_tokens.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, False)
+        elif self.target_vocab < own.shape[0] and weight.shape[0] <= own.shape[0] and weight.shape[1] <= own.shape[1]:
+            with torch.no_grad():
+                own[: weight.shape[0], : weight.shape[1]] = weight
+        else:
+            raise CheckpointError(f"an EAGLE-3 head of width {own.shape[1]} and vocabulary {own.shape[0]} shares its "
+                                  f"target's embedding, which is {weight.shape[1]} wide over {weight.shape[0]} ids")
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features [..., 3 Ht] -> the head's hidden input [..., H]."""

@@ -85,6 +85,13 @@ def _check_head(graph: SpecGraph, name: str, target: str) -> tuple[int, ...]:
                           f"each verdict's features; got a {getattr(tree, 'shape', 'chain')} tree); give a static tree, or execution: serial")
     if len(node["spec"].devices) > 1:
         raise RecipeError(f"{what}, which runs on one device (got {len(node['spec'].devices)})")
+    if execution == "serial" and node["spec"].devices != ref["spec"].devices[:1] * len(ref["spec"].devices):
+        raise RecipeError(f"{what}, which drafts beside its target in serial execution: give it the target's one "
+                          f"device ({ref['spec'].devices}), or execution: disaggregated for a head of its own device")
+    dtypes = [graph.recipe.models[n["spec"].model].dtype for n in (node, ref)]
+    if dtypes[0] != dtypes[1]:
+        raise RecipeError(f"{what}, which runs in its target's dtype: give models.{model}.dtype {dtypes[1]!r} "
+                          f"(got {dtypes[0]!r})")
     if is_hybrid(config):
         raise RecipeError(f"{what}, which drafts for a Llama-family target; models.{ref['spec'].model} is a hybrid "
                           f"({config.architectures[0]})")

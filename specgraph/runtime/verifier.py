@@ -36,11 +36,13 @@ class Verifier:
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor | None:
         """A new request in table row 0: feed all but the last prompt token [L] (the root of the first
-        tree) -> where the stage hands features over (an EAGLE-3 head drafts for it), theirs [L - 1, C H]."""
+        tree) -> where the stage hands features over (an EAGLE-3 head drafts for it), theirs [L - 1, C H]
+        (None for a one-token prompt, which has none)."""
         self.stage.reset()
+        if prompt.numel() == 1:
+            return None
         if not self.stage.capture:
-            if prompt.numel() > 1:
-                self.stage.prefill(prompt[:-1])
+            self.stage.prefill(prompt[:-1])
             return None
         return self.stage.prefill_features(prompt[:-1])
 
