@@ -20,10 +20,12 @@ import torch
 
 from specgraph.draft import Draft, Drafter, Requests
 from specgraph.draws import Draws
+from specgraph.layout import Layout
 from specgraph.head import HeadDrafter
 from specgraph.recipe import SamplingSpec
 from specgraph.runtime.clock import Clock
 from specgraph.runtime.graphs import Replays
+from specgraph.runtime.stage import Stage
 from specgraph.runtime.verifier import Verifier
 from specgraph.sampling import SamplingRows
 from specgraph.tree import CATCH_UP, Tree, TreeStructure
@@ -96,14 +98,9 @@ class Runner:
         rows = torch.tensor([slot], device=self.device)
         for stage, share in stages:
             stop = min(end, share)
-            if stop <= start:
-                continue
-            count = stop - start
-            offsets = torch.arange(count, device=self.device)
-            causal = torch.ones(count, count, dtype=torch.bool, device=self.device).tril()
-            stage.forward_rows(self.tokens[slot, start:stop][None], (start + offsets)[None], rows,
-                               torch.tensor([start], device=self.device), offsets[None], causal[None], stop)
-            stage.cache.keep(rows, torch.tensor([count], device=self.device))
+            if stop > start:
+                stage.forward(*self._prompt_chunk(stage, slot, start, stop))
+                stage.cache.keep(rows, torch.tensor([stop - start], device=self.device))
 
     def _prefill_head(self, slot: int, start: int, end: int) -> None:
         """The target's chunk [start, end) of the prompt (all but its last token), whose features make
@@ -112,17 +109,23 @@ class Runner:
         stop = min(end, length - 1)
         if stop <= start:
             return
-        count, rows = stop - start, torch.tensor([slot], device=self.device)
-        offsets = torch.arange(count, device=self.device)
-        causal = torch.ones(count, count, dtype=torch.bool, device=self.device).tril()
-        tokens, layout = target.pack(self.tokens[slot, start:stop][None], (start + offsets)[None], rows,
-                                     torch.tensor([start], device=self.device), offsets[None], causal[None], stop)
-        features = target.forward_features(tokens, layout)[1]  # [count, C H]
-        target.cache.keep(rows, torch.tensor([count], device=self.device))
+        rows = torch.tensor([slot], device=self.device)
+        features = target.forward_features(*self._prompt_chunk(target, slot, start, stop))[1]  # [stop - start, C H]
+        target.cache.keep(rows, torch.tensor([stop - start], device=self.device))
         last = self.drafter.prompt_pairs(rows, self.tokens[slot], features, start, length)
         if last is not None:
             self.features[slot, 0] = last
             self.pending[slot] = 1
+
+    def _prompt_chunk(self, stage: Stage, slot: int, start: int, stop: int) -> tuple[torch.Tensor, Layout]:
+        """The committed tokens [start, stop) of `slot`'s request packed for one forward of `stage`,
+        each at its own slot and seeing those before it -> (packed tokens, layout)."""
+        count = stop - start
+        offsets = torch.arange(count, device=self.device)
+        causal = torch.ones(count, count, dtype=torch.bool, device=self.device).tril()
+        return stage.pack(self.tokens[slot, start:stop][None], (start + offsets)[None],
+                          torch.tensor([slot], device=self.device), torch.tensor([start], device=self.device),
+                          offsets[None], causal[None], stop)
 
     # -- decoding
     @torch.inference_mode()
