@@ -1,8 +1,9 @@
-"""Do a serial recipe's outputs depend on the batch? fp32, eager layers, the small fixtures, 16 prompts x 128
-tokens: the recipe and `ar` at batch 1 and 8 (with and without CUDA graphs), and `autoregressive.yaml` alone at
-batch 1, 8 and 4, each through bench's measure_engine; prints, per pair of systems, the prompts whose outputs
-agree and the first positions where others part. Run from the repository root (`.fixtures/` as scripts/gpu_setup.sh
-says): `python3 scripts/probe_batch.py`. Run 95 (docs/benchmarks.md)."""
+"""Do a serial recipe's outputs depend on the batch? fp32, the small fixtures, 16 prompts x 64 tokens (or max_new_tokens=N):
+RECIPE (default recipes/autoregressive.yaml) through bench's measure_engine at batch 1, 4 and 8, with
+the `--set` overrides given; prints, per batch size, how many prompts agree with batch 1 and the first
+positions where others part. Run from the repository root (`.fixtures/` as scripts/gpu_setup.sh says):
+`python3 scripts/probe_batch.py [RECIPE] [KEY=VALUE ...]` (SPECGRAPH_PDL=0 in the environment launches
+kernels plainly). A correctness diagnostic, not a speed figure (docs/benchmarks.md, runs 95-96)."""
 import json
 import sys
 import time
@@ -12,27 +13,19 @@ from specgraph.passes import plan
 from specgraph.program import Program
 from specgraph.recipe import Recipe
 
-prompts = [json.loads(l)["prompt"] for l in open(".fixtures/prompts_code.jsonl")][:16]
-FP32 = ["models.target.dtype=float32", "lowering.compile=false", "serving.max_batch=8", "max_new_tokens=128"]
-
-def probe(title, recipe, overrides, runs):
-    t = time.time()
-    try:
-        with Program(plan(Recipe.from_yaml(recipe, [*FP32, *overrides]))) as p:
-            enc = [p.encode(x) for x in prompts]
-            out = {}
-            for name, b in runs:
-                engine = p.executor if name != "ar" or recipe.endswith("autoregressive.yaml") else p.autoregressive()
-                out[f"{name}{b}"] = measure_engine(engine, enc, 128, b, lambda: None)["outputs"]
-        print(title, f"({time.time() - t:.0f} s)")
-        for a in out:
-            first = {b: [next((i for i, (x, y) in enumerate(zip(u, v)) if x != y), None) for u, v in zip(out[a], out[b])] for b in out}
-            print("  ", a, {b: (sum(f is None for f in fs), sorted(f for f in fs if f is not None)[:4]) for b, fs in first.items()})
-    except Exception as exc:
-        print(title, "FAILED", type(exc).__name__, str(exc)[:300])
-    sys.stdout.flush()
-
-D = ["models.draft.dtype=float32"]
-probe("A graphs", "recipes/dynamic.yaml", D, [("spec", 1), ("spec", 8), ("ar", 1), ("ar", 8)])
-probe("B no graphs", "recipes/dynamic.yaml", D + ["lowering.cuda_graphs=false"], [("spec", 1), ("spec", 8), ("ar", 1), ("ar", 8)])
-probe("C ar alone, graphs", "recipes/autoregressive.yaml", [], [("ar", 1), ("ar", 8), ("ar", 4)])
+args = sys.argv[1:]
+recipe = args.pop(0) if args and args[0].endswith(".yaml") else "recipes/autoregressive.yaml"
+prompts = [json.loads(line)["prompt"] for line in open(".fixtures/prompts_code.jsonl")][:16]
+fp32 = ["models.target.dtype=float32", "lowering.compile=false", "serving.max_batch=8", "max_new_tokens=64"]
+if "autoregressive" not in recipe:
+    fp32.append("models.draft.dtype=float32")
+began = time.time()
+with Program(plan(Recipe.from_yaml(recipe, [*fp32, *args]))) as program:
+    encoded = [program.encode(text) for text in prompts]
+    tokens = program.recipe.max_new_tokens
+    out = {b: measure_engine(program.executor, encoded, tokens, b, lambda: None)["outputs"] for b in (1, 4, 8)}
+parts = {b: [next((i for i, (x, y) in enumerate(zip(u, v)) if x != y), None) for u, v in zip(out[1], out[b])]
+         for b in (4, 8)}
+print(recipe, " ".join(args) or "(defaults)", f"({time.time() - began:.0f} s):",
+      "; ".join(f"batch {b}: {sum(f is None for f in fs)}/16 as batch 1, first parts {sorted(f for f in fs if f is not None)[:4]}"
+                for b, fs in parts.items()))

@@ -92,9 +92,15 @@ class Layout:
                    if isinstance(getattr(self, f.name), torch.Tensor)}
         return replace(self, **tensors)
 
-    def attention_inputs(self) -> tuple:
-        """What the attention kernels take of the layout, after q and the layer's cache."""
-        return self.table, self.rows, self.cu, self.starts, self.visible, self.grid, self.block_size
+    def attention_inputs(self, heads: int) -> tuple:
+        """What the attention kernels take of the layout, after q and the layer's cache, for a model
+        of `heads` query heads (at most: a rank of a split model has fewer): with a zeroed scratch of
+        int32 tickets [R (ceil(heads G / 16) + heads)], where the Triton kernel counts the split
+        programs of each row block (it leaves them zero, so one scratch serves every layer of a
+        forward, and a CUDA graph of the forward holds its own)."""
+        tickets = torch.zeros(self.segments * (-(-heads * self.region // 16) + heads), dtype=torch.int32,
+                              device=self.rows.device)
+        return self.table, self.rows, self.cu, self.starts, self.visible, self.grid, tickets, self.block_size
 
     def tree(self) -> torch.Tensor:
         """[R, G, G] bool: within each segment, token i sees token j (a hybrid forward: see the module doc)."""

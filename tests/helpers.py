@@ -359,7 +359,7 @@ def path_alone(q, k, v, layout: Layout, token: int) -> torch.Tensor:
     one = torch.zeros(1, dtype=torch.long, device=device)
     alone = Layout.single(table, bs, torch.tensor(p, device=device), one, torch.ones(1, 1, dtype=torch.bool, device=device),
                           one + p, n * bs)
-    return attention_invariant(q[:, :, token : token + 1].contiguous(), k2, v2, *alone.attention_inputs())[:, :, 0]
+    return attention_invariant(q[:, :, token : token + 1].contiguous(), k2, v2, *alone.attention_inputs(q.shape[1]))[:, :, 0]
 
 
 def gated_delta_layer(trees: list[tuple[int, int]], h: int, hk: int, dk: int, dv: int, pool: int, seed: int,

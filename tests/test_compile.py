@@ -42,5 +42,5 @@ def test_reference_attention_compiles_with_symbolic_grouped_heads():
     layout = random_layout([3, 1, 4], [9, 2, 0], torch.Generator().manual_seed(0))
     slots = (layout.table.max() + 1) * layout.block_size
     q, k, v = torch.randn(1, 8, layout.tokens, 16), torch.randn(1, 2, slots, 16), torch.randn(1, 2, slots, 16)
-    inputs = (q, k, v, *layout.attention_inputs())
+    inputs = (q, k, v, *layout.attention_inputs(8))
     assert torch.allclose(compiled(*inputs), attention_reference(*inputs), atol=1e-5)

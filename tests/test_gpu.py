@@ -272,7 +272,7 @@ def test_row_invariant_kernels_give_a_token_the_same_bits_in_any_step_in_bf16():
     q = torch.randn(1, 32, layout.tokens, 128, **bf16)
     slots = (1 + layout.table.numel()) * layout.block_size
     k, v = torch.randn(1, 8, slots, 128, **bf16), torch.randn(1, 8, slots, 128, **bf16)
-    tree = attention_invariant(q, k, v, *layout.attention_inputs())
+    tree = attention_invariant(q, k, v, *layout.attention_inputs(32))
     for token in range(int(layout.cu[-1])):
         assert torch.equal(tree[:, :, token], path_alone(q, k, v, layout, token)), token
     heads = rmsnorm(q.transpose(1, 2), w[:128], 1e-6)  # [1, T, 32, 128]: the per-head norms

@@ -78,7 +78,7 @@ def test_invariant_attention_matches_reference_and_gives_each_node_its_bits_alon
     layout = random_layout(counts, prefixes, g, block_size=32)
     q = torch.randn(1, h, layout.tokens, d, generator=g).to(dtype)
     k, v = (x.to(dtype) for x in pool_for(layout, hkv, d, g))
-    attend = layout.attention_inputs()
+    attend = layout.attention_inputs(q.shape[1])
     got = attention_invariant(q, k, v, *attend)
     assert got.dtype == dtype
     expected = attention_reference(q.float(), k.float(), v.float(), *attend)
@@ -99,15 +99,15 @@ def test_invariant_attention_of_a_prefill_chunk_and_of_a_drafters_level():
     chunk = random_layout([150], [100], g, block_size=64, chains=True)
     k, v = pool_for(chunk, hkv, d, g)
     q = torch.randn(1, h, chunk.tokens, d, generator=g)
-    got = attention_invariant(q, k, v, *chunk.attention_inputs())
-    assert (got - attention_reference(q, k, v, *chunk.attention_inputs())).abs().max() < 1e-5
+    got = attention_invariant(q, k, v, *chunk.attention_inputs(q.shape[1]))
+    assert (got - attention_reference(q, k, v, *chunk.attention_inputs(q.shape[1]))).abs().max() < 1e-5
     visible = torch.zeros(3, 9, dtype=torch.bool)  # committed [0, 40); fed nodes at offsets 0..5; the level at 6..8
     visible[0, [1, 3, 6]] = visible[1, [1, 7]] = visible[2, [4, 5, 8]] = True
     table = (1 + torch.randperm(4, generator=g))[None]  # [1, 4]: 128 virtual slots
     level = Layout.single(table, 32, torch.tensor(40), torch.tensor([6, 7, 8]), visible, torch.tensor([42, 41, 42]), 128)
     k, v = pool_for(level, hkv, d, g)
-    got = attention_invariant(q[:, :, :3].contiguous(), k, v, *level.attention_inputs())
-    assert (got - attention_reference(q[:, :, :3], k, v, *level.attention_inputs())).abs().max() < 1e-5
+    got = attention_invariant(q[:, :, :3].contiguous(), k, v, *level.attention_inputs(q.shape[1]))
+    assert (got - attention_reference(q[:, :, :3], k, v, *level.attention_inputs(q.shape[1]))).abs().max() < 1e-5
     for token in range(3):
         assert torch.equal(got[:, :, token], path_alone(q[:, :, :3], k, v, level, token)), token
 
@@ -148,11 +148,11 @@ def test_invariant_attention_gives_a_segment_the_same_bits_alone_and_in_any_pack
     layout = random_layout(counts, prefixes, g, block_size=32, chains=chains)
     q = torch.randn(1, h, layout.tokens, d, generator=g)
     k, v = pool_for(layout, hkv, d, g)
-    got = attention_invariant(q, k, v, *layout.attention_inputs())
+    got = attention_invariant(q, k, v, *layout.attention_inputs(q.shape[1]))
     segments = list(range(len(counts)))
     for order in [[r] for r in segments] + [segments[::-1], segments[1:] + segments[:1]]:
         q2, k2, v2, packed, tokens = repacked(q, k, v, layout, order, g)
-        out = attention_invariant(q2, k2, v2, *packed.attention_inputs())
+        out = attention_invariant(q2, k2, v2, *packed.attention_inputs(q2.shape[1]))
         assert torch.equal(out[:, :, : len(tokens)], got[:, :, tokens]), order
 
 

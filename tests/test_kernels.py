@@ -50,9 +50,10 @@ def test_step_attention_matches_reference(h, hkv, d, counts, prefixes, chains, d
     q = torch.randn(1, h, layout.tokens, d, generator=g).to(dtype)
     k = torch.randn(1, hkv, s, d, generator=g).to(dtype)
     v = torch.randn(1, hkv, s, d, generator=g).to(dtype)
-    attend = layout.attention_inputs()
+    attend = layout.attention_inputs(h)
     expected = attention_reference(q.float(), k.float(), v.float(), *attend)
     got = attention(q, k, v, *attend)
+    assert not attend[6].any()  # the split programs' tickets left zero for the next layer
     assert got.dtype == dtype and got.shape == q.shape
     assert got.transpose(1, 2).is_contiguous()  # token-major: the output projection reads it without a copy
     torch.library.opcheck(attention, (q, k, v, *attend), test_utils=("test_faketensor",))  # compiled: the same layout
@@ -64,7 +65,7 @@ def test_step_attention_needs_blocks_of_whole_key_tiles():
     layout = random_layout([3], [10], torch.Generator().manual_seed(0), block_size=16)
     q, k = torch.randn(1, 2, layout.tokens, 16), torch.randn(1, 2, (1 + layout.table.numel()) * 16, 16)
     with pytest.raises(ValueError, match="multiple of 32, not 16"):
-        attention(q, k, k, *layout.attention_inputs())
+        attention(q, k, k, *layout.attention_inputs(2))
 
 
 @pytest.mark.parametrize("b, t, h, hkv, d, rotary, norms, dtype", [

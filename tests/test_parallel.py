@@ -169,7 +169,8 @@ def test_the_ranks_shards_of_a_layer_sum_to_the_whole_layer(heads, kv_heads, wor
     def outputs(part: DecoderLayer, kv: int) -> torch.Tensor:
         keys, values = (torch.zeros(1, kv, 16, 8, dtype=torch.float64) for _ in range(2))  # [1, Hkv, S, K]
         with torch.no_grad():
-            return torch.cat([part.self_attn(x, cos, sin, keys, values, layout.slots, layout.attention_inputs()),
+            return torch.cat([part.self_attn(x, cos, sin, keys, values, layout.slots,
+                                              layout.attention_inputs(part.self_attn.num_heads)),
                               part.mlp(x)])
 
     whole, total = outputs(layer, kv_heads), 0

@@ -28,6 +28,7 @@ from specgraph.models.eagle import Eagle3Head, HeadShape
 from specgraph.models.hybrid import FULL, LINEAR, HybridModel, HybridShape
 from specgraph.models.llama import LlamaModel, LlamaShape, qkv_sizes
 from specgraph.parallel import shard_layer, sharded_shape
+from specgraph.quant.linear import QuantLinear
 
 
 def _qwen35(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int, key_heads: int,
@@ -175,6 +176,8 @@ def widen(small: LlamaModel | HybridModel, name: str | LlamaShape | HybridShape,
     `shard` = (rank, world, process group): keep only that rank's tensor-parallel shard; layers
     are built and sharded one at a time, so the whole model is never on one device. `what`: the
     model, for errors."""
+    if any(isinstance(m, QuantLinear) for m in small.modules()):
+        raise SpecgraphError(f"--widen: {what} has quantized weights; widen a checkpoint in full precision")
     s = small.shape
     big, tied = widened_shape(s, name, tied, what)
     if isinstance(small, Eagle3Head):

@@ -1,5 +1,5 @@
 """Kernels: each op has reference.py (plain PyTorch, the definition) and triton.py (the fast path)
-with the same signature; linear, swiglu, attention and gated_delta also have invariant.py (Triton,
+with the same signature; linear, qlinear, swiglu, attention and gated_delta also have invariant.py (Triton,
 each token's row the same bits whatever the step's token count). `Kernels` is one choice per op, made by the
 select_kernels pass."""
 
@@ -10,17 +10,24 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
 from specgraph.kernels.accept import accept_greedy_reference, accept_sampling_reference
 from specgraph.kernels.attention import attention_reference
 from specgraph.kernels.gated_delta import gated_delta_commit_reference, gated_delta_step_reference
 from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.kernels.linear import linear_reference
 from specgraph.kernels.norm import add_rmsnorm_reference, rmsnorm_reference
+from specgraph.kernels.qlinear import qlinear_reference
 from specgraph.kernels.rope import rope_write_reference
 from specgraph.kernels.swiglu import swiglu_reference
+from specgraph.quant.linear import QuantLinear
 
 # op -> (module of its Triton implementation, function name)
 TRITON = {"attention": ("attention", "attention"), "rope_write": ("rope", "rope_write"), "linear": ("linear", "linear"),
+          "qlinear": ("qlinear", "qlinear"),
           "add_rmsnorm": ("norm", "add_rmsnorm"), "rmsnorm": ("norm", "rmsnorm"),
           "swiglu": ("swiglu", "swiglu"), "kv_move": ("kv_move", "kv_move"),
           "accept_greedy": ("accept", "accept_greedy"), "accept_sampling": ("accept", "accept_sampling"),
@@ -28,7 +35,7 @@ TRITON = {"attention": ("attention", "attention"), "rope_write": ("rope", "rope_
 
 # what a row-invariant stage runs: `{op}_invariant` from invariant.py where the Triton kernel's
 # arithmetic depends on the row count; the Triton kernel where it does not (one program per row or element)
-ROW_INVARIANT = {"linear": "invariant", "swiglu": "invariant", "attention": "invariant",
+ROW_INVARIANT = {"linear": "invariant", "qlinear": "invariant", "swiglu": "invariant", "attention": "invariant",
                  "gated_delta_step": "invariant", "gated_delta_commit": "invariant",
                  "add_rmsnorm": "triton", "rmsnorm": "triton", "rope_write": "triton"}
 
@@ -43,6 +50,7 @@ class Kernels:
     attention: Callable = attention_reference
     rope_write: Callable = rope_write_reference
     linear: Callable = linear_reference
+    qlinear: Callable = qlinear_reference
     add_rmsnorm: Callable = add_rmsnorm_reference
     rmsnorm: Callable = rmsnorm_reference
     swiglu: Callable = swiglu_reference
@@ -51,6 +59,20 @@ class Kernels:
     accept_sampling: Callable = accept_sampling_reference
     gated_delta_step: Callable = gated_delta_step_reference
     gated_delta_commit: Callable = gated_delta_commit_reference
+
+    def project(self, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        """x [..., K] through `module`, an nn.Linear or a QuantLinear (its weight quantized) -> [..., N]."""
+        if isinstance(module, QuantLinear):
+            return self.qlinear(x, module.weight, module.scales, module.zeros, module.bias, module.format, module.group)
+        return self.linear(x, module.weight, module.bias)
+
+    def gated(self, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        """silu(gate) * up [..., I] of x [..., K] through the fused gate/up projection `module` (rows:
+        gate, then up): one fused op where its weight is not quantized."""
+        if isinstance(module, QuantLinear):
+            gate, up = self.project(x, module).chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return self.swiglu(x, module.weight, module.bias)
 
     @classmethod
     def select(cls, choice: dict[str, str]) -> Kernels:

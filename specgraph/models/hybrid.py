@@ -151,7 +151,7 @@ class GatedDeltaNet(nn.Module):
         inputs [N, K - 1, C], read only; step_* [R', STEP_TOKENS, ...]: where the step leaves the
         tokens' factors and inputs for the commit."""
         s, (_, t, _) = self.shape, h.shape
-        inputs, z, write, a = self.kernels.linear(h, self.in_proj.weight, None).split(s.linear_sizes(), dim=-1)
+        inputs, z, write, a = self.kernels.project(h, self.in_proj).split(s.linear_sizes(), dim=-1)
         index = grid.clamp(min=0)  # [R, G]
         out = self.kernels.gated_delta_step(inputs[0][index], write[0][index], a[0][index], conv, self.conv1d.weight,
                                             self.A_log, self.dt_bias, windows, visible, state, rows, step_k, step_u,
@@ -159,7 +159,7 @@ class GatedDeltaNet(nn.Module):
         packed = out.new_zeros(t + 1, *out.shape[2:])  # [T + 1, H, dv]: row T takes what no token is
         packed.index_copy_(0, torch.where(grid >= 0, grid, t).flatten(), out.flatten(0, 1))
         out = self.norm(packed[None, :t], z.reshape(1, t, *out.shape[2:])).reshape(1, t, -1)
-        return self.reduce(self.kernels.linear(out, self.out_proj.weight, None))
+        return self.reduce(self.kernels.project(out, self.out_proj))
 
 
 class GatedAttention(nn.Module):
@@ -181,13 +181,13 @@ class GatedAttention(nn.Module):
         """As the Llama attention; cos, sin [1, 1, T, R] rotate the first R of each head's dims."""
         b, t, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q_gate, k, v = self.kernels.linear(x, self.qkv_proj.weight, None).split(qkv_sizes(2 * h, kv, d), dim=-1)
+        q_gate, k, v = self.kernels.project(x, self.qkv_proj).split(qkv_sizes(2 * h, kv, d), dim=-1)
         q, gate = q_gate.view(b, t, h, 2 * d).chunk(2, dim=-1)  # [B, T, H, K] each
         q = self.kernels.rope_write(q, k.view(b, t, kv, d), v.view(b, t, kv, d), cos, sin, keys, values, slots,
                                     self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)  # [B, H, T, K]; k, v cached
         out = self.kernels.attention(q, keys, values, *attend).transpose(1, 2).reshape(b, t, h * d)
         out = out * torch.sigmoid(gate.reshape(b, t, h * d))
-        return self.reduce(self.kernels.linear(out, self.o_proj.weight, None))
+        return self.reduce(self.kernels.project(out, self.o_proj))
 
 
 class HybridLayer(nn.Module):
@@ -228,7 +228,7 @@ class HybridModel(DecoderModel):
         x, delta, cos, sin = self.stem(tokens, layout.positions[None])
         visible = layout.tree()  # [R, G, G]: ancestors or self within each segment
         windows = conv_windows(visible, self.shape.conv_kernel)
-        attend = layout.attention_inputs()
+        attend = layout.attention_inputs(self.shape.num_heads)
         attention = linear = 0
         for layer in self.layers:
             if layer.kind == LINEAR:

@@ -128,7 +128,7 @@ class Attention(nn.Module):
         """x [1, T, hidden], T packed tokens; keys, values [1, Hkv, S, K]: this layer's cache, written
         in place at `slots` [T]; `attend`: the rest of the attention kernel's inputs (Layout.attention_inputs)."""
         b, t, _ = x.shape
-        qkv = self.kernels.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.kernels.project(x, self.qkv_proj)
         q, k, v = qkv.split(qkv_sizes(self.num_heads, self.num_kv_heads, self.head_dim), dim=-1)
         q = q.view(b, t, self.num_heads, self.head_dim)  # [B, T, H, K]
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
@@ -136,7 +136,7 @@ class Attention(nn.Module):
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else ()
         q = self.kernels.rope_write(q, k, v, cos, sin, keys, values, slots, *norms)  # [B, H, T, K]; k, v cached
         out = self.kernels.attention(q, keys, values, *attend).transpose(1, 2).reshape(b, t, -1)  # [B, T, H K]
-        return self.reduce(self.kernels.linear(out, self.o_proj.weight, self.o_proj.bias))
+        return self.reduce(self.kernels.project(out, self.o_proj))
 
 
 class MLP(nn.Module):
@@ -148,8 +148,7 @@ class MLP(nn.Module):
         self.reduce = unsharded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self.gate_up_proj, self.down_proj
-        return self.reduce(self.kernels.linear(self.kernels.swiglu(x, gate_up.weight, gate_up.bias), down.weight, down.bias))
+        return self.reduce(self.kernels.project(self.kernels.gated(x, self.gate_up_proj), self.down_proj))
 
 
 class DecoderLayer(nn.Module):
@@ -212,7 +211,7 @@ class DecoderModel(nn.Module):
     def logits(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """The last layer's residual x and MLP output delta [B, T, hidden] -> logits [B, T, V] in fp32, V = served_vocab."""
         _, h = self.kernels.add_rmsnorm(x, delta, self.norm.weight, self.norm.eps)
-        return self.kernels.linear(h, self.lm_head.weight, None)[..., : self.served_vocab].float()
+        return self.kernels.project(h, self.lm_head)[..., : self.served_vocab].float()
 
 
 class LlamaModel(DecoderModel):
@@ -229,7 +228,7 @@ class LlamaModel(DecoderModel):
         the inputs of those layers (the residual stream), concatenated in that order [1, T, C H]:
         the features an EAGLE-3 head drafts from (models/eagle.py)."""
         x, delta, cos, sin = self.stem(tokens, layout.positions[None])
-        attend = layout.attention_inputs()
+        attend = layout.attention_inputs(self.shape.num_heads)
         seen = {}
         for i, layer in enumerate(self.layers):
             if i in capture:

@@ -22,6 +22,8 @@ from specgraph.models import eagle
 from specgraph.models.eagle import Eagle3Head, HeadShape
 from specgraph.models.hybrid import HybridModel, HybridShape, from_hf_norms
 from specgraph.models.llama import LlamaModel, LlamaShape, fuse_hf_state
+from specgraph.quant.formats import read_quantization, to_quant_layout
+from specgraph.quant.linear import FORMATS, QuantLinear
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 HYBRID = ("Qwen3_5ForCausalLM",)
@@ -198,6 +200,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> Ll
     """Build our module for the checkpoint at `path` and load its safetensors weights onto `device`."""
     path, device = Path(path), torch.device(device)
     config = read_config(path)
+    quantization = read_quantization(config, path)
     hybrid, head = is_hybrid(config), is_head(config)
     with torch.device("meta"):
         if head:
@@ -217,10 +220,14 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> Ll
         state = from_hf_norms(state)
     if head:
         state = _head_state(eagle.from_published(state), model, path)
+    if quantization is not None:
+        state = to_quant_layout(state, quantization, path)
     state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor for name, tensor in state.items()}
     if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False) and not head:
         state["lm_head.weight"] = state.get("embed_tokens.weight")
-    state = fuse_hf_state(state, model.FUSED)
+    state = fuse_hf_state(_same_quantization(state, model.FUSED, path), model.FUSED)
+    if quantization is not None:
+        _quantize_projections(model, state, path)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
@@ -237,6 +244,39 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> Ll
     model.to(dtype)
     model.inv_freq = model.inv_freq.float()
     return model.eval().requires_grad_(False)
+
+
+def _same_quantization(state: dict[str, torch.Tensor], fused_names: dict[str, tuple[str, ...]], path: Path
+                       ) -> dict[str, torch.Tensor]:
+    """`state`, after checking that the parts of each projection we fuse are stored alike (all
+    quantized in one format and group, or none)."""
+    for parts in fused_names.values():
+        for name in [n for n in state if n.endswith(f".{parts[0]}.weight")]:
+            stems = [name.removesuffix(".weight").replace(parts[0], part) for part in parts]
+            kinds = {(state[f"{s}.weight"].dtype, tuple(state[f"{s}.scales"].shape[1:]) if f"{s}.scales" in state else None)
+                     for s in stems if f"{s}.weight" in state}
+            if len(kinds) > 1:
+                raise CheckpointError(f"{path}: {', '.join(stems)} are stored differently (quantized in different "
+                                      "formats or groups, or some not); we fuse them, so they must be stored alike")
+    return state
+
+
+def _quantize_projections(model: torch.nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    """Make each projection whose weight `state` holds quantized (QuantLinear's layout) a QuantLinear."""
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear) or f"{name}.scales" not in state:
+            continue
+        weight, scales, k = state[f"{name}.weight"], state[f"{name}.scales"], module.in_features
+        if weight.dtype == torch.uint8:
+            format, group = "fp8", k
+        else:
+            bits = weight.shape[1] * 32 // k
+            format, group = next((f for f, b in FORMATS.items() if b == bits and f != "fp8"), None), k // scales.shape[1]
+            if format is None:
+                raise CheckpointError(f"{path}: {name} packs {bits}-bit weights; supported: 4 or 8 bits")
+        parent, _, child = name.rpartition(".")
+        quantized = QuantLinear(k, module.out_features, module.bias is not None, format, group)
+        setattr(model.get_submodule(parent) if parent else model, child, quantized.to(weight.device))
 
 
 def load_embedding(path: Path) -> torch.Tensor:

@@ -60,6 +60,9 @@ def validate(graph: SpecGraph) -> SpecGraph:
             _check_dynamic(spec.tree, index)
         if spec.verify.budget is not None:
             _check_budget(graph, name)
+        if getattr(node["config"], "quantization_config", None) is not None and len(spec.devices) > 1:
+            raise RecipeError(f"stages.{index}.devices: models.{spec.model} has quantized weights, which run on one "
+                              f"device (tensor parallelism over quantized weights is not supported); give it one device")
     for name in stages:
         graph.node(name)["features"] = _check_head(graph, name, target) if is_head(graph.node(name)["config"]) else None
     _plan_vocabularies(graph, target)

@@ -10,8 +10,8 @@ a tile's physical rows cost one load of the block table. A (token, virtual slot)
 starts[r] (the segment's committed prefix: no mask is read there) and at the region offsets
 `visible` marks, one byte per (token, offset) shared by every head: no per-head mask is built.
 Each split keeps an online softmax and writes its partial output and (max, sum); the last split of
-a row block to finish (an atomic ticket, reset by it for the next call) merges them, so one launch
-does the whole attention. Padding tokens (past cu[R]) keep the zeros the output starts with.
+a row block to finish (an atomic ticket in the caller's scratch, reset by it for the next layer)
+merges them, so one launch does the whole attention. Padding tokens (past cu[R]) keep the zeros the output starts with.
 """
 
 from __future__ import annotations
@@ -133,21 +133,14 @@ def _merge(part_o, part_m, part_l, o, i_kv, tok, g, m_rows, T, s_oh, s_ot,
     tl.store(p_o, out.to(o.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
 
 
-# Tickets of the split programs (the last of a row block's splits merges them), zero between calls:
-# one table per device, size and stream, as launches on one stream run one after the other and
-# launches on different streams may overlap. (A CUDA graph keeps the table of the stream it was
-# captured on: replay graphs captured on one stream on one stream at a time.) Design debt: a
-# module-global table. Cleaner: a zeroed int32 scratch the caller owns (say one per stage and
-# forward size, beside its layout) passed in as an argument the op mutates, so that graphs and
-# compiled programs hold it like any other buffer and no two callers can share one by accident.
-_TICKETS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
-
-
 @torch.library.custom_op("specgraph::attention", mutates_args=())
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
-              cu: torch.Tensor, starts: torch.Tensor, visible: torch.Tensor, grid: torch.Tensor, block_size: int) -> torch.Tensor:
+              cu: torch.Tensor, starts: torch.Tensor, visible: torch.Tensor, grid: torch.Tensor, tickets: torch.Tensor,
+              block_size: int) -> torch.Tensor:
     """Same signature and result as attention_reference (`grid` unused: a segment's tokens are
-    cu[r]..cu[r + 1]; the table's width, the slots a segment may see, only sizes the split count)."""
+    cu[r]..cu[r + 1]; the table's width, the slots a segment may see, only sizes the split count).
+    `tickets`: zeros, counted up by the split programs of each row block and left zero again (so
+    the op mutates nothing it does not restore)."""
     _, h, t, d = q.shape
     h_kv, g = k_cache.shape[1], visible.shape[1]
     width = table.shape[1] * block_size  # (the layout cuts the table to the blocks a step may see)
@@ -165,12 +158,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
     part_l = torch.empty_like(part_m)
     out = token_major_like(q).zero_()  # padding tokens: 0
     row_blocks = triton.cdiv(group * g, block_m)
-    stream = torch.cuda.current_stream(q.device).stream_id if q.is_cuda else 0
-    key = (q.device, segments * h_kv * row_blocks, stream)
-    if key not in _TICKETS:
-        _TICKETS[key] = torch.zeros(key[1], dtype=torch.int32, device=q.device)
+    assert tickets.numel() >= segments * h_kv * row_blocks, "tickets: Layout.attention_inputs(heads) sizes them"
     _step_attention[(segments * h_kv, row_blocks, splits)](
-        q, k_cache, v_cache, table, rows, cu, starts, visible.view(torch.uint8), part_o, part_m, part_l, _TICKETS[key],
+        q, k_cache, v_cache, table, rows, cu, starts, visible.view(torch.uint8), part_o, part_m, part_l, tickets,
         out, t, g, h_kv, block_size, 1.0 / math.sqrt(d), q.stride(1), q.stride(2), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), table.stride(0), visible.stride(0), out.stride(1), out.stride(2),
         GROUP=group, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, D=d,
@@ -179,5 +169,5 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
 
 
 @attention.register_fake
-def _(q, k_cache, v_cache, table, rows, cu, starts, visible, grid, block_size):
+def _(q, k_cache, v_cache, table, rows, cu, starts, visible, grid, tickets, block_size):
     return token_major_like(q)

@@ -51,7 +51,7 @@ def _project(x, w, bias, out, M, N, K, s_xm, CHUNK, HAS_BIAS: tl.constexpr, BLOC
 
 
 @triton.jit
-def _sum_splits(part, bias, out, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+def sum_splits(part, bias, out, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
                 PDL: tl.constexpr):
     """out[M, N] = sum over splits, in order, of part[split, M, N] (+ bias)."""
     if PDL:
@@ -99,7 +99,7 @@ def project_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         BLOCK_N=block_n, BLOCK_K=block_k, IEEE=weight.dtype == torch.float32, **pdl, **({"num_warps": 4, "num_stages": 3} | config))
     if splits > 1:
         block = 1024
-        _sum_splits[(triton.cdiv(m * n, block),)](part, bias, out, m * n, n, SPLITS=splits, HAS_BIAS=has_bias,
+        sum_splits[(triton.cdiv(m * n, block),)](part, bias, out, m * n, n, SPLITS=splits, HAS_BIAS=has_bias,
                                                   BLOCK=block, **pdl)
     return out.view(*x.shape[:-1], n)
 

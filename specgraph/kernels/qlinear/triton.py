@@ -1,0 +1,129 @@
+"""Triton projection through a quantized weight (specgraph/quant/linear.py's layout) for the row
+counts decoding and speculation use (1 to MAX_ROWS): each program dequantizes a [BLOCK_K, BLOCK_N]
+tile of the weight in registers (int4/int8 words unpacked by shifts, less the group's zero point,
+times its scale; fp8 bytes bitcast, times the row's scale) and multiplies it with its rows on the
+tensor cores; K is split over programs where the outputs alone give few (the split sums added in a
+fixed order by a second kernel). As in kernels/linear/invariant.py the tiling is a function of the
+weight alone (16-row blocks up to 16 rows, 32-row blocks above), so each row's bits do not depend on
+the row count: `qlinear_invariant` runs it for every row count (lowering.row_invariant), `qlinear`
+for up to MAX_ROWS, the dequantized weight through cuBLAS above (prefill)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specgraph.kernels import interpreted
+from specgraph.kernels.linear.invariant import sum_splits
+from specgraph.kernels.pdl import launch
+from specgraph.kernels.qlinear.reference import qlinear_reference
+from specgraph.quant.linear import FORMATS
+
+MAX_ROWS = 64  # the most rows `qlinear` projects with these tiles
+
+
+@triton.jit(do_not_specialize=["M"])
+def _qproject(x, w, scales, zeros, bias, out, M, N, K, s_xm, s_w, s_s, CHUNK, GROUP: tl.constexpr,
+              BITS: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    """out[split, M, N] = x[M, K-chunk] @ dequantized w[N, K-chunk]^T for the program's K chunk
+    (+ bias where K is one chunk and out is the result; else out holds fp32 partial sums)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_rows, m_cols = rows < M, cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if FP8:
+        row_scale = tl.load(scales + cols * s_s, mask=m_cols, other=0.0).to(tl.float32)  # [BN]
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # x is the kernel before's output
+    for k0 in range(i_s * CHUNK, tl.minimum(i_s * CHUNK + CHUNK, K), BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        m_k = ks < K
+        b_x = tl.load(x + rows[:, None] * s_xm + ks[None, :], mask=m_rows[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
+        if FP8:
+            b_q = tl.load(w + cols[None, :] * s_w + ks[:, None], mask=m_k[:, None] & m_cols[None, :], other=0)  # [BK, BN]
+            b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            PER_WORD: tl.constexpr = 32 // BITS
+            words = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)  # [BK / PER_WORD]
+            b_words = tl.load(w + cols[None, :] * s_w + words[:, None], mask=m_cols[None, :], other=0)  # [BK/PW, BN]
+            shifts = tl.arange(0, PER_WORD) * BITS  # [PW]
+            b_q = (b_words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [BK/PW, PW, BN]
+            b_q = tl.reshape(b_q, [BLOCK_K, BLOCK_N])  # row k0 + j: weight k0 + j
+            g = k0 // GROUP  # one group per tile (GROUP % BLOCK_K == 0)
+            b_z = tl.load(zeros + cols * s_s + g, mask=m_cols, other=0).to(tl.int32)  # [BN]
+            b_s = tl.load(scales + cols * s_s + g, mask=m_cols, other=0.0).to(tl.float32)  # [BN]
+            b_w = (b_q - b_z[None, :]).to(tl.float32) * b_s[None, :]  # [BK, BN]
+        if DOT_F32:  # fp32 activations (and the CPU's interpreter, whose bf16 dot is wrong): full-precision products
+            acc = tl.dot(b_x.to(tl.float32), b_w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(b_x, b_w.to(b_x.dtype), acc)
+    if FP8:
+        acc = acc * row_scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias + cols, mask=m_cols, other=0.0).to(tl.float32)[None, :]
+    p_out = out + (i_s * M + rows[:, None]) * N + cols[None, :]
+    tl.store(p_out, acc.to(out.dtype.element_ty), mask=m_rows[:, None] & m_cols[None, :])
+
+
+def tiling(n: int, k: int, format: str, group: int) -> tuple[int, int, int] | None:
+    """(BLOCK_N, BLOCK_K, K splits) for a quantized [n, k] weight, from the weight alone (never the
+    row count); None where no tile fits (a group that 32 does not divide)."""
+    block_k = 128 if format == "fp8" else next((b for b in (128, 64, 32) if group % b == 0), None)
+    if block_k is None or k % block_k:
+        return None
+    block_n = 64
+    splits = max(1, min(8, 512 // triton.cdiv(n, block_n), k // (2 * block_k)))
+    return block_n, block_k, splits
+
+
+def project_quantized(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                      bias: torch.Tensor | None, format: str, group: int) -> torch.Tensor:
+    """qlinear_reference's result through the tiles, each row the same bits for any row count (the
+    reference where `tiling` finds none)."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    tiles = tiling(n, k, format, group)
+    if tiles is None:
+        return qlinear_reference(x, weight, scales, zeros, bias, format, group)
+    block_n, block_k, splits = tiles
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    block_m = 16 if m <= 16 else 32
+    chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    pdl = launch(x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)  # [splits, M, N]
+    has_bias, bias = bias is not None, bias if bias is not None else out
+    fp8 = format == "fp8"
+    _qproject[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
+        x2, weight, scales, zeros if zeros is not None else scales, bias, part, m, n, k, x2.stride(0),
+        weight.stride(0), scales.stride(0), chunk, GROUP=group, BITS=FORMATS[format], FP8=fp8,
+        HAS_BIAS=has_bias and splits == 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_F32=x.dtype == torch.float32 or interpreted(), num_warps=4, num_stages=3, **pdl)
+    if splits > 1:
+        block = 1024
+        sum_splits[(triton.cdiv(m * n, block),)](part, bias, out, m * n, n, SPLITS=splits, HAS_BIAS=has_bias,
+                                                 BLOCK=block, **pdl)
+    return out.view(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("specgraph::qlinear", mutates_args=())
+def qlinear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+            bias: torch.Tensor | None, format: str, group: int) -> torch.Tensor:
+    """Same signature and result as qlinear_reference: the tiles for up to MAX_ROWS rows, the
+    dequantized weight through cuBLAS for more."""
+    if x.numel() > MAX_ROWS * x.shape[-1]:
+        return qlinear_reference(x, weight, scales, zeros, bias, format, group)
+    return project_quantized(x, weight, scales, zeros, bias, format, group)
+
+
+@qlinear.register_fake
+def _(x, weight, scales, zeros, bias, format, group):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,75 @@
+"""QuantLinear: a projection (nn.Linear's function) whose weight [N, K] is kept quantized.
+
+One layout for every format we read (formats.py converts to it):
+- int4 / int8: `weight` int32 [N, K bits / 32], element k of row n unsigned in bits
+  (k % (32 / bits)) * bits of word k // (32 / bits) (compressed-tensors' pack-quantized words, its
+  +2^(bits-1) offset undone into the zero points); `scales` [N, K / group] and `zeros` uint8
+  [N, K / group]: w[n, k] = (q[n, k] - zeros[n, k // group]) * scales[n, k // group].
+- fp8: `weight` uint8 [N, K], the bits of float8_e4m3fn values (bytes, so that casting the model to
+  its dtype leaves them), `scales` fp32 [N, 1]: w[n, k] = weight[n, k] * scales[n]; no zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FORMATS = {"int4": 4, "int8": 8, "fp8": 8}  # format -> bits per weight
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, format: str, group: int,
+                 scale_dtype: torch.dtype = torch.float32):
+        """`group`: weights per scale along K (in_features for one scale per row)."""
+        super().__init__()
+        if format not in FORMATS:
+            raise ValueError(f"quantized format {format!r}: supported {', '.join(FORMATS)}")
+        if in_features % group:
+            raise ValueError(f"a group of {group} does not divide {in_features} input features")
+        self.in_features, self.out_features, self.format, self.group = in_features, out_features, format, group
+        if format == "fp8":
+            self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.uint8))
+            self.register_buffer("scales", torch.empty(out_features, 1, dtype=torch.float32))
+            self.zeros = None
+        else:
+            per_word = 32 // FORMATS[format]
+            self.register_buffer("weight", torch.empty(out_features, -(-in_features // per_word), dtype=torch.int32))
+            self.register_buffer("scales", torch.empty(out_features, in_features // group, dtype=scale_dtype))
+            self.register_buffer("zeros", torch.empty(out_features, in_features // group, dtype=torch.uint8))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.format}, group {self.group}"
+
+    @property
+    def bytes(self) -> int:
+        """Bytes a forward reads of this projection's weight (packed values, scales, zeros)."""
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scales, self.zeros) if t is not None)
+
+
+def unpack(words: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """int32 words [N, W] -> the unsigned values [N, k] they pack (QuantLinear's layout), int32."""
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, device=words.device, dtype=torch.int32) * bits
+    values = (words[..., None] >> shifts) & ((1 << bits) - 1)  # [N, W, per_word]
+    return values.flatten(-2)[..., :k]
+
+
+def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned values [N, K] (< 2^bits) -> int32 words [N, ceil(K bits / 32)] (QuantLinear's layout)."""
+    per_word = 32 // bits
+    n, k = values.shape
+    padded = torch.nn.functional.pad(values.to(torch.int64), (0, -k % per_word)).view(n, -1, per_word)
+    shifts = torch.arange(per_word, device=values.device) * bits
+    words = (padded << shifts).sum(-1)  # < 2^32: each value in its own bits
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, format: str, group: int,
+               k: int) -> torch.Tensor:
+    """QuantLinear's stored weight -> the weight [N, K] it stands for, in the scales' dtype."""
+    if format == "fp8":
+        return weight.view(torch.float8_e4m3fn).to(scales.dtype) * scales
+    q = unpack(weight, FORMATS[format], k)  # [N, K]
+    z = zeros.to(torch.int32).repeat_interleave(group, dim=1)
+    return (q - z).to(scales.dtype) * scales.repeat_interleave(group, dim=1)

@@ -1,0 +1,297 @@
+"""Quantized checkpoints: compressed-tensors (written by the library itself), AutoAWQ's GEMM and GPTQ
+formats (built here with their documented packing) decode through specgraph as transformers decodes
+them, as target and as drafter; the quantized projection kernels against their reference; damaged
+or unsupported quantized checkpoints refused in one line."""
+
+import functools
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from conftest import EMBEDDED
+from helpers import hf_greedy, sampled_law, total_variation, two_stage, two_token_law
+from safetensors.torch import load_file, save_file
+
+from specgraph.bench.widen import widen
+from specgraph.cli import main
+from specgraph.errors import CheckpointError, RecipeError, SpecgraphError
+from specgraph.kernels.qlinear import qlinear_reference
+from specgraph.kernels.qlinear.invariant import qlinear_invariant
+from specgraph.kernels.qlinear.triton import qlinear
+from specgraph.models.loader import load_model, safetensor_files
+from specgraph.program import Program
+from specgraph.quant.linear import QuantLinear, pack
+
+TARGET, DRAFT = EMBEDDED / "target", EMBEDDED / "draft"
+PROMPTS = [{"prompt": "import os\nimport sys\n\n\ndef main(argv):\n"},
+           {"prompt": "class Tree:\n    \"\"\"A rooted tree.\"\"\"\n\n    def __init__(self"}]
+NEW = 40
+CHAIN, DYNAMIC = {"shape": "chain", "length": 3}, {"shape": "dynamic", "width": 3, "depth": 3, "nodes": 8}
+
+
+def write_compressed_tensors(source, folder, scheme: str):
+    """`source` quantized by round to nearest and saved by compressed-tensors itself (its
+    qparams, its compressor, its config): `scheme` int4-sym (group 32), int4-asym (group 64),
+    int8-channel or fp8 (per channel); lm_head left in full precision."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    args = {"int4-sym": QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32),
+            "int4-asym": QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=64),
+            "int8-channel": QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel"),
+            "fp8": QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")}[scheme]
+    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+                                ignore=["lm_head"])
+    apply_quantization_config(model, config)
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            w = module.weight.data
+            w = w.view(w.shape[0], -1, args.group_size) if args.strategy == "group" else w[:, None]
+            scale, zero = calculate_qparams(w.amin(-1), w.amax(-1), args)
+            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(folder)
+    compressor.update_config(folder)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / file, folder / file)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def compressed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compressed")
+    return {scheme: write_compressed_tensors(TARGET, root / scheme, scheme)
+            for scheme in ("int4-sym", "int4-asym", "int8-channel", "fp8")}
+
+
+@functools.cache
+def plain_greedy() -> list[list[int]]:
+    """transformers' greedy continuations of PROMPTS by the plain target."""
+    return [new for _, new in hf_greedy(TARGET, PROMPTS, NEW)]
+
+
+def ours(target, draft=None, tree=None, **fields) -> list[list[int]]:
+    program = Program.from_recipe(two_stage(target, draft, tree, max_new_tokens=NEW, **fields))
+    return [program.generate(program.encode(row["prompt"])).output_ids for row in PROMPTS]
+
+
+@pytest.mark.parametrize("scheme", ["int4-sym", "int4-asym", "int8-channel", "fp8"])
+def test_a_compressed_tensors_target_decodes_as_transformers_decodes_it(compressed, scheme):
+    checkpoint = compressed[scheme]
+    expected = [new for _, new in hf_greedy(checkpoint, PROMPTS, NEW)]
+    if scheme != "int8-channel":  # (int8 rarely changes a greedy token of these)
+        assert expected != plain_greedy()  # the quantization changes what the target says: the test can tell
+    assert ours(checkpoint) == expected
+    assert ours(checkpoint, DRAFT, DYNAMIC) == expected
+
+
+def test_a_compressed_tensors_drafter_keeps_the_plain_target_exact(compressed):
+    expected = plain_greedy()
+    assert ours(TARGET, compressed["int4-asym"], CHAIN) == expected
+    assert ours(TARGET, compressed["fp8"], DYNAMIC) == expected
+
+
+def test_sampling_through_a_quantized_target_follows_its_distribution(compressed):
+    """Two sampled tokens, many seeds, the int4 target verifying the plain drafter's static tree:
+    their empirical joint approaches the quantized target's exact one."""
+    target, sampling = compressed["int4-sym"], {"temperature": 1.0, "top_k": 3}
+    program = Program.from_recipe(two_stage(target, DRAFT, {"shape": "static", "branching": [2, 1]},
+                                            sampling=sampling, max_new_tokens=2))
+    ids = program.encode("import os\n\n\ndef main(argv):\n    for i in range(")
+    observed = sampled_law(lambda seed: program.generate(ids, seed=seed).output_ids, 1200)
+    exact = two_token_law(target, ids, sampling)
+    assert set(observed) <= set(exact)
+    assert total_variation(observed, exact) < 0.06  # (the expected distance at 1200 draws is about 0.03)
+
+
+# -- AutoAWQ (GEMM) and GPTQ: packed here as their formats document, against a plain checkpoint of the same weights
+
+def rtn(w: torch.Tensor, group: int, symmetric: bool):
+    """Round-to-nearest 4-bit codes [N, K] (unsigned), zero points and scales [N, K / group] of w [N, K]."""
+    g = w.view(w.shape[0], -1, group)
+    if symmetric:
+        scale = g.abs().amax(-1) / 7.5
+        zero = torch.full_like(scale, 8)
+    else:
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = (hi - lo) / 15
+        zero = (-lo / scale).round().clamp(0, 15)
+    q = (g / scale[..., None] + zero[..., None]).round().clamp(0, 15)
+    return q.flatten(1).to(torch.int64), zero.to(torch.int64), scale
+
+
+def words_along_last(values: torch.Tensor, order=range(8)) -> torch.Tensor:
+    """4-bit values [R, C] -> int32 [R, C / 8]: the value of column 8 c + order[i] in bits 4 i of word c."""
+    r, c = values.shape
+    v = values.view(r, c // 8, 8)
+    word = sum(v[..., j] << (4 * i) for i, j in enumerate(order))
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def quantized_pair(tmp_path, method: str):
+    """(a checkpoint of the target in `method`'s layout, a plain checkpoint of the weights it stands for)."""
+    state = {k: v for file in safetensor_files(TARGET) for k, v in load_file(file).items()}
+    plain, packed, group = dict(state), dict(state), 32
+    for name in [n for n in state if n.endswith("_proj.weight")]:
+        stem, w = name.removesuffix(".weight"), state[name].float()
+        q, zero, scale = rtn(w, group, symmetric=method == "gptq")
+        plain[name] = ((q - zero.repeat_interleave(group, 1)) * scale.repeat_interleave(group, 1)).contiguous()
+        del packed[name]
+        if method == "awq":  # qweight [K, N/8], qzeros [K/G, N/8]: columns in AWQ's order 0 2 4 6 1 3 5 7
+            order = (0, 2, 4, 6, 1, 3, 5, 7)
+            packed[f"{stem}.qweight"] = words_along_last(q.t().contiguous(), order)
+            packed[f"{stem}.qzeros"] = words_along_last(zero.t().contiguous(), order)
+        else:  # qweight [K/8, N] along K, qzeros [K/G, N/8] stored less one (checkpoint_format gptq)
+            packed[f"{stem}.qweight"] = words_along_last(q, range(8)).t().contiguous()
+            packed[f"{stem}.qzeros"] = words_along_last((zero - 1).t().contiguous(), range(8))
+            packed[f"{stem}.g_idx"] = torch.arange(w.shape[1], dtype=torch.int32) // group
+        packed[f"{stem}.scales"] = scale.t().contiguous()
+    config = json.loads((TARGET / "config.json").read_text())
+    quantization = ({"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+                    if method == "awq" else
+                    {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": True,
+                     "checkpoint_format": "gptq"})
+    folders = []
+    for kind, tensors, extra in (("packed", packed, {"quantization_config": quantization}), ("plain", plain, {})):
+        folder = tmp_path / f"{method}-{kind}"
+        folder.mkdir()
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(TARGET / file, folder / file)
+        (folder / "config.json").write_text(json.dumps(config | extra))
+        save_file(tensors, folder / "model.safetensors")
+        folders.append(folder)
+    return folders
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_awq_and_gptq_checkpoints_decode_as_their_weights_do(tmp_path, method):
+    packed, plain = quantized_pair(tmp_path, method)
+    expected = [new for _, new in hf_greedy(plain, PROMPTS, NEW)]
+    assert expected != plain_greedy()
+    assert ours(packed) == expected
+    assert ours(packed, DRAFT, CHAIN) == expected
+    assert ours(TARGET, packed, DYNAMIC) == plain_greedy()  # as drafter
+
+
+# -- refusals
+
+def damaged(folder, tmp_path, change_config=None, change_state=None):
+    copy = tmp_path / "damaged"
+    shutil.copytree(folder, copy)
+    if change_config:
+        config = json.loads((copy / "config.json").read_text())
+        change_config(config["quantization_config"])
+        (copy / "config.json").write_text(json.dumps(config))
+    if change_state:
+        state = load_file(copy / "model.safetensors")
+        change_state(state)
+        save_file(state, copy / "model.safetensors")
+    return copy
+
+
+def dense_k_proj(state):
+    """A checkpoint whose layer 1 keeps k_proj in full precision beside quantized q and v."""
+    stem = "model.layers.1.self_attn.k_proj"
+    state.pop(f"{stem}.weight_packed"), state.pop(f"{stem}.weight_scale")
+    n, k = state.pop(f"{stem}.weight_shape").tolist()
+    state[f"{stem}.weight"] = torch.zeros(n, k)
+
+
+@pytest.mark.parametrize("change_config, change_state, message", [
+    (lambda q: q.update(quant_method="bitsandbytes"), None, "quant_method 'bitsandbytes' is not supported; supported: compressed-tensors, awq, gptq"),
+    (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8, "type": "float"}), None,
+     "quantizes activations; supported: weight-only"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=2), None, "int2 weights by group; supported"),
+    (None, lambda s: s.update({"model.layers.0.mlp.down_proj.weight_packed": s["model.layers.0.mlp.down_proj.weight_packed"][:, :5].contiguous()}),
+     "layers.0.mlp.down_proj is not a compressed-tensors quantized projection (weight_packed (384, 5)"),
+    (None, lambda s: s.pop("model.layers.1.self_attn.k_proj.weight_packed"), "(missing layers.1.self_attn.k_proj.weight_packed)"),
+    (None, dense_k_proj, "layers.1.self_attn.q_proj, layers.1.self_attn.k_proj, layers.1.self_attn.v_proj are stored differently"),
+])
+def test_damaged_or_unsupported_quantized_checkpoints_are_refused_in_one_line(compressed, tmp_path, change_config,
+                                                                              change_state, message):
+    folder = damaged(compressed["int4-sym"], tmp_path, change_config, change_state)
+    with pytest.raises(CheckpointError) as caught:
+        load_model(folder, torch.float32, "cpu")
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_act_order_gptq_is_refused(tmp_path):
+    packed, _ = quantized_pair(tmp_path, "gptq")
+    folder = damaged(packed, tmp_path, lambda q: q.update(desc_act=True))
+    with pytest.raises(CheckpointError, match="desc_act .act order. is not supported"):
+        load_model(folder, torch.float32, "cpu")
+    folder = damaged(packed, tmp_path / "..", None, lambda s: s.update(
+        {"model.layers.0.mlp.up_proj.g_idx": s["model.layers.0.mlp.up_proj.g_idx"].flip(0)}))
+    with pytest.raises(CheckpointError, match="act order"):
+        load_model(folder, torch.float32, "cpu")
+
+
+# -- kernels (the Triton interpreter)
+
+def random_quantized(n: int, k: int, format: str, group: int, generator) -> QuantLinear:
+    layer = QuantLinear(k, n, True, format, group)
+    if format == "fp8":
+        layer.weight.copy_(torch.randn(n, k, generator=generator).to(torch.float8_e4m3fn).view(torch.uint8))
+    else:
+        top = 15 if format == "int4" else 255
+        layer.weight.copy_(pack(torch.randint(0, top + 1, (n, k), generator=generator), 4 if format == "int4" else 8))
+        layer.zeros.copy_(torch.randint(0, top + 1, layer.zeros.shape, generator=generator))
+    layer.scales.copy_(torch.rand(layer.scales.shape, generator=generator) / 50 + 1e-3)
+    layer.bias.data.copy_(torch.randn(n, generator=generator))
+    return layer
+
+
+@pytest.mark.parametrize("format, group, n, k", [("int4", 32, 72, 256), ("int4", 128, 40, 384), ("int8", 64, 24, 256),
+                                                 ("fp8", 512, 56, 512), ("int4", 512, 8, 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_projection_kernels_match_the_reference_and_keep_rows_invariant(format, group, n, k, dtype):
+    g = torch.Generator().manual_seed(n + k)
+    layer = random_quantized(n, k, format, group, g)
+    args = (layer.weight, layer.scales.to(dtype), layer.zeros, layer.bias.data.to(dtype), format, group)
+    x = torch.randn(70, k, generator=g).to(dtype)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    for rows in (1, 5, 17, 64, 70):  # 70: past qlinear's tiles (the invariant kernel's still)
+        expected = qlinear_reference(x[:rows].float(), *(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                                         else a for a in args))
+        for kernel in (qlinear, qlinear_invariant) if rows <= 64 else (qlinear_invariant,):
+            got = kernel(x[:rows], *args)
+            assert got.dtype == dtype and got.shape == (rows, n)
+            assert ((got.float() - expected).abs() / expected.abs().clamp(min=1)).max() < tolerance, (kernel, rows)
+    assert torch.equal(qlinear(x, *args), qlinear_reference(x, *args))  # more rows: the dequantized weight through cuBLAS
+    alone = qlinear_invariant(x[3:4], *args)
+    for rows in (5, 17, 64, 70):
+        assert torch.equal(qlinear_invariant(x[:rows], *args)[3:4], alone), rows  # the same bits in any row count
+
+
+# -- the other paths a quantized model takes
+
+def test_a_quantized_recipe_exports_and_its_package_decodes_the_same_tokens(compressed, tmp_path):
+    recipe = two_stage(compressed["int4-asym"], DRAFT, CHAIN, max_new_tokens=NEW, max_seq_len=200)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe.to_yaml(tmp_path))
+    assert main(["compile", str(path), "-o", str(tmp_path / "program")]) == 0
+    result = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "specgraph.cli", "run", "--program", str(tmp_path / "program"),
+                           "--prompt", PROMPTS[0]["prompt"], "--json", str(result)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(result.read_text())["results"][0]["output_ids"] == ours(compressed["int4-asym"])[0]
+
+
+def test_quantized_weights_over_several_devices_or_widened_are_refused_in_one_line(compressed, capsys):
+    recipe = two_stage(compressed["int4-sym"], None)
+    split = recipe.model_copy(update={"stages": [recipe.stages[0].model_copy(update={"devices": ["cpu", "cpu"]})]})
+    with pytest.raises(RecipeError, match="has quantized weights, which run on one device"):
+        Program.from_recipe(split)
+    with pytest.raises(SpecgraphError, match="--widen: the model has quantized weights; widen a checkpoint in full"):
+        widen(load_model(compressed["int4-sym"], torch.float32, "cpu"), "llama-3-8b", "cpu", torch.float32)
