@@ -150,6 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--plot", type=Path, metavar="OUT.png", help="plot tokens/s per system and accepted lengths, "
                        "in the format the suffix names (.png, .jpg, .pdf, .svg, ...)")
 
+    quantize = sub.add_parser("quantize", help="quantize a checkpoint's projections (round to nearest) and write "
+                              "it in compressed-tensors' format, which transformers and vLLM load")
+    quantize.add_argument("source", type=Path, metavar="SRC", help="the checkpoint folder")
+    quantize.add_argument("-o", "--output", type=Path, required=True, metavar="OUT", help="a new folder for the result")
+    quantize.add_argument("--scheme", choices=["w4a16", "w8a16", "fp8"], required=True,
+                          help="int4 or int8 weights (symmetric) or fp8 weights, activations left as they are")
+    quantize.add_argument("--group-size", type=int, metavar="G", help="weights per scale along the inputs (default: "
+                          "128 for w4a16, one scale per output row for w8a16; fp8: always per row)")
+    quantize.add_argument("--method", choices=["rtn"], default="rtn", help="how scales are chosen: rtn, round to "
+                          "nearest over each group's range (the only method so far)")
     train = sub.add_parser("train-draft", help="train an EAGLE-3 head for a Llama-family target (resumable; writes "
                                                "the published layout, which a recipe names as its draft model)")
     train.add_argument("target", type=Path, metavar="TARGET", help="the target's checkpoint folder")
@@ -486,6 +496,14 @@ def cmd_compile(args: argparse.Namespace) -> None:
     export_program(Program(graph), args.output)
 
 
+def cmd_quantize(args: argparse.Namespace) -> None:
+    from specgraph.quant.quantize import quantize_checkpoint
+
+    if args.group_size is not None and args.group_size < 1:
+        raise SpecgraphError(f"--group-size: must be at least 1 (got {args.group_size})")
+    print(f"wrote {quantize_checkpoint(args.source, args.output, args.scheme, args.group_size)}")
+
+
 def cmd_train_draft(args: argparse.Namespace) -> None:
     import torch
 
@@ -631,7 +649,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecgraphError(f"--max-new-tokens: must be at least 1 (got {args.max_new_tokens})")
         commands = {"run": cmd_run, "bench": cmd_bench, "compile": cmd_compile, "export": cmd_compile,
                     "inspect": cmd_inspect, "tune": cmd_tune, "report": cmd_report, "serve": cmd_serve,
-                    "loadgen": cmd_loadgen, "train-draft": cmd_train_draft}
+                    "loadgen": cmd_loadgen, "train-draft": cmd_train_draft,
+                    "quantize": cmd_quantize}
         with warnings.catch_warnings():
             warnings.simplefilter("default", RecipeWarning)  # each once
             python_warning = warnings.showwarning

@@ -3,6 +3,7 @@ formats (built here with their documented packing) decode through specgraph as t
 them, as target and as drafter; the quantized projection kernels against their reference; damaged
 or unsupported quantized checkpoints refused in one line."""
 
+import contextlib
 import functools
 import json
 import shutil
@@ -295,3 +296,45 @@ def test_quantized_weights_over_several_devices_or_widened_are_refused_in_one_li
         Program.from_recipe(split)
     with pytest.raises(SpecgraphError, match="--widen: the model has quantized weights; widen a checkpoint in full"):
         widen(load_model(compressed["int4-sym"], torch.float32, "cpu"), "llama-3-8b", "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("scheme, group", [("w4a16", None), ("w8a16", 64), ("fp8", None)])
+def test_specgraph_quantize_writes_what_transformers_loads_and_we_decode_alike(tmp_path, capsys, scheme, group):
+    out = tmp_path / "quantized"
+    assert main(["quantize", str(TARGET), "-o", str(out), "--scheme", scheme,
+                 *(["--group-size", str(group)] if group else [])]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"wrote {out}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["quantized"]  # nothing left beside it
+    quantization = json.loads((out / "config.json").read_text())["quantization_config"]
+    weights = quantization["config_groups"]["group_0"]["weights"]
+    assert (quantization["quant_method"], weights["num_bits"], weights["group_size"]) == (
+        "compressed-tensors", 4 if scheme == "w4a16" else 8, {"w4a16": 128, "w8a16": 64, "fp8": None}[scheme])
+    expected = [new for _, new in hf_greedy(out, PROMPTS, NEW)]
+    assert ours(out) == expected
+    assert ours(out, DRAFT, CHAIN) == expected
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--scheme", "w4a16", "--group-size", "100"], "--group-size: 100 does not divide the 384 inputs of "
+                                                   "model.layers.0.self_attn.q_proj"),
+    (["--scheme", "fp8", "--group-size", "32"], "--group-size: fp8 weights are scaled per output row"),
+    (["--scheme", "w4a16", "--group-size", "0"], "--group-size: must be at least 1 (got 0)"),
+    (["--scheme", "int3"], "argument --scheme: invalid choice: 'int3' (choose from 'w4a16', 'w8a16', 'fp8')"),
+])
+def test_specgraph_quantize_refuses_bad_settings_in_one_line(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) if "invalid choice" in message else contextlib.nullcontext():
+        assert main(["quantize", str(TARGET), "-o", str(tmp_path / "out"), *argv]) != 0
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_specgraph_quantize_refuses_an_output_in_use_and_a_quantized_source(compressed, tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    assert main(["quantize", str(TARGET), "-o", str(taken), "--scheme", "w4a16"]) != 0
+    assert "exists and is not an empty folder" in capsys.readouterr().err
+    assert (taken / "notes.txt").read_text() == "mine"
+    assert main(["quantize", str(compressed["fp8"]), "-o", str(tmp_path / "again"), "--scheme", "w4a16"]) != 0
+    assert "already quantized; quantize a model's checkpoint in full precision" in capsys.readouterr().err

@@ -1,0 +1,84 @@
+"""`specgraph quantize SRC -o OUT --scheme w4a16|w8a16|fp8`: a checkpoint's projections quantized by
+round to nearest (per group of K, or per output row), written in compressed-tensors' format by the
+compressed-tensors library itself, so that transformers and vLLM load what it writes; lm_head stays
+in the checkpoint's precision. OUT appears whole or not at all (written beside it, then renamed)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specgraph.errors import CheckpointError, SpecgraphError
+from specgraph.models.loader import is_head, read_config
+
+SCHEMES = ("w4a16", "w8a16", "fp8")
+DEFAULT_GROUP = {"w4a16": 128, "w8a16": None, "fp8": None}  # None: one scale per output row
+
+
+def weight_args(scheme: str, group: int | None):
+    """compressed-tensors' QuantizationArgs of `scheme`'s weights (symmetric; group None: per channel)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    if scheme == "fp8":
+        return QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+    strategy = {"strategy": "group", "group_size": group} if group else {"strategy": "channel"}
+    return QuantizationArgs(num_bits=4 if scheme == "w4a16" else 8, type="int", symmetric=True, **strategy)
+
+
+def quantize_checkpoint(source: Path, out: Path, scheme: str, group: int | None = None) -> Path:
+    """Quantize the checkpoint at `source` into the new folder `out` -> out."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    source, out = Path(source), Path(out)
+    config = read_config(source)
+    if is_head(config) or getattr(config, "quantization_config", None) is not None:
+        raise CheckpointError(f"{source}: {'an EAGLE-3 head' if is_head(config) else 'already quantized'}; quantize "
+                              "a model's checkpoint in full precision")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise SpecgraphError(f"-o: {out} exists and is not an empty folder; give a new folder")
+    if scheme == "fp8" and group is not None:
+        raise SpecgraphError("--group-size: fp8 weights are scaled per output row; leave --group-size out")
+    group = group if group is not None else DEFAULT_GROUP[scheme]
+    model = AutoModelForCausalLM.from_pretrained(source, dtype="auto", trust_remote_code=False)
+    projections = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"}
+    if group:
+        odd = next((name for name, m in projections.items() if m.in_features % group), None)
+        if odd is not None:
+            raise SpecgraphError(f"--group-size: {group} does not divide the {projections[odd].in_features} inputs of "
+                                 f"{odd}; give a group size that divides every projection's inputs (e.g. 32)")
+    args = weight_args(scheme, group)
+    apply_quantization_config(model, QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"]))
+    with torch.no_grad():
+        for name, module in tqdm(projections.items(), desc=f"quantize {scheme}", unit="projection"):
+            w = module.weight.float()
+            w = w.view(w.shape[0], -1, group) if group else w[:, None]  # [N, groups, G]
+            scale, zero = calculate_qparams(w.amin(-1), w.amax(-1), args)
+            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(staging)
+        compressor.update_config(str(staging))
+        for file in source.iterdir():
+            if file.name.startswith("tokenizer") or file.name in ("special_tokens_map.json", "vocab.json", "merges.txt"):
+                shutil.copy(file, staging / file.name)
+        if out.exists():
+            out.rmdir()
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
