@@ -25,6 +25,7 @@ from rich.progress import (
 from specgraph.bench.pipespec import stage_table
 from specgraph.bench.systems import HFSystem, Run, SpecgraphSystem, hf_mirror
 from specgraph.errors import RecipeError, SpecgraphError
+from specgraph.quant.linear import weights_of
 from specgraph.graph import SpecGraph
 from specgraph.models.loader import is_hybrid
 from specgraph.passes.place import resolve_device, world_size
@@ -63,8 +64,10 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, copies: 
 
 
 def unique_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the module's parameters, tied tensors counted once."""
-    return sum(p.numel() * p.element_size() for p in {id(p): p for p in module.parameters()}.values())
+    """Bytes of the module's state: parameters and stored buffers (a quantized projection's packed
+    weight, scales and zeros: specgraph/quant/linear.py), tied tensors counted once."""
+    tensors = module.state_dict(keep_vars=True).values()
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
 
 
 def run_bench(spec: BenchSpec) -> dict:
@@ -342,6 +345,7 @@ def bench_on(program, spec: BenchSpec, variants: dict[str, SpecGraph] | None = N
                                        else sum(map(list.__eq__, outputs, reference)) / len(reference))
     report = {
         "recipe": spec.recipe.name, "settings": recipe_settings(spec.recipe), "widen": spec.widen,
+        "weights": {name: weights_of(stage.model) for name, stage in program.stages.items()},
         "device": device_name(device),
         "date": time.strftime("%Y-%m-%d"), "prompts": len(encoded),
         "prompt_ids": [p["id"] for p in spec.prompts],  # (and the texts' digests: `specgraph report` refuses parts

@@ -29,6 +29,7 @@ def print_table(report: dict, console: Console | None = None) -> None:
     console = console or _stdout()
     title = (f"{report['recipe']} on {report['device']}"
              + (f", widened to {report['widen']}" if report["widen"] else "")
+             + "".join(f", {stage} {weights}" for stage, weights in report.get("weights", {}).items())
              + f": {report['prompts']} prompts x {report['max_new_tokens']} tokens, {report['repeats']} repeats"
              + (f" (warm-up pass on {report['warmup_prompts']})" if report.get("warmup_prompts", report["prompts"])
                 < report["prompts"] else "")

@@ -73,3 +73,10 @@ def dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor |
     q = unpack(weight, FORMATS[format], k)  # [N, K]
     z = zeros.to(torch.int32).repeat_interleave(group, dim=1)
     return (q - z).to(scales.dtype) * scales.repeat_interleave(group, dim=1)
+
+
+def weights_of(model: nn.Module) -> str:
+    """How `model`'s weights are stored, for reports: its dtype, and its quantized projections' formats."""
+    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    kinds = sorted({f"{m.format} group {m.group}" for m in model.modules() if isinstance(m, QuantLinear)})
+    return f"{', '.join(kinds)} projections, {dtype} otherwise" if kinds else dtype
