@@ -26,6 +26,7 @@ from specgraph.kernels.qlinear.triton import qlinear
 from specgraph.models.loader import load_model, safetensor_files
 from specgraph.program import Program
 from specgraph.quant.linear import QuantLinear, pack
+from specgraph.recipe import Recipe
 
 TARGET, DRAFT = EMBEDDED / "target", EMBEDDED / "draft"
 PROMPTS = [{"prompt": "import os\nimport sys\n\n\ndef main(argv):\n"},
@@ -338,3 +339,28 @@ def test_specgraph_quantize_refuses_an_output_in_use_and_a_quantized_source(comp
     assert (taken / "notes.txt").read_text() == "mine"
     assert main(["quantize", str(compressed["fp8"]), "-o", str(tmp_path / "again"), "--scheme", "w4a16"]) != 0
     assert "already quantized; quantize a model's checkpoint in full precision" in capsys.readouterr().err
+
+
+def test_quantized_stages_under_the_disaggregated_and_pipeline_executors_keep_the_target_exact(compressed):
+    target = compressed["int4-sym"]
+    expected = [new for _, new in hf_greedy(target, PROMPTS, NEW)]
+    split = two_stage(target, compressed["int4-asym"], DYNAMIC, execution="disaggregated", max_new_tokens=NEW)
+    models = [DRAFT, compressed["fp8"], target]  # a plain drafter, an fp8 middle stage, the int4 target
+    stages = [{"name": f"s{i}", "model": f"m{i}", "devices": ["cpu"]} for i in range(3)]
+    stages[0]["tree"] = CHAIN
+    stages[1]["verifies"], stages[2]["verifies"] = "s0", "s1"
+    pipeline = Recipe.from_dict({"name": "pipeline", "execution": "pipeline", "max_new_tokens": NEW, "stages": stages,
+                                 "models": {f"m{i}": {"path": str(m), "dtype": "float32"} for i, m in enumerate(models)}})
+    for recipe in (split, pipeline):
+        with Program.from_recipe(recipe) as program:
+            assert [program.generate(program.encode(row["prompt"])).output_ids for row in PROMPTS] == expected
+
+
+def test_a_quantized_hybrid_target_decodes_as_transformers_decodes_it(small_hybrid, tmp_path):
+    """Qwen3.5's gated-DeltaNet projections (in_proj_qkv, z, b, a fused) and attention quantized alike."""
+    out = tmp_path / "hybrid-w4"
+    assert main(["quantize", str(small_hybrid), "-o", str(out), "--scheme", "w4a16", "--group-size", "32"]) == 0
+    expected = [new for _, new in hf_greedy(out, PROMPTS, 24)]
+    assert expected != [new for _, new in hf_greedy(small_hybrid, PROMPTS, 24)]
+    program = Program.from_recipe(two_stage(out, DRAFT, CHAIN, max_new_tokens=24))
+    assert [program.generate(program.encode(row["prompt"])).output_ids for row in PROMPTS] == expected
