@@ -36,8 +36,9 @@ def _prompt_args(parser: argparse.ArgumentParser, new_tokens: str = "override th
                              "same as --set lowering.compile=true|false)")
 
 
-WIDEN = dict(metavar="SHAPE", help="widen the target to a real model's shape (llama-3-8b, llama-3-70b, qwen3.5-9b, ...) "
-             "and the drafter to the small shape with its head dim; same function, real size")
+WIDEN = dict(metavar="SHAPE[:SCHEME]", help="widen the target to a real model's shape (llama-3-8b, llama-3-70b, "
+             "qwen3.5-9b, ...) and the drafter to the small shape with its head dim; same function, real size; "
+             ":w4a16, :w8a16 or :fp8 quantizes their projections as `specgraph quantize` does, layer by layer")
 
 
 def build_parser() -> argparse.ArgumentParser:

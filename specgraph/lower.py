@@ -14,6 +14,7 @@ from specgraph.engine.engine import Engine
 from specgraph.engine.pool import BlockPool
 from specgraph.engine.runner import Runner
 from specgraph.errors import SpecgraphError
+from specgraph.quant.quantize import SCHEMES
 from specgraph.graph import SpecGraph
 from specgraph.growing import GrowingDrafter
 from specgraph.head import HeadDrafter
@@ -148,9 +149,14 @@ def build_drafter(graph: SpecGraph, stages: dict[str, Stage], name: str | None =
 def widened_models(graph: SpecGraph, names: list[str], shape: str | None, ranks: Ranks = Ranks()) -> dict[str, nn.Module]:
     """Stages `names` widened to a real model's shape (the target to `shape`, drafters to the small
     shape with their head dim, an EAGLE-3 head to a head of `shape`: bench/widen.py), as this rank's shard where a stage is split; {}
-    when `shape` is None."""
+    when `shape` is None. `shape` may name a scheme of `specgraph quantize` after a colon
+    (llama-3-8b:w4a16): the target's and drafters' projections are then quantized so (a head's are not)."""
     if not shape:
         return {}
+    shape, _, scheme = shape.partition(":")
+    if scheme and scheme not in SCHEMES:
+        raise SpecgraphError(f"--widen {shape}:{scheme}: unknown quantization scheme {scheme!r}; valid: "
+                             f"{', '.join(SCHEMES)} (or none: --widen {shape})")
     plans = {}  # name -> (small model, its shape name, what it is): every misfit found before any widening
     for name in names:
         node = graph.node(name)
@@ -161,7 +167,8 @@ def widened_models(graph: SpecGraph, names: list[str], shape: str | None, ranks:
     models = {}
     for name, (small, big, what) in plans.items():
         node = graph.node(name)
-        models[name] = widen(small, big, node["device"], node["dtype"], shard=ranks.shard(name, node["tp"]), what=what)
+        models[name] = widen(small, big, node["device"], node["dtype"], shard=ranks.shard(name, node["tp"]), what=what,
+                             quantize=None if is_head(node["config"]) else scheme or None)
     return models
 
 

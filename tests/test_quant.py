@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 import transformers
-from conftest import EMBEDDED
-from helpers import hf_greedy, sampled_law, total_variation, two_stage, two_token_law
+from conftest import EMBEDDED, REPO
+from helpers import REDUCED, hf_greedy, sampled_law, total_variation, two_stage, two_token_law
 from safetensors.torch import load_file, save_file
 
 from specgraph.bench.widen import widen
@@ -24,8 +24,10 @@ from specgraph.kernels.qlinear import qlinear_reference
 from specgraph.kernels.qlinear.invariant import qlinear_invariant
 from specgraph.kernels.qlinear.triton import qlinear
 from specgraph.models.loader import load_model, safetensor_files
+from specgraph.passes import plan
 from specgraph.program import Program
 from specgraph.quant.linear import QuantLinear, pack
+from specgraph.quant.quantize import quantize_linear
 from specgraph.recipe import Recipe
 
 TARGET, DRAFT = EMBEDDED / "target", EMBEDDED / "draft"
@@ -364,3 +366,40 @@ def test_a_quantized_hybrid_target_decodes_as_transformers_decodes_it(small_hybr
     assert expected != [new for _, new in hf_greedy(small_hybrid, PROMPTS, 24)]
     program = Program.from_recipe(two_stage(out, DRAFT, CHAIN, max_new_tokens=24))
     assert [program.generate(program.encode(row["prompt"])).output_ids for row in PROMPTS] == expected
+
+
+@pytest.mark.parametrize("scheme, group", [("w4a16", 32), ("w8a16", None), ("fp8", None)])
+def test_quantizing_in_memory_stores_what_the_written_checkpoint_loads_as(tmp_path, scheme, group):
+    """quantize_linear (what --widen SHAPE:SCHEME does to each layer) against the checkpoint that
+    `specgraph quantize` has compressed-tensors write, read back through the loader: the same bits."""
+    out = tmp_path / "quantized"
+    assert main(["quantize", str(TARGET), "-o", str(out), "--scheme", scheme,
+                 *(["--group-size", str(group)] if group else [])]) == 0
+    loaded, plain = (load_model(path, torch.bfloat16, "cpu") for path in (out, TARGET))  # (the checkpoint's dtype)
+    quantized = {name: m for name, m in loaded.named_modules() if isinstance(m, QuantLinear)}
+    assert len(quantized) == 4 * len(plain.layers)  # qkv, o, gate_up, down of every layer
+    for name, stored in quantized.items():
+        made = quantize_linear(plain.get_submodule(name), scheme, group)
+        assert (made.format, made.group) == (stored.format, stored.group), name
+        for tensor in ("weight", "scales", "zeros"):
+            assert torch.equal(getattr(made, tensor), getattr(stored, tensor)) if stored.zeros is not None or \
+                tensor != "zeros" else made.zeros is None, (name, tensor)
+
+
+def test_widening_to_a_quantized_shape_quantizes_each_layer_and_speculation_stays_exact(capsys):
+    """`--widen SHAPE:SCHEME` (bench/widen.py): an 8B-like layout (REDUCED) built layer by layer with
+    int4 projections; speculation over it decodes what its own autoregressive decoding does."""
+    graph = plan(two_stage(TARGET, DRAFT, DYNAMIC, max_new_tokens=40))
+    small = Program(graph)
+    wide = widen(small.stages["target"].model, REDUCED, "cpu", torch.float32, quantize="w4a16")
+    projections = [m for m in wide.layers.modules() if isinstance(m, (QuantLinear, torch.nn.Linear))]
+    assert len(projections) == 4 * REDUCED.num_layers
+    assert all(isinstance(m, QuantLinear) and (m.format, m.group) == ("int4", 128) for m in projections)
+    program = Program(graph, {"target": wide})
+    ids = program.encode("def load(path):\n    with open(path) as f:\n")
+    generation = program.generate(ids)
+    assert generation.output_ids == program.autoregressive().generate(ids, 40).output_ids
+    assert sum(generation.accepted_lengths) > 1.3 * len(generation.accepted_lengths)
+    assert main(["bench", str(REPO / "recipes" / "demo.yaml"), "--widen", "llama-3-8b:int3"]) != 0
+    assert capsys.readouterr().err.strip().endswith("--widen llama-3-8b:int3: unknown quantization scheme 'int3'; "
+                                                    "valid: w4a16, w8a16, fp8 (or none: --widen llama-3-8b)")

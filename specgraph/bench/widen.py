@@ -29,6 +29,7 @@ from specgraph.models.hybrid import FULL, LINEAR, HybridModel, HybridShape
 from specgraph.models.llama import LlamaModel, LlamaShape, qkv_sizes
 from specgraph.parallel import shard_layer, sharded_shape
 from specgraph.quant.linear import QuantLinear
+from specgraph.quant.quantize import quantize_projections
 
 
 def _qwen35(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int, key_heads: int,
@@ -171,11 +172,13 @@ class _Filler:
 @torch.no_grad()
 def widen(small: LlamaModel | HybridModel, name: str | LlamaShape | HybridShape, device: torch.device | str,
           dtype: torch.dtype, tied: bool = False, shard: tuple[int, int, object] | None = None,
-          what: str = "the model") -> LlamaModel | HybridModel:
+          what: str = "the model", quantize: str | None = None) -> LlamaModel | HybridModel:
     """A model of shape `name` on `device`, built there directly, computing `small`'s function.
     `shard` = (rank, world, process group): keep only that rank's tensor-parallel shard; layers
-    are built and sharded one at a time, so the whole model is never on one device. `what`: the
-    model, for errors."""
+    are built and sharded one at a time, so the whole model is never on one device. `quantize`: a
+    scheme of `specgraph quantize` (w4a16, w8a16, fp8) for each layer's projections, applied as
+    each layer is built (a 70B shape in int4 never holds more than one layer in full precision).
+    `what`: the model, for errors."""
     if any(isinstance(m, QuantLinear) for m in small.modules()):
         raise SpecgraphError(f"--widen: {what} has quantized weights; widen a checkpoint in full precision")
     s = small.shape
@@ -184,6 +187,8 @@ def widen(small: LlamaModel | HybridModel, name: str | LlamaShape | HybridShape,
         return _widen_head(small, big, device, dtype)
     where = f"--widen {name if isinstance(name, str) else 'shape'}"
     if shard is not None:
+        if quantize is not None:
+            raise SpecgraphError(f"{where}:{quantize}: quantized weights run on one device; give {what} one device")
         sharded_shape(big, shard[1], shard[0], where)  # fail before building
     with torch.device("meta"):
         wide = HybridModel(big) if isinstance(big, HybridShape) else LlamaModel(big)
@@ -199,6 +204,8 @@ def widen(small: LlamaModel | HybridModel, name: str | LlamaShape | HybridShape,
             fill.mlp_and_norms(b, small.layers[i], eps)
         if shard is not None:
             shard_layer(b, big, *shard)
+        if quantize is not None:
+            quantize_projections(b, quantize)
     if shard is not None:
         wide.shape = sharded_shape(big, shard[1], shard[0])
     return wide.eval().requires_grad_(False)

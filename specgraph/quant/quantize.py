@@ -1,7 +1,9 @@
 """`specgraph quantize SRC -o OUT --scheme w4a16|w8a16|fp8`: a checkpoint's projections quantized by
 round to nearest (per group of K, or per output row), written in compressed-tensors' format by the
 compressed-tensors library itself, so that transformers and vLLM load what it writes; lm_head stays
-in the checkpoint's precision. OUT appears whole or not at all (written beside it, then renamed)."""
+in the checkpoint's precision. OUT appears whole or not at all (written beside it, then renamed).
+`quantize_linear`: the same quantization of one projection in memory, as a QuantLinear (what
+`--widen SHAPE:SCHEME` makes of a widened model's layers as it builds them)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from specgraph.errors import CheckpointError, SpecgraphError
 from specgraph.models.loader import is_head, read_config
+from specgraph.quant.linear import QuantLinear, pack
 
 SCHEMES = ("w4a16", "w8a16", "fp8")
 DEFAULT_GROUP = {"w4a16": 128, "w8a16": None, "fp8": None}  # None: one scale per output row
@@ -29,11 +32,53 @@ def weight_args(scheme: str, group: int | None):
     return QuantizationArgs(num_bits=4 if scheme == "w4a16" else 8, type="int", symmetric=True, **strategy)
 
 
+def rtn_qparams(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest scales and zero points [N, groups] (groups 1 per channel) of weight [N, K]
+    over each group's range, by compressed-tensors' own rule."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    w = weight.view(weight.shape[0], -1, args.group_size) if args.group_size else weight[:, None]  # [N, groups, G]
+    return calculate_qparams(w.amin(-1), w.amax(-1), args)
+
+
+@torch.no_grad()
+def quantize_linear(linear: torch.nn.Linear, scheme: str, group: int | None = None) -> QuantLinear:
+    """`linear` quantized as `specgraph quantize --scheme scheme` quantizes it, in QuantLinear's layout
+    (scales in the weight's dtype, on its device)."""
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+
+    group = group if group is not None else DEFAULT_GROUP[scheme]
+    args = weight_args(scheme, group)
+    weight = linear.weight
+    n, k = weight.shape
+    scale, zero = rtn_qparams(weight, args)
+    format = "fp8" if scheme == "fp8" else f"int{args.num_bits}"
+    out = QuantLinear(k, n, linear.bias is not None, format, group or k, weight.dtype).to(weight.device)
+    out.scales.copy_(scale.reshape(out.scales.shape))
+    if scheme == "fp8":
+        out.weight.copy_(quantize(weight, scale, zero, args, dtype=torch.float8_e4m3fn).view(torch.uint8))
+    else:
+        offset = 1 << (args.num_bits - 1)  # signed codes to QuantLinear's unsigned ones
+        codes = quantize(weight, scale, zero, args, dtype=torch.int8).to(torch.int32) + offset
+        out.weight.copy_(pack(codes, args.num_bits))
+        out.zeros.copy_((zero.reshape(out.zeros.shape).to(torch.int32) + offset).to(torch.uint8))
+    if linear.bias is not None:
+        out.bias.copy_(linear.bias)
+    return out
+
+
+def quantize_projections(module: torch.nn.Module, scheme: str, group: int | None = None) -> None:
+    """Replace every nn.Linear inside `module` by its quantize_linear."""
+    for name, child in list(module.named_modules()):
+        if isinstance(child, torch.nn.Linear):
+            parent, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(parent) if parent else module, leaf, quantize_linear(child, scheme, group))
+
+
 def quantize_checkpoint(source: Path, out: Path, scheme: str, group: int | None = None) -> Path:
     """Quantize the checkpoint at `source` into the new folder `out` -> out."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
-    from compressed_tensors.quantization.utils import calculate_qparams
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
@@ -59,9 +104,7 @@ def quantize_checkpoint(source: Path, out: Path, scheme: str, group: int | None 
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"]))
     with torch.no_grad():
         for name, module in tqdm(projections.items(), desc=f"quantize {scheme}", unit="projection"):
-            w = module.weight.float()
-            w = w.view(w.shape[0], -1, group) if group else w[:, None]  # [N, groups, G]
-            scale, zero = calculate_qparams(w.amin(-1), w.amax(-1), args)
+            scale, zero = rtn_qparams(module.weight, args)
             module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
             if hasattr(module, "weight_zero_point"):
                 module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
