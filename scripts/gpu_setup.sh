@@ -1,6 +1,7 @@
 # Sourced by the GPU scripts on a fresh machine that has only this repository, plus
 #   .fixtures/  what they need of ../shared/fixtures (mid/, hybrid/, prompts_code.jsonl; target and draft are embedded)
-#   .whl/       wheels of what the machine may lack (pydantic and its needs: ../shared/wheels-gpu; for
+#   .whl/       wheels of what the machine may lack (pydantic and its needs: ../shared/wheels-gpu; compressed-tensors,
+#               loguru and psutil for quantized checkpoints and --widen SHAPE:SCHEME; for
 #               `serve` and `loadgen`: starlette, uvicorn, httpx and theirs, for its Python)
 #   or both in build/carry.tar.xz (`tar cf - .fixtures .whl | xz -9 > build/carry.tar.xz`: about a
 #   quarter smaller, for when the repository plus both pass the device's 64 MiB), extracted here
@@ -10,7 +11,7 @@ if [ -f build/carry.tar.xz ] && [ ! -d .fixtures ]; then
   python3 -c "import tarfile; tarfile.open('build/carry.tar.xz').extractall(filter='data')"
 fi
 missing=()
-for module in pydantic rich pytest starlette uvicorn httpx; do
+for module in pydantic rich pytest starlette uvicorn httpx compressed_tensors; do
   python3 -c "import $module" 2>/dev/null || missing+=("$module")
 done
 if [ ${#missing[@]} -gt 0 ]; then

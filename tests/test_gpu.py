@@ -408,3 +408,40 @@ def test_row_invariant_requests_decode_the_same_tokens_alone_and_in_a_batch(code
     alone = [program.generate(ids).output_ids for ids in encoded]
     together = dict(program.generate_many(encoded))
     assert [together[i].output_ids for i in range(8)] == alone
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a16", "fp8"])
+def test_quantized_projections_on_gpu_match_their_reference_and_keep_rows_invariant(scheme):
+    """At the Llama-3-8B o_proj shape in bf16: the quantized tiles within two bf16 ulps of the
+    reference for 1 to 64 rows, and a row's bits the same in any row count (qlinear_invariant)."""
+    from specgraph.kernels.qlinear import qlinear_reference
+    from specgraph.kernels.qlinear.invariant import qlinear_invariant
+    from specgraph.kernels.qlinear.triton import qlinear
+    from specgraph.quant.quantize import quantize_linear
+
+    torch.manual_seed(0)
+    layer = quantize_linear(torch.nn.Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16), scheme)
+    args = (layer.weight, layer.scales, layer.zeros, None, layer.format, layer.group)
+    x = torch.randn(100, 4096, device="cuda", dtype=torch.bfloat16)
+    for rows in (1, 4, 16, 17, 64):
+        expected = qlinear_reference(x[:rows].float(), layer.weight, layer.scales.float(), layer.zeros, None,
+                                     layer.format, layer.group)
+        got = qlinear(x[:rows], *args).float()
+        assert ((got - expected).abs() / expected.abs().clamp(min=1)).max() < 2e-2, rows
+    alone = qlinear_invariant(x[3:4], *args)
+    assert all(torch.equal(qlinear_invariant(x[:rows], *args)[3:4], alone) for rows in (5, 16, 17, 64, 100))
+
+
+def test_row_invariant_speculation_over_a_quantized_target_decodes_its_autoregressive_tokens(tmp_path, code_prompts):
+    """bf16, lowering.row_invariant, an int4 target (written by `specgraph quantize`): greedy tokens
+    of a dynamic tree equal the quantized target's own one-token-at-a-time greedy tokens."""
+    from specgraph.cli import main
+
+    checkpoint = tmp_path / "target-w4"
+    assert main(["quantize", str(EMBEDDED / "target"), "-o", str(checkpoint), "--scheme", "w4a16", "--group-size", "32"]) == 0
+    program = on_gpu({"shape": "dynamic", "width": 3, "depth": 4, "nodes": 12}, checkpoint, dtype="bfloat16",
+                     max_new_tokens=NEW_TOKENS, lowering={"row_invariant": True})
+    alone = program.autoregressive()
+    for prompt in code_prompts[:HELD_OUT]:
+        ids = program.encode(prompt["prompt"])
+        assert program.generate(ids).output_ids == alone.generate(ids, NEW_TOKENS).output_ids, prompt["id"]
