@@ -22,10 +22,14 @@ from specgraph.kernels.linear.invariant import project_rows
 from specgraph.kernels.linear.triton import linear
 from specgraph.kernels.norm import add_rmsnorm_reference
 from specgraph.kernels.norm.triton import add_rmsnorm
+from specgraph.kernels.qlinear import qlinear_reference
+from specgraph.kernels.qlinear.invariant import qlinear_invariant
+from specgraph.kernels.qlinear.triton import qlinear
 from specgraph.kernels.rope import rope_write_reference
 from specgraph.kernels.rope.triton import rope_write
 from specgraph.kernels.swiglu import swiglu_reference
 from specgraph.kernels.swiglu.triton import swiglu
+from specgraph.quant.linear import QuantLinear, pack
 from specgraph.tree import Tree, TreeStructure
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -490,3 +494,37 @@ def test_gated_delta_commit_matches_reference(layers, pool, h, dk, dv, kernel, p
     gated_delta_commit(state, conv, *factors, paths, rows)
     assert (state - expected_state).abs().max() < 1e-4
     assert torch.equal(conv, expected_conv)
+
+
+def random_quantized(n: int, k: int, format: str, group: int, generator) -> QuantLinear:
+    layer = QuantLinear(k, n, True, format, group)
+    if format == "fp8":
+        layer.weight.copy_(torch.randn(n, k, generator=generator).to(torch.float8_e4m3fn).view(torch.uint8))
+    else:
+        top = 15 if format == "int4" else 255
+        layer.weight.copy_(pack(torch.randint(0, top + 1, (n, k), generator=generator), 4 if format == "int4" else 8))
+        layer.zeros.copy_(torch.randint(0, top + 1, layer.zeros.shape, generator=generator))
+    layer.scales.copy_(torch.rand(layer.scales.shape, generator=generator) / 50 + 1e-3)
+    layer.bias.data.copy_(torch.randn(n, generator=generator))
+    return layer
+
+
+@pytest.mark.parametrize("format, group, n, k", [("int4", 32, 72, 256), ("int4", 128, 40, 384), ("int8", 64, 24, 256),
+                                                 ("fp8", 512, 56, 512), ("int4", 512, 8, 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_projection_kernels_match_the_reference_and_keep_rows_invariant(format, group, n, k, dtype):
+    g = torch.Generator().manual_seed(n + k)
+    layer = random_quantized(n, k, format, group, g)
+    args = (layer.weight, layer.scales.to(dtype), layer.zeros, layer.bias.data.to(dtype), format, group)
+    x = torch.randn(70, k, generator=g).to(dtype)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    for rows in (1, 5, 17, 64, 70):  # 70: past qlinear's tiles (the invariant kernel's still)
+        expected = qlinear_reference(x[:rows].float(), *(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                                         else a for a in args))
+        for kernel in (qlinear, qlinear_invariant) if rows <= 64 else (qlinear_invariant,):
+            got = kernel(x[:rows], *args)
+            assert got.dtype == dtype and got.shape == (rows, n)
+            assert ((got.float() - expected).abs() / expected.abs().clamp(min=1)).max() < tolerance, (kernel, rows)
+    alone = qlinear_invariant(x[3:4], *args)
+    for rows in (5, 17, 64, 70):
+        assert torch.equal(qlinear_invariant(x[:rows], *args)[3:4], alone), rows  # the same bits in any row count

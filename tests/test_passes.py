@@ -279,7 +279,7 @@ def test_select_kernels_picks_triton_where_it_pays():
     assert set(forced.node("draft")["kernels"].values()) == {"triton"}
     invariant = run_pipeline(graph(lowering={"row_invariant": True}))  # the target's row-invariant kernels, on any device
     assert invariant.node("target")["kernels"] == {**cpu.node("target")["kernels"], "linear": "invariant",
-                                                   "swiglu": "invariant", "attention": "invariant",
+                                                   "qlinear": "invariant", "swiglu": "invariant", "attention": "invariant",
                                                    "gated_delta_step": "invariant", "gated_delta_commit": "invariant",
                                                    "add_rmsnorm": "triton", "rmsnorm": "triton", "rope_write": "triton"}
     assert invariant.node("draft")["kernels"] == cpu.node("draft")["kernels"]

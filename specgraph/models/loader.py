@@ -222,7 +222,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> Ll
         state = _head_state(eagle.from_published(state), model, path)
     if quantization is not None:
         state = to_quant_layout(state, quantization, path)
-    state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor for name, tensor in state.items()}
+    state = {name: tensor.to(dtype) if tensor.is_floating_point() and not name.endswith(".scales") else tensor
+             for name, tensor in state.items()}  # (quantization scales keep the checkpoint's precision)
     if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False) and not head:
         state["lm_head.weight"] = state.get("embed_tokens.weight")
     state = fuse_hf_state(_same_quantization(state, model.FUSED, path), model.FUSED)
@@ -237,11 +238,14 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> Ll
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:  # a tensor of another shape than config.json says
         raise CheckpointError(f"{path}: weights do not match config.json ({str(exc).splitlines()[-1].strip()[:160]})") from None
-    if getattr(config, "tie_word_embeddings", False) and not head:
+    if getattr(config, "tie_word_embeddings", False) and not head and not isinstance(model.lm_head, QuantLinear):
         model.lm_head.weight = model.embed_tokens.weight
     rotary = model.shape.rotary_dim if hybrid else model.shape.head_dim
     model.inv_freq, model.rope_scale = rope_tables(config, rotary, device)
+    scales = {m: m.scales for m in model.modules() if isinstance(m, QuantLinear)}
     model.to(dtype)
+    for module, kept in scales.items():  # (in the checkpoint's precision, which model.to would round)
+        module.scales = kept
     model.inv_freq = model.inv_freq.float()
     return model.eval().requires_grad_(False)
 
@@ -253,8 +257,9 @@ def _same_quantization(state: dict[str, torch.Tensor], fused_names: dict[str, tu
     for parts in fused_names.values():
         for name in [n for n in state if n.endswith(f".{parts[0]}.weight")]:
             stems = [name.removesuffix(".weight").replace(parts[0], part) for part in parts]
-            kinds = {(state[f"{s}.weight"].dtype, tuple(state[f"{s}.scales"].shape[1:]) if f"{s}.scales" in state else None)
-                     for s in stems if f"{s}.weight" in state}
+            kinds = {(state[f"{s}.weight"].dtype, state[f"{s}.weight"].shape[1:],
+                      state[f"{s}.scales"].shape[1:] if f"{s}.scales" in state else None)
+                     for s in stems if f"{s}.weight" in state}  # (words per row: int4 and int8 both pack int32)
             if len(kinds) > 1:
                 raise CheckpointError(f"{path}: {', '.join(stems)} are stored differently (quantized in different "
                                       "formats or groups, or some not); we fuse them, so they must be stored alike")
@@ -275,7 +280,7 @@ def _quantize_projections(model: torch.nn.Module, state: dict[str, torch.Tensor]
             if format is None:
                 raise CheckpointError(f"{path}: {name} packs {bits}-bit weights; supported: 4 or 8 bits")
         parent, _, child = name.rpartition(".")
-        quantized = QuantLinear(k, module.out_features, module.bias is not None, format, group)
+        quantized = QuantLinear(k, module.out_features, module.bias is not None, format, group, scales.dtype)
         setattr(model.get_submodule(parent) if parent else model, child, quantized.to(weight.device))
 
 

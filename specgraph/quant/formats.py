@@ -23,7 +23,7 @@ from specgraph.errors import CheckpointError
 from specgraph.quant.linear import pack, unpack
 
 METHODS = ("compressed-tensors", "awq", "gptq")
-AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # AWQ's nibble i of a word holds column 8 c + j where AWQ_ORDER[j] == i
+AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8 c + j of AWQ's words is in nibble AWQ_NIBBLE[j] of word c
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def _from_compressed_tensors(state: dict[str, torch.Tensor], prefix: str) -> dic
         n = weight.shape[0]
         if scale.numel() not in (1, n):
             raise ValueError(f"fp8 weight_scale of {scale.numel()} values for {n} rows (one per row or one)")
-        return {"weight": weight.view(torch.uint8), "scales": scale.float().reshape(-1, 1).expand(n, 1).contiguous()}
+        return {"weight": weight.view(torch.uint8), "scales": scale.reshape(-1, 1).expand(n, 1).contiguous()}
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     words = state.pop(f"{prefix}.weight_packed")
@@ -145,6 +145,8 @@ def _from_compressed_tensors(state: dict[str, torch.Tensor], prefix: str) -> dic
 def _from_awq_gptq(state: dict[str, torch.Tensor], prefix: str, quant: Quantization) -> dict[str, torch.Tensor]:
     bits, per_word = quant.bits, 32 // quant.bits
     qweight, qzeros, scales = (state.pop(f"{prefix}.{name}") for name in ("qweight", "qzeros", "scales"))
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+        raise ValueError(f"qweight {qweight.dtype}, qzeros {qzeros.dtype}; supported: int32 words")
     groups, n = scales.shape
     if quant.method == "awq":  # [K, N/8] along N in AWQ's order
         k = qweight.shape[0]
@@ -165,4 +167,4 @@ def _from_awq_gptq(state: dict[str, torch.Tensor], prefix: str, quant: Quantizat
 def _columns_awq(words: torch.Tensor, n: int) -> torch.Tensor:
     """AWQ's words [R, N/8] -> the 4-bit values [R, N] they hold, columns in order."""
     nibbles = unpack(words, 4, words.shape[1] * 8).view(words.shape[0], -1, 8)  # [R, N/8, nibble]
-    return nibbles[..., list(AWQ_ORDER)].flatten(1)[:, :n]
+    return nibbles[..., list(AWQ_NIBBLE)].flatten(1)[:, :n]

@@ -6,7 +6,8 @@ One layout for every format we read (formats.py converts to it):
   +2^(bits-1) offset undone into the zero points); `scales` [N, K / group] and `zeros` uint8
   [N, K / group]: w[n, k] = (q[n, k] - zeros[n, k // group]) * scales[n, k // group].
 - fp8: `weight` uint8 [N, K], the bits of float8_e4m3fn values (bytes, so that casting the model to
-  its dtype leaves them), `scales` fp32 [N, 1]: w[n, k] = weight[n, k] * scales[n]; no zeros.
+  its dtype leaves them), `scales` [N, 1]: w[n, k] = weight[n, k] * scales[n]; no zeros.
+Scales keep the precision the checkpoint gave them (the loader does not round them to the model's dtype).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features, self.format, self.group = in_features, out_features, format, group
         if format == "fp8":
             self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.uint8))
-            self.register_buffer("scales", torch.empty(out_features, 1, dtype=torch.float32))
+            self.register_buffer("scales", torch.empty(out_features, 1, dtype=scale_dtype))
             self.zeros = None
         else:
             per_word = 32 // FORMATS[format]
