@@ -83,20 +83,37 @@ def project_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     n, k = weight.shape
     if weight.stride() != (k, 1):
         raise ValueError("the row-invariant projection needs a contiguous [N, K] weight")
+    tiles = tiles or tiling(n, k, weight.element_size())
+    block_n, block_k, _ = tiles
+
+    def tile(grid, x2, m, chunk, block_m, part, bias, fused_bias, pdl):
+        _project[grid](x2, weight, bias, part, m, n, k, x2.stride(0), chunk, HAS_BIAS=fused_bias, BLOCK_M=block_m,
+                       BLOCK_N=block_n, BLOCK_K=block_k, IEEE=weight.dtype == torch.float32, **pdl,
+                       **({"num_warps": 4, "num_stages": 3} | config))
+
+    return in_tiles(x, n, bias, tiles, tile)
+
+
+def in_tiles(x: torch.Tensor, n: int, bias: torch.Tensor | None, tiles: tuple[int, int, int], tile) -> torch.Tensor:
+    """What the row-invariant projections share (this one and kernels/qlinear's): x [..., K] as rows,
+    `tiles` = (BLOCK_N, BLOCK_K, K splits) chosen from the weight alone, 16-row blocks up to 16 rows and
+    32-row ones above; `tile(grid, x2, M, chunk, BLOCK_M, part, bias, fused_bias, pdl)` launches the tile
+    kernel writing `part` (the output where K is one chunk, `bias` added there where `fused_bias`; else
+    fp32 partial sums [splits, M, N], then summed in order with the bias) -> [..., N] in x's dtype."""
+    k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     block_m = 16 if m <= 16 else 32
-    block_n, block_k, splits = tiles or tiling(n, k, weight.element_size())
+    block_n, block_k, splits = tiles
     chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     pdl = launch(x.device)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)  # [splits, M, N]
     has_bias, bias = bias is not None, bias if bias is not None else out
-    _project[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
-        x2, weight, bias, part, m, n, k, x2.stride(0), chunk, HAS_BIAS=has_bias and splits == 1, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, IEEE=weight.dtype == torch.float32, **pdl, **({"num_warps": 4, "num_stages": 3} | config))
+    tile((triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits), x2, m, chunk, block_m, part, bias,
+         has_bias and splits == 1, pdl)
     if splits > 1:
         block = 1024
         sum_splits[(triton.cdiv(m * n, block),)](part, bias, out, m * n, n, SPLITS=splits, HAS_BIAS=has_bias,

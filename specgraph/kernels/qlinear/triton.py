@@ -15,8 +15,7 @@ import triton
 import triton.language as tl
 
 from specgraph.kernels import interpreted
-from specgraph.kernels.linear.invariant import sum_splits
-from specgraph.kernels.pdl import launch
+from specgraph.kernels.linear.invariant import in_tiles
 from specgraph.kernels.qlinear.reference import qlinear_reference
 from specgraph.quant.linear import FORMATS
 
@@ -90,28 +89,15 @@ def project_quantized(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
     tiles = tiling(n, k, format, group)
     if tiles is None:
         return qlinear_reference(x, weight, scales, zeros, bias, format, group)
-    block_n, block_k, splits = tiles
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    block_m = 16 if m <= 16 else 32
-    chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-    pdl = launch(x.device)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)  # [splits, M, N]
-    has_bias, bias = bias is not None, bias if bias is not None else out
-    fp8 = format == "fp8"
-    _qproject[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
-        x2, weight, scales, zeros if zeros is not None else scales, bias, part, m, n, k, x2.stride(0),
-        weight.stride(0), scales.stride(0), chunk, GROUP=group, BITS=FORMATS[format], FP8=fp8,
-        HAS_BIAS=has_bias and splits == 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_F32=x.dtype == torch.float32 or interpreted(), num_warps=4, num_stages=3, **pdl)
-    if splits > 1:
-        block = 1024
-        sum_splits[(triton.cdiv(m * n, block),)](part, bias, out, m * n, n, SPLITS=splits, HAS_BIAS=has_bias,
-                                                 BLOCK=block, **pdl)
-    return out.view(*x.shape[:-1], n)
+    block_n, block_k, _ = tiles
+
+    def tile(grid, x2, m, chunk, block_m, part, bias, fused_bias, pdl):
+        _qproject[grid](x2, weight, scales, zeros if zeros is not None else scales, bias, part, m, n, k, x2.stride(0),
+                        weight.stride(0), scales.stride(0), chunk, GROUP=group, BITS=FORMATS[format],
+                        FP8=format == "fp8", HAS_BIAS=fused_bias, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                        DOT_F32=x.dtype == torch.float32 or interpreted(), num_warps=4, num_stages=3, **pdl)
+
+    return in_tiles(x, n, bias, tiles, tile)
 
 
 @torch.library.custom_op("specgraph::qlinear", mutates_args=())
