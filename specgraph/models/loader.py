@@ -23,7 +23,7 @@ from specgraph.models.eagle import Eagle3Head, HeadShape
 from specgraph.models.hybrid import HybridModel, HybridShape, from_hf_norms
 from specgraph.models.llama import LlamaModel, LlamaShape, fuse_hf_state
 from specgraph.quant.formats import read_quantization, to_quant_layout
-from specgraph.quant.linear import FORMATS, QuantLinear
+from specgraph.quant.linear import FORMATS, QuantLinear, put
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 HYBRID = ("Qwen3_5ForCausalLM",)
@@ -279,9 +279,8 @@ def _quantize_projections(model: torch.nn.Module, state: dict[str, torch.Tensor]
             format, group = next((f for f, b in FORMATS.items() if b == bits and f != "fp8"), None), k // scales.shape[1]
             if format is None:
                 raise CheckpointError(f"{path}: {name} packs {bits}-bit weights; supported: 4 or 8 bits")
-        parent, _, child = name.rpartition(".")
-        quantized = QuantLinear(k, module.out_features, module.bias is not None, format, group, scales.dtype)
-        setattr(model.get_submodule(parent) if parent else model, child, quantized.to(weight.device))
+        put(model, name, QuantLinear(k, module.out_features, module.bias is not None, format, group,
+                                     scales.dtype).to(weight.device))
 
 
 def load_embedding(path: Path) -> torch.Tensor:

@@ -48,6 +48,12 @@ class QuantLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scales, self.zeros) if t is not None)
 
 
+def put(root: nn.Module, name: str, module: nn.Module) -> None:
+    """Make `module` the submodule `name` (dotted) of `root`, in place of the one there."""
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent), leaf, module)
+
+
 def unpack(words: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     """int32 words [N, W] -> the unsigned values [N, k] they pack (QuantLinear's layout), int32."""
     per_word = 32 // bits

@@ -16,7 +16,7 @@ import torch
 
 from specgraph.errors import CheckpointError, SpecgraphError
 from specgraph.models.loader import is_head, read_config
-from specgraph.quant.linear import QuantLinear, pack
+from specgraph.quant.linear import QuantLinear, pack, put
 
 SCHEMES = ("w4a16", "w8a16", "fp8")
 DEFAULT_GROUP = {"w4a16": 128, "w8a16": None, "fp8": None}  # None: one scale per output row
@@ -71,8 +71,7 @@ def quantize_projections(module: torch.nn.Module, scheme: str, group: int | None
     """Replace every nn.Linear inside `module` by its quantize_linear."""
     for name, child in list(module.named_modules()):
         if isinstance(child, torch.nn.Linear):
-            parent, _, leaf = name.rpartition(".")
-            setattr(module.get_submodule(parent) if parent else module, leaf, quantize_linear(child, scheme, group))
+            put(module, name, quantize_linear(child, scheme, group))
 
 
 def quantize_checkpoint(source: Path, out: Path, scheme: str, group: int | None = None) -> Path:
