@@ -159,8 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
                           help="int4 or int8 weights (symmetric) or fp8 weights, activations left as they are")
     quantize.add_argument("--group-size", type=int, metavar="G", help="weights per scale along the inputs (default: "
                           "128 for w4a16, one scale per output row for w8a16; fp8: always per row)")
-    quantize.add_argument("--method", choices=["rtn"], default="rtn", help="how scales are chosen: rtn, round to "
-                          "nearest over each group's range (the only method so far)")
+    quantize.add_argument("--method", choices=["rtn", "awq"], default="rtn", help="how weights are scaled before "
+                          "rounding: rtn, round to nearest over each group's range (default); awq, activation-aware "
+                          "scales and clips searched on --calibration prompts")
+    quantize.add_argument("--calibration", type=Path, metavar="PROMPTS.jsonl", help="awq: prompts ({\"prompt\": "
+                          "TEXT} per line) like those the model will serve")
+    quantize.add_argument("--device", help="awq: where the calibration runs (default: cuda if there is a GPU, else "
+                          "cpu); the model must fit there")
     train = sub.add_parser("train-draft", help="train an EAGLE-3 head for a Llama-family target (resumable; writes "
                                                "the published layout, which a recipe names as its draft model)")
     train.add_argument("target", type=Path, metavar="TARGET", help="the target's checkpoint folder")
@@ -186,32 +191,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_prompts(args: argparse.Namespace, default: str | None) -> list[dict]:
-    from specgraph.files import read_text
-
     if args.prompt is not None:
         return [{"id": "000", "prompt": args.prompt}]
     if args.prompts is None:
         if default is None:
             raise SpecgraphError("no prompt: give --prompt TEXT or --prompts FILE.jsonl, or set 'prompt' in the recipe")
         return [{"id": "000", "prompt": default}]
+    return read_prompt_file(args.prompts, "--prompts")
+
+
+def read_prompt_file(path: Path, flag: str) -> list[dict]:
+    """The prompts of a JSONL file ({"prompt": TEXT[, "id": ID]} per line), named by the command's
+    `flag` in its one-line errors."""
+    from specgraph.files import read_text
+
     prompts, lines = [], {}  # id -> the line that gave it
-    for n, line in enumerate(read_text(args.prompts, "--prompts").splitlines(), start=1):
+    for n, line in enumerate(read_text(path, flag).splitlines(), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise SpecgraphError(f"--prompts: {args.prompts} line {n} is not JSON ({exc.msg})") from None
+            raise SpecgraphError(f"{flag}: {path} line {n} is not JSON ({exc.msg})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise SpecgraphError(f"--prompts: {args.prompts} line {n} needs a 'prompt' string")
+            raise SpecgraphError(f"{flag}: {path} line {n} needs a 'prompt' string")
         prompt_id = str(row.get("id", f"{len(prompts):03d}"))
         if prompt_id in lines:
-            raise SpecgraphError(f"--prompts: {args.prompts} line {n}: id {prompt_id!r} is line {lines[prompt_id]}'s "
+            raise SpecgraphError(f"{flag}: {path} line {n}: id {prompt_id!r} is line {lines[prompt_id]}'s "
                                  "too; give every prompt its own id (or none: its number)")
         lines[prompt_id] = n
         prompts.append({"id": prompt_id, "prompt": row["prompt"]})
     if not prompts:
-        raise SpecgraphError(f"--prompts: {args.prompts} holds no prompts")
+        raise SpecgraphError(f"{flag}: {path} holds no prompts")
     return prompts
 
 
@@ -288,42 +299,42 @@ def cmd_run(args: argparse.Namespace) -> int:
         if any(program.graph.node(name)["compile"] for name in program.graph.stages()):
             print("specgraph: step functions compile with torch.compile during the first steps "
                   "(--no-compile skips it)", file=sys.stderr)
-    results, errors, stop = [], [], {}
+    done, errors, stop = {}, [], {}  # prompt index -> its result, as each finishes
     began = time.perf_counter()
     try:
         with program:
             encoded = [program.encode(row["prompt"]) for row in prompts]
-            began, done = time.perf_counter(), {}
+            began = time.perf_counter()
             with tqdm(total=len(prompts), desc="prompts", unit="prompt", disable=len(prompts) == 1,
                       file=sys.stderr) as bar:
                 for index, gen in program.generate_many(encoded, args.max_new_tokens):
-                    bar.update()
                     row = prompts[index]
                     if isinstance(gen, PromptError):
                         print(f"specgraph: error: prompt {row['id']}: {gen}; skipped", file=sys.stderr)
                         errors.append((index, {"id": row["id"], "error": str(gen)}))
-                        continue
-                    result = {"id": row["id"], "prompt_tokens": len(encoded[index]), "output_ids": gen.output_ids,
-                              "text": program.decode(gen.output_ids), "target_steps": gen.target_steps,
-                              "accepted_lengths": gen.accepted_lengths, "wall_seconds": gen.seconds,
-                              "first_seconds": gen.first_token_seconds, "finish_reason": gen.finish_reason}
-                    if gen.stats:
-                        result["stats"] = gen.stats  # the executor's own measurements (per stage, for a pipeline)
-                    if gen.clipped:
-                        result["clipped"] = True
-                        print(f"specgraph: note: prompt {row['id']}: max_seq_len {recipe.max_seq_len} cut it to "
-                              f"{len(gen.output_ids)} new tokens", file=sys.stderr)
-                    done[index] = result
-                    results[:] = [done[i] for i in sorted(done)]  # file order, whatever order they finish in
+                    else:
+                        done[index] = {"id": row["id"], "prompt_tokens": len(encoded[index]),
+                                       "output_ids": gen.output_ids, "text": program.decode(gen.output_ids),
+                                       "target_steps": gen.target_steps, "accepted_lengths": gen.accepted_lengths,
+                                       "wall_seconds": gen.seconds, "first_seconds": gen.first_token_seconds,
+                                       "finish_reason": gen.finish_reason,
+                                       # the executor's own measurements (per stage, for a pipeline)
+                                       **({"stats": gen.stats} if gen.stats else {}),
+                                       **({"clipped": True} if gen.clipped else {})}
+                        if gen.clipped:
+                            print(f"specgraph: note: prompt {row['id']}: max_seq_len {recipe.max_seq_len} cut it to "
+                                  f"{len(gen.output_ids)} new tokens", file=sys.stderr)
+                    bar.update()  # (after the prompt is kept: what the bar counts, a Ctrl-C still writes)
     except KeyboardInterrupt:
         stop = {"interrupted": True}
         raise
     except SpecgraphError as exc:
         stop = {"failed": str(exc)}
         raise
-    finally:  # also on Ctrl-C or a failed process: what finished is kept, marked as cut short
+    finally:  # also on Ctrl-C or a failed process: what finished is kept (in file order), marked as cut short
         errors = [error for _, error in sorted(errors, key=lambda e: e[0])]
-        _report_run(args, recipe.name, prompts, results, errors, stop, time.perf_counter() - began)
+        _report_run(args, recipe.name, prompts, [done[i] for i in sorted(done)], errors, stop,
+                    time.perf_counter() - began)
     if errors:
         raise SpecgraphError(f"{len(errors)} of {len(prompts)} prompts failed (first: prompt {errors[0]['id']}: "
                              f"{errors[0]['error']})")
@@ -497,17 +508,36 @@ def cmd_compile(args: argparse.Namespace) -> None:
     export_program(Program(graph), args.output)
 
 
+def device_flag(value: str):
+    """--device's value as a torch.device this machine has; a one-line error otherwise."""
+    import torch
+
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise SpecgraphError(f"--device: {value!r} is not a device; valid: cpu, cuda, cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpecgraphError(f"--device: {value} asked for, but this machine has no CUDA GPU; give --device cpu")
+    return device
+
+
 def cmd_quantize(args: argparse.Namespace) -> None:
     from specgraph.quant.quantize import quantize_checkpoint
 
     if args.group_size is not None and args.group_size < 1:
         raise SpecgraphError(f"--group-size: must be at least 1 (got {args.group_size})")
-    print(f"wrote {quantize_checkpoint(args.source, args.output, args.scheme, args.group_size)}")
+    if (args.method == "awq") != (args.calibration is not None):
+        raise SpecgraphError("--calibration: --method awq needs calibration prompts (--calibration PROMPTS.jsonl)"
+                             if args.calibration is None else "--calibration: only --method awq reads calibration prompts")
+    if args.device is not None and args.method != "awq":
+        raise SpecgraphError("--device: only --method awq runs the model (rtn rounds on the CPU)")
+    device = None if args.device is None else device_flag(args.device)
+    calibration = None if args.calibration is None else [
+        row["prompt"] for row in read_prompt_file(args.calibration, "--calibration")]
+    print(f"wrote {quantize_checkpoint(args.source, args.output, args.scheme, args.group_size, calibration, device)}")
 
 
 def cmd_train_draft(args: argparse.Namespace) -> None:
-    import torch
-
     from specgraph.train_head import TrainSpec, train
 
     layers = None
@@ -527,12 +557,7 @@ def cmd_train_draft(args: argparse.Namespace) -> None:
                              f"j + 2 ahead (got {args.ttt})")
     if args.intermediate_size is not None and args.intermediate_size < 1:
         raise SpecgraphError(f"--intermediate-size: must be at least 1 (got {args.intermediate_size})")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise SpecgraphError(f"--device: {args.device!r} is not a device; valid: cpu, cuda, cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SpecgraphError(f"--device: {args.device} asked for, but this machine has no CUDA GPU; give --device cpu")
+    device_flag(args.device)
     out = train(TrainSpec(args.target, args.data, args.output, args.steps, layers, args.lr, args.batch, args.seq_len,
                           args.ttt, args.draft_vocab, args.intermediate_size, args.dtype, args.seed, device=args.device))
     print(f"wrote {out}")

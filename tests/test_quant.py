@@ -296,6 +296,15 @@ def test_specgraph_quantize_writes_what_transformers_loads_and_we_decode_alike(t
     (["--scheme", "fp8", "--group-size", "32"], "--group-size: fp8 weights are scaled per output row"),
     (["--scheme", "w4a16", "--group-size", "0"], "--group-size: must be at least 1 (got 0)"),
     (["--scheme", "int3"], "argument --scheme: invalid choice: 'int3' (choose from 'w4a16', 'w8a16', 'fp8')"),
+    (["--scheme", "w4a16", "--method", "awq"], "--calibration: --method awq needs calibration prompts"),
+    (["--scheme", "w4a16", "--calibration", "prompts.jsonl"], "--calibration: only --method awq reads calibration"),
+    (["--scheme", "w4a16", "--device", "cpu"], "--device: only --method awq runs the model"),
+    (["--scheme", "w4a16", "--method", "awq", "--calibration", "missing.jsonl"], "--calibration: missing.jsonl does "
+                                                                                 "not exist"),
+    (["--scheme", "w4a16", "--method", "awq", "--calibration", "README.md"], "--calibration: README.md line 1 is not "
+                                                                             "JSON"),
+    (["--scheme", "w4a16", "--method", "awq", "--calibration", "README.md", "--device", "gpu0"], "--device: 'gpu0' is "
+                                                                                                 "not a device"),
 ])
 def test_specgraph_quantize_refuses_bad_settings_in_one_line(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) if "invalid choice" in message else contextlib.nullcontext():
@@ -331,10 +340,46 @@ def test_quantized_stages_under_the_disaggregated_and_pipeline_executors_keep_th
             assert [program.generate(program.encode(row["prompt"])).output_ids for row in PROMPTS] == expected
 
 
-def test_a_quantized_hybrid_target_decodes_as_transformers_decodes_it(small_hybrid, tmp_path):
-    """Qwen3.5's gated-DeltaNet projections (in_proj_qkv, z, b, a fused) and attention quantized alike."""
+def calibration_file(folder, prompts: list[dict]):
+    file = folder / "calibration.jsonl"
+    file.write_text("".join(json.dumps(row) + "\n" for row in prompts))
+    return file
+
+
+def divergence(reference, quantized, prompts: list[dict]) -> float:
+    """Mean KL(reference || quantized) of transformers' next-token distributions (fp32) over every
+    position of the prompts."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(reference)
+    ids = [torch.tensor([tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]]) for row in prompts]
+    with torch.no_grad():
+        laws = [[transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(x).logits[0].log_softmax(-1)
+                 for x in ids] for path in (reference, quantized)]
+    return (sum((p.exp() * (p - q)).sum() for p, q in zip(*laws)) / sum(len(p) for p in laws[0])).item()
+
+
+def test_awq_writes_what_transformers_loads_and_we_decode_alike_and_errs_less_than_round_to_nearest(tmp_path,
+                                                                                                     code_prompts):
+    """Scales and clips searched on half the code prompts: on the other half the int4 model's
+    next-token laws are nearer the full-precision model's than round to nearest's (measured: KL
+    0.027 against 0.037)."""
+    calibration, held_out = code_prompts[:32], code_prompts[32:]
+    awq, rtn = tmp_path / "awq", tmp_path / "rtn"
+    assert main(["quantize", str(TARGET), "-o", str(awq), "--scheme", "w4a16", "--method", "awq",
+                 "--calibration", str(calibration_file(tmp_path, calibration))]) == 0
+    assert main(["quantize", str(TARGET), "-o", str(rtn), "--scheme", "w4a16"]) == 0
+    expected = [new for _, new in hf_greedy(awq, PROMPTS, NEW)]
+    assert ours(awq) == expected
+    assert ours(awq, DRAFT, CHAIN) == expected
+    assert divergence(TARGET, awq, held_out) < 0.9 * divergence(TARGET, rtn, held_out)
+
+
+@pytest.mark.parametrize("method", ["rtn", "awq"])
+def test_a_quantized_hybrid_target_decodes_as_transformers_decodes_it(small_hybrid, tmp_path, code_prompts, method):
+    """Qwen3.5's gated-DeltaNet projections (in_proj_qkv, z, b, a fused) and attention quantized alike
+    (awq: its scales folded into Qwen3.5's 1 + weight norms)."""
     out = tmp_path / "hybrid-w4"
-    assert main(["quantize", str(small_hybrid), "-o", str(out), "--scheme", "w4a16", "--group-size", "32"]) == 0
+    awq = ["--method", "awq", "--calibration", str(calibration_file(tmp_path, code_prompts[:8]))] if method == "awq" else []
+    assert main(["quantize", str(small_hybrid), "-o", str(out), "--scheme", "w4a16", "--group-size", "32", *awq]) == 0
     expected = [new for _, new in hf_greedy(out, PROMPTS, 24)]
     assert expected != [new for _, new in hf_greedy(small_hybrid, PROMPTS, 24)]
     program = Program.from_recipe(two_stage(out, DRAFT, CHAIN, max_new_tokens=24))

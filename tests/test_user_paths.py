@@ -155,7 +155,8 @@ def test_ctrl_c_writes_the_finished_prompts(tmp_path):
         seen += proc.stderr.read(1)
         assert proc.poll() is None, seen
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 130
+    _, rest = proc.communicate(timeout=60)
+    assert proc.returncode == 130, rest[-3000:]
     report = json.loads(out.read_text())
     results = report["results"]
     assert 2 <= len(results) < 200 and [r["id"] for r in results] == [str(i) for i in range(len(results))]

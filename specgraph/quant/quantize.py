@@ -74,8 +74,31 @@ def quantize_projections(module: torch.nn.Module, scheme: str, group: int | None
             put(module, name, quantize_linear(child, scheme, group))
 
 
-def quantize_checkpoint(source: Path, out: Path, scheme: str, group: int | None = None) -> Path:
-    """Quantize the checkpoint at `source` into the new folder `out` -> out."""
+def awq(model: torch.nn.Module, source: Path, calibration: list[str], args, device: torch.device | None) -> None:
+    """Scale and clip `model`'s projections by AWQ (awq.py) for quantization by `args`, the
+    calibration run on `device` (default: the GPU if there is one); the model back on the CPU."""
+    from tqdm import tqdm
+
+    from specgraph.quant.awq import apply_awq
+    from specgraph.text import Tokenizer
+
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = Tokenizer(source)
+    try:
+        apply_awq(model.to(device), [tokenizer.encode(text) for text in calibration], args, tqdm)
+    except NotImplementedError as exc:
+        raise SpecgraphError(f"{exc}; awq knows Llama and Qwen3.5 decoder layers (use --method rtn)") from None
+    except torch.OutOfMemoryError:
+        raise SpecgraphError(f"--device: the model and its calibration do not fit in {device}'s memory; give a "
+                             "larger device or fewer calibration prompts") from None
+    finally:
+        model.to("cpu")
+
+
+def quantize_checkpoint(source: Path, out: Path, scheme: str, group: int | None = None,
+                        calibration: list[str] | None = None, device: torch.device | None = None) -> Path:
+    """Quantize the checkpoint at `source` into the new folder `out` -> out: round to nearest, after
+    AWQ's scales and clips (awq.py) searched on `calibration` prompts on `device` where given."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
     from tqdm import tqdm
@@ -99,6 +122,8 @@ def quantize_checkpoint(source: Path, out: Path, scheme: str, group: int | None 
             raise SpecgraphError(f"--group-size: {group} does not divide the {projections[odd].in_features} inputs of "
                                  f"{odd}; give a group size that divides every projection's inputs (e.g. 32)")
     args = weight_args(scheme, group)
+    if calibration is not None:
+        awq(model, source, calibration, args, device)
     apply_quantization_config(model, QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"]))
     with torch.no_grad():
