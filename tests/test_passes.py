@@ -81,7 +81,7 @@ def test_plan_memory_sizes_caches_for_the_tree():
     # 8 layers x (k, v) x 1 kv head x 128 dims x slots x 4 bytes
     assert target["kv_bytes"] == 2 * 8 * 1 * 128 * 307 * 4
     params = sum(t.numel() for f in TARGET.glob("*.safetensors") for t in load_file(f).values())
-    assert target["weight_bytes"] == params * 4
+    assert target["parameters"] == params
 
 
 def test_compile_stages_follows_the_recipe_and_the_device():

@@ -6,8 +6,8 @@ After:  + `step_tokens`: the most tokens one step writes past the committed pref
         tree it keeps growing);
         + `cache_slots`: KV slots = max_seq_len + step_tokens (in a pipeline, + a slack: a stage's
         committed tokens may pass the last stage's by what the stages may run ahead of each other
-        and overshoot in one step); `kv_bytes` and `weight_bytes`, for the report and for
-        placement checks; `block_size`, `kv_blocks` and `requests`: the pool's blocks and the rows
+        and overshoot in one step); `kv_bytes`; `parameters` (the model's, counted from its
+        config, whatever bytes each takes: a drafter no smaller than its target is warned of); `block_size`, `kv_blocks` and `requests`: the pool's blocks and the rows
         of its block table (_plan_pool).
 """
 
@@ -24,7 +24,7 @@ from specgraph.recipe import DynamicTree
 from specgraph.tree import CATCH_UP, Growth
 
 
-@graph_pass(requires=("config", "dtype", "tree_nodes", "window", "ahead", "feeds"), provides=("step_tokens", "cache_slots", "kv_bytes", "weight_bytes", "block_size", "kv_blocks", "requests"))
+@graph_pass(requires=("config", "dtype", "tree_nodes", "window", "ahead", "feeds"), provides=("step_tokens", "cache_slots", "kv_bytes", "parameters", "block_size", "kv_blocks", "requests"))
 def plan_memory(graph: SpecGraph) -> SpecGraph:
     max_seq_len = graph.recipe.max_seq_len
     stages = graph.stages()
@@ -62,7 +62,7 @@ def plan_memory(graph: SpecGraph) -> SpecGraph:
         node["cache_slots"] = max_seq_len + step_tokens + slack
         node["kv_bytes"] = shape.cache_bytes(node["cache_slots"], itemsize)
         tied = bool(node["config"].tie_word_embeddings)
-        node["weight_bytes"] = shape.parameter_count(tied) * itemsize
+        node["parameters"] = shape.parameter_count(tied)
     _plan_pool(graph)
     _warn_of_large_drafters(graph)
     return graph
@@ -90,7 +90,7 @@ def _warn_of_large_drafters(graph: SpecGraph) -> None:
     save: say so (a recipe mistake more often than a choice)."""
     for name in graph.stages()[1:]:
         below = graph.drafter_of(name)
-        params = {n: graph.node(n)["weight_bytes"] // graph.node(n)["dtype"].itemsize for n in (below, name)}
+        params = {n: graph.node(n)["parameters"] for n in (below, name)}
         if params[below] >= params[name]:
             warnings.warn(RecipeWarning(
                 f"stage {below} ({params[below] / 1e6:.1f}M parameters) drafts for stage {name}, which is no larger "
