@@ -4,9 +4,10 @@ the Llama-3-8B layer shapes in bf16 on a GPU.
 Projections: time (mean over CUDA-graph replays) of our one-token kernel and of cuBLAS at M = 1,
 21 and 64 rows, and of the row-invariant projection at M = 1, 21, 64, its default tiling first,
 then others; whether every row of an M-row call equals, bit for bit, the same row projected alone.
-Attention: a one-token step and a 21-node tree step over a 1000-token context (capacity 2048),
-the split kernel against the invariant one; whether each tree node's output equals, bit for bit,
-the same node decoded alone with its path committed at its positions.
+Attention: a one-token step and a 21-node tree step over a 300- and a 1000-token context (one
+request's paged cache of 2048 slots), the split kernel against the invariant one; whether each tree
+node's output equals, bit for bit, the same node decoded alone with its path committed at its
+positions.
 
     python scripts/bench_invariant.py --json out.json
 """
@@ -25,6 +26,9 @@ from specgraph.kernels.attention.invariant import attention_invariant
 from specgraph.kernels.attention.triton import attention
 from specgraph.kernels.linear.invariant import project_rows, tiling
 from specgraph.kernels.linear.triton import linear
+from specgraph.layout import Layout, physical
+from specgraph.runtime.stage import BLOCK_SIZE
+from specgraph.tree import TreeStructure
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
           "down_proj": (4096, 14336), "lm_head": (128256, 4096)}
@@ -63,50 +67,51 @@ def projections(device: torch.device) -> list[dict]:
     return results
 
 
-def random_tree(t: int, rng: random.Random) -> tuple[list[int], torch.Tensor]:
-    """Depths [T] and ancestors [T, T] (bool, itself included) of a random tree in topological order."""
-    parents, depth = [-1] + [rng.randrange(i) for i in range(1, t)], [0] * t
-    anc = torch.eye(t, dtype=torch.bool)
-    for i in range(1, t):
-        depth[i] = depth[parents[i]] + 1
-        anc[i] |= anc[parents[i]]
-    return depth, anc
-
-
-def attention_case(device: torch.device, context: int = 1000, t: int = 21, capacity: int = 2048) -> dict:
-    h, h_kv, d = 32, 8, 128
+def attention_case(device: torch.device, context: int = 1000, t: int = 21, capacity: int = 2048,
+                   heads: tuple[int, int, int] = (32, 8, 128), block_size: int = BLOCK_SIZE) -> dict:
+    """One request's step over a paged cache of `capacity` slots whose first `context` are committed:
+    a random tree of t nodes (uniform parents, topological order) and its root alone; then each node
+    alone, its path committed at its positions. heads: (query heads, KV heads, head dim)."""
+    h, h_kv, d = heads
     rng = random.Random(0)
-    depth, anc = random_tree(t, rng)
+    tree = TreeStructure.of([-1] + [rng.randrange(i) for i in range(1, t)], device)
+    anc, depth = tree.ancestors[0], tree.depths[0]  # [T, T] bool (itself included), [T]
     bf16 = dict(device=device, dtype=torch.bfloat16)
-    k, v = torch.randn(1, h_kv, capacity, d, **bf16), torch.randn(1, h_kv, capacity, d, **bf16)
-    q = torch.randn(1, h, t, d, **bf16)
-    mask = torch.zeros(t, capacity, dtype=torch.bool, device=device)
-    mask[:, :context] = True
-    mask[:, context : context + t] = anc.to(device)
-    slots = torch.arange(context, context + t, device=device)
-    one_mask = torch.zeros(1, capacity, dtype=torch.bool, device=device)
-    one_mask[0, : context + 1] = True
-    one_slot = torch.tensor([context], device=device)
-    q1 = q[:, :, :1].contiguous()
+    table = torch.arange(1, capacity // block_size + 1, device=device)[None]  # [1, M]: the request's blocks (0: trash)
+    k, v = (torch.randn(1, h_kv, (1 + table.numel()) * block_size, d, **bf16) for _ in range(2))  # [1, Hkv, S, D]
+    q = torch.randn(1, h, t, d, **bf16)  # [1, H, T, D]
+
+    def attend(start: int, visible: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """The kernels' inputs after q, k, v for tokens at region offsets 0.. from virtual slot
+        `start`, each seeing the slots below it and the offsets visible [T', T'] marks."""
+        offsets = torch.arange(visible.shape[0], device=device)  # [T']
+        layout = Layout.single(table, block_size, torch.tensor(start, device=device), offsets, visible, positions,
+                               capacity)
+        return layout.attention_inputs(h)
+
+    one = torch.ones(1, 1, dtype=torch.bool, device=device)  # [1, 1]: a token that sees itself
+    tree_in = attend(context, anc, context + depth)
+    one_in = attend(context, one, torch.tensor([context], device=device))
+    q1 = q[:, :, :1].contiguous()  # [1, H, 1, D]: the root
     result = {"context": context, "tree_nodes": t, "heads": h, "kv_heads": h_kv, "head_dim": d,
-              "split_tree_us": graph_time_us(lambda: attention(q, k, v, mask, slots)),
-              "invariant_tree_us": graph_time_us(lambda: attention_invariant(q, k, v, mask, slots)),
-              "split_one_us": graph_time_us(lambda: attention(q1, k, v, one_mask, one_slot)),
-              "invariant_one_us": graph_time_us(lambda: attention_invariant(q1, k, v, one_mask, one_slot))}
-    tree_out = attention_invariant(q, k, v, mask, slots)
-    split_out = attention(q, k, v, mask, slots)
+              "split_tree_us": graph_time_us(lambda: attention(q, k, v, *tree_in)),
+              "invariant_tree_us": graph_time_us(lambda: attention_invariant(q, k, v, *tree_in)),
+              "split_one_us": graph_time_us(lambda: attention(q1, k, v, *one_in)),
+              "invariant_one_us": graph_time_us(lambda: attention_invariant(q1, k, v, *one_in))}
+    tree_out = attention_invariant(q, k, v, *tree_in)  # [1, H, T, D]
+    split_out = attention(q, k, v, *tree_in)
     same_inv, same_split = 0, 0
     for node in range(t):
-        path = anc[node].nonzero().flatten().tolist()
+        path = anc[node].nonzero().flatten()  # [depth + 1]: its region offsets, root first
+        src = physical(table, block_size, 0, context + path)
+        dst = physical(table, block_size, 0, context + torch.arange(path.numel(), device=device))
         k2, v2 = k.clone(), v.clone()
-        for i, src in enumerate(path):
-            k2[:, :, context + i], v2[:, :, context + i] = k[:, :, context + src], v[:, :, context + src]
-        p = context + depth[node]
-        alone_mask = torch.zeros(1, capacity, dtype=torch.bool, device=device)
-        alone_mask[0, : p + 1] = True
-        qn, slot = q[:, :, node : node + 1].contiguous(), torch.tensor([p], device=device)
-        same_inv += torch.equal(attention_invariant(qn, k2, v2, alone_mask, slot)[:, :, 0], tree_out[:, :, node])
-        same_split += torch.equal(attention(qn, k2, v2, alone_mask, slot)[:, :, 0], split_out[:, :, node])
+        k2[:, :, dst], v2[:, :, dst] = k[:, :, src], v[:, :, src]
+        p = context + int(depth[node])  # its position: its path committed below it
+        alone_in = attend(p, one, torch.tensor([p], device=device))
+        qn = q[:, :, node : node + 1].contiguous()  # [1, H, 1, D]
+        same_inv += torch.equal(attention_invariant(qn, k2, v2, *alone_in)[:, :, 0], tree_out[:, :, node])
+        same_split += torch.equal(attention(qn, k2, v2, *alone_in)[:, :, 0], split_out[:, :, node])
     result["invariant_nodes_bitwise_equal_alone"] = f"{same_inv}/{t}"
     result["split_nodes_bitwise_equal_alone"] = f"{same_split}/{t}"
     print(json.dumps(result), flush=True)
