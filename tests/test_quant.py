@@ -290,6 +290,35 @@ def test_specgraph_quantize_writes_what_transformers_loads_and_we_decode_alike(t
     assert ours(out, DRAFT, CHAIN) == expected
 
 
+def test_round_to_nearest_quantizes_shard_by_shard_without_loading_the_model(tmp_path, monkeypatch, capsys):
+    """A checkpoint larger than host memory quantizes: transformers never loads its weights, each
+    source shard becomes the output's shard of that name (the index says where each tensor is), and
+    a checkpoint whose names are not the model's is refused in one line."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("round to nearest loaded the model")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    out = tmp_path / "w4"
+    assert main(["quantize", str(TARGET), "-o", str(out), "--scheme", "w4a16"]) == 0
+    where = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(file.name for file in safetensor_files(TARGET))
+    assert len(shards) > 1 and sorted(set(where.values())) == shards
+    for shard in shards:
+        assert set(load_file(out / shard)) == {name for name, file in where.items() if file == shard}
+    renamed = tmp_path / "renamed"
+    shutil.copytree(TARGET, renamed)
+    for file in safetensor_files(renamed):
+        state = load_file(file)
+        if "model.layers.0.mlp.down_proj.weight" in state:
+            state["model.layers.0.mlp.down.weight"] = state.pop("model.layers.0.mlp.down_proj.weight")
+            save_file(state, file)
+    capsys.readouterr()
+    assert main(["quantize", str(renamed), "-o", str(tmp_path / "again"), "--scheme", "w4a16"]) == 2
+    assert "no weight for model.layers.0.mlp.down_proj, a projection of the model its config describes" in (
+        capsys.readouterr().err)
+    assert not (tmp_path / "again").exists()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--scheme", "w4a16", "--group-size", "100"], "--group-size: 100 does not divide the 384 inputs of "
                                                    "model.layers.0.self_attn.q_proj"),

@@ -1,12 +1,15 @@
 """`specgraph quantize SRC -o OUT --scheme w4a16|w8a16|fp8`: a checkpoint's projections quantized by
 round to nearest (per group of K, or per output row), written in compressed-tensors' format by the
 compressed-tensors library itself, so that transformers and vLLM load what it writes; lm_head stays
-in the checkpoint's precision. OUT appears whole or not at all (written beside it, then renamed).
+in the checkpoint's precision. Shard by shard: round to nearest never holds more than one of the
+source's shards (`--method awq` holds the model: it runs it). OUT appears whole or not at all
+(written beside it, then renamed).
 `quantize_linear`: the same quantization of one projection in memory, as a QuantLinear (what
 `--widen SHAPE:SCHEME` makes of a widened model's layers as it builds them)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -15,7 +18,7 @@ from pathlib import Path
 import torch
 
 from specgraph.errors import CheckpointError, SpecgraphError
-from specgraph.models.loader import is_head, read_config
+from specgraph.models.loader import is_head, read_config, safetensor_files
 from specgraph.quant.linear import QuantLinear, pack, put
 
 SCHEMES = ("w4a16", "w8a16", "fp8")
@@ -98,10 +101,10 @@ def awq(model: torch.nn.Module, source: Path, calibration: list[str], args, devi
 def quantize_checkpoint(source: Path, out: Path, scheme: str, group: int | None = None,
                         calibration: list[str] | None = None, device: torch.device | None = None) -> Path:
     """Quantize the checkpoint at `source` into the new folder `out` -> out: round to nearest, after
-    AWQ's scales and clips (awq.py) searched on `calibration` prompts on `device` where given."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
-    from tqdm import tqdm
+    AWQ's scales and clips (awq.py) searched on `calibration` prompts on `device` where given. Shard
+    by shard, each as the source names it: round to nearest holds one shard in memory (awq, the
+    model)."""
+    from compressed_tensors.quantization import QuantizationScheme
     from transformers import AutoModelForCausalLM
 
     source, out = Path(source), Path(out)
@@ -114,34 +117,26 @@ def quantize_checkpoint(source: Path, out: Path, scheme: str, group: int | None 
     if scheme == "fp8" and group is not None:
         raise SpecgraphError("--group-size: fp8 weights are scaled per output row; leave --group-size out")
     group = group if group is not None else DEFAULT_GROUP[scheme]
-    model = AutoModelForCausalLM.from_pretrained(source, dtype="auto", trust_remote_code=False)
+    files = safetensor_files(source)
+    if calibration is None:
+        with torch.device("meta"):  # the modules' names and shapes, no weights
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype="auto", trust_remote_code=False)
     projections = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"}
     if group:
         odd = next((name for name, m in projections.items() if m.in_features % group), None)
         if odd is not None:
             raise SpecgraphError(f"--group-size: {group} does not divide the {projections[odd].in_features} inputs of "
                                  f"{odd}; give a group size that divides every projection's inputs (e.g. 32)")
-    args = weight_args(scheme, group)
+    quantization = QuantizationScheme(targets=["Linear"], weights=weight_args(scheme, group))
     if calibration is not None:
-        awq(model, source, calibration, args, device)
-    apply_quantization_config(model, QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"]))
-    with torch.no_grad():
-        for name, module in tqdm(projections.items(), desc=f"quantize {scheme}", unit="projection"):
-            scale, zero = rtn_qparams(module.weight, args)
-            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
-            if hasattr(module, "weight_zero_point"):
-                module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
+        awq(model, source, calibration, quantization.weights, device)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.save_pretrained(staging)
-        compressor.update_config(str(staging))
-        for file in source.iterdir():
-            if file.name.startswith("tokenizer") or file.name in ("special_tokens_map.json", "vocab.json", "merges.txt"):
-                shutil.copy(file, staging / file.name)
+        write_quantized(source, files, staging, set(projections), quantization,
+                        None if calibration is None else model.state_dict())
         if out.exists():
             out.rmdir()
         os.replace(staging, out)
@@ -149,3 +144,57 @@ def quantize_checkpoint(source: Path, out: Path, scheme: str, group: int | None 
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def write_quantized(source: Path, files: list[Path], folder: Path, projections: set[str], quantization,
+                    state: dict[str, torch.Tensor] | None) -> None:
+    """Write into `folder` the checkpoint at `source` (its safetensors `files`) with the weights of
+    the modules named in `projections` compressed by compressed-tensors for `quantization` (a
+    QuantizationScheme), each tensor taken from `state` where given (a model's, changed in memory),
+    else from its file; the config with its quantization_config, and the source's other files."""
+    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    quantization.format = infer_module_format(torch.nn.Linear, quantization)
+    compressor = BaseCompressor.get_value_from_registry(quantization.format.value)
+    weight_map, done = {}, set()  # tensor name -> its shard; the projections written
+    with tqdm(total=len(projections), desc=f"quantize {quantization.weights.num_bits}-bit", unit="projection") as bar:
+        for file in files:
+            tensors = {}
+            with safe_open(file, "pt") as stored:
+                for key in stored.keys():
+                    if state is not None and key not in state:
+                        raise CheckpointError(f"{file}: tensor {key} is not a weight of the model transformers builds "
+                                              "from its config; quantize reads checkpoints with transformers' own names")
+                    tensor = stored.get_tensor(key) if state is None else state[key]
+                    name = key.removesuffix(".weight")
+                    if key.endswith(".weight") and name in projections:
+                        scale, zero = rtn_qparams(tensor, quantization.weights)
+                        compressed = compressor.compress({"weight": tensor, "weight_scale": scale.to(tensor.dtype),
+                                                          "weight_zero_point": zero}, quantization)
+                        tensors.update({f"{name}.{part}": value for part, value in compressed.items()})
+                        done.add(name)
+                        bar.update()
+                    else:
+                        tensors[key] = tensor
+            save_file(tensors, folder / file.name, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, file.name))
+    if done != projections:
+        missing = sorted(projections - done)[0]
+        raise CheckpointError(f"{source}: no weight for {missing}, a projection of the model its config describes; "
+                              "quantize reads checkpoints with transformers' own names")
+    if len(files) > 1:
+        size = sum((folder / file.name).stat().st_size for file in files)
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    for file in source.iterdir():  # the config, tokenizer, generation settings, chat template, ...
+        if file.is_file() and file.suffix in (".json", ".txt", ".jinja", ".model", ".tiktoken", ".md") and (
+                file.name != "model.safetensors.index.json"):
+            shutil.copy(file, folder / file.name)
+    ModelCompressor(QuantizationConfig(config_groups={"group_0": quantization}, ignore=["lm_head"],
+                                       format=quantization.format.value, quantization_status="compressed")
+                    ).update_config(str(folder))
