@@ -45,6 +45,13 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def dot_precision(x: torch.Tensor) -> str | None:
+    """tl.dot's input_precision for fp32 operands made from x's values: "ieee" where x is fp32 (an
+    fp32 model's products in full precision, as the reference computes them; TF32 would round
+    them), else Triton's default (bf16 values are exact in TF32)."""
+    return "ieee" if x.dtype == torch.float32 else None
+
+
 @dataclass(frozen=True)
 class Kernels:
     attention: Callable = attention_reference

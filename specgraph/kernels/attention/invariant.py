@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specgraph.kernels import dot_precision
 from specgraph.kernels.attention import token_major_like
 from specgraph.kernels.pdl import launch
 
@@ -88,7 +89,8 @@ def _physical(p_table, block_size, slot):
 def _partials(q, k, v, table, seg_rows, cu, starts, visible, part_o, part_m, part_l, ends, T, G, H_KV, SPLITS,
               block_size, scale, s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_tr, s_vt,
               GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TOKENS: tl.constexpr, SPLIT: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+              PRECISION: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -135,11 +137,11 @@ def _partials(q, k, v, table, seg_rows, cu, starts, visible, part_o, part_m, par
                 b_k = tl.load(k_base + slots[:, None] * s_ks + o_d[None, :], mask=readable[:, None] & m_d[None, :], other=0.0).to(tl.float32)
                 b_v = tl.load(v_base + slots[:, None] * s_vs + o_d[None, :], mask=readable[:, None] & m_d[None, :], other=0.0).to(tl.float32)
                 seen = pos[None, :] <= end[:, None]  # (a row sees every position up to its own: prefix, then path)
-                b_s = tl.where(seen, tl.dot(b_q, tl.trans(b_k)) * scale, float("-inf"))  # [BM, BN]
+                b_s = tl.where(seen, tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * scale, float("-inf"))  # [BM, BN]
                 m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 b_p = tl.exp(b_s - m_safe[:, None])
-                b_pv = tl.dot(b_p, b_v)  # [BM, BD]
+                b_pv = tl.dot(b_p, b_v, input_precision=PRECISION)  # [BM, BD]
             else:  # each token's keys along its own path
                 b_s = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
                 for j in tl.static_range(TOKENS):
@@ -149,7 +151,7 @@ def _partials(q, k, v, table, seg_rows, cu, starts, visible, part_o, part_m, par
                     b_k = tl.load(k_base + _physical(p_table, block_size, slot)[:, None] * s_ks + o_d[None, :],
                                   mask=(slot >= 0)[:, None] & m_d[None, :], other=0.0).to(tl.float32)
                     mine = (r // GROUP_P2 == j)[:, None] & (slot >= 0)[None, :]
-                    b_s = tl.where(mine, tl.dot(b_q, tl.trans(b_k)) * scale, b_s)
+                    b_s = tl.where(mine, tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * scale, b_s)
                 m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 b_p = tl.exp(b_s - m_safe[:, None])
@@ -161,7 +163,7 @@ def _partials(q, k, v, table, seg_rows, cu, starts, visible, part_o, part_m, par
                     b_v = tl.load(v_base + _physical(p_table, block_size, slot)[:, None] * s_vs + o_d[None, :],
                                   mask=(slot >= 0)[:, None] & m_d[None, :], other=0.0).to(tl.float32)
                     mine = (r // GROUP_P2 == j)[:, None]
-                    b_pv = tl.where(mine, tl.dot(tl.where(mine, b_p, 0.0), b_v), b_pv)
+                    b_pv = tl.where(mine, tl.dot(tl.where(mine, b_p, 0.0), b_v, input_precision=PRECISION), b_pv)
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(b_p, axis=1)
             acc = acc * alpha[:, None] + b_pv
@@ -241,7 +243,7 @@ def attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q, k_cache, v_cache, table, rows, cu, starts, visible.view(torch.uint8), part_o, part_m, part_l, ends, t, g,
         h_kv, splits, block_size, 1.0 / math.sqrt(d), q.stride(1), q.stride(2), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), table.stride(0), visible.stride(0), BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C,
-        **common)
+        PRECISION=dot_precision(q), **common)
     _merge[(segments * h_kv, blocks)](part_o, part_m, part_l, ends, out, cu, t, h_kv, splits, out.stride(1),
                                       out.stride(2), **common)
     return out

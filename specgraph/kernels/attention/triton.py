@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specgraph.kernels import dot_precision
 from specgraph.kernels.attention import token_major_like
 from specgraph.kernels.pdl import launch
 
@@ -49,7 +50,8 @@ def _reach(visible, s_vt, tok, m_rows, G, BLOCK_C: tl.constexpr):
 def _step_attention(q, k, v, table, seg_rows, cu, starts, visible, part_o, part_m, part_l, counters, o,
                     T, G, H_KV, block_size, scale, s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_tr, s_vt, s_oh, s_ot,
                     GROUP: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                    PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -88,14 +90,14 @@ def _step_attention(q, k, v, table, seg_rows, cu, starts, visible, part_o, part_
             region = m_cols & (offset >= 0)
             seen = tl.load(visible + tok[:, None] * s_vt + offset[None, :], mask=m_rows[:, None] & region[None, :], other=0)
             seen = (seen != 0) | (m_cols & (offset < 0))[None, :]  # [BM, BN]
-            b_s = tl.dot(b_q, tl.trans(b_k)) * scale  # [BM, BN] (fp32 operands: exact in the interpreter too)
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * scale  # [BM, BN]
             b_s = tl.where(seen, b_s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             b_p = tl.exp(b_s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(b_p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(b_p, b_v)
+            acc = acc * alpha[:, None] + tl.dot(b_p, b_v, input_precision=PRECISION)
             m_i = m_new
 
         base = ((i_kv * SPLITS + i_s) * T + tok) * GROUP + g  # partials [Hkv, SPLITS, T, GROUP]
@@ -164,7 +166,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
         out, t, g, h_kv, block_size, 1.0 / math.sqrt(d), q.stride(1), q.stride(2), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), table.stride(0), visible.stride(0), out.stride(1), out.stride(2),
         GROUP=group, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, D=d,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), **launch(q.device))
+        BLOCK_D=max(16, triton.next_power_of_2(d)), PRECISION=dot_precision(q), **launch(q.device))
     return out
 
 
