@@ -30,6 +30,23 @@ def test_compiled_and_eager_programs_give_identical_greedy_tokens():
         assert max(result.accepted_lengths) > 1
 
 
+def test_a_program_compiled_after_another_with_another_pool_decodes_the_eager_tokens():
+    """Compiled code is shared by every program of a process: a program whose KV pool has another
+    size recompiles it, and its kernels that write the cache (rotary + cache write, in Triton: the
+    interpreter here) must still write each layer's slice (they wrote every layer's into layer 0's
+    when the pool's size was left symbolic: GPU runs 99-100)."""
+    def program(lowering: dict, max_seq_len: int, tree: dict) -> Program:
+        return Program.from_recipe(two_stage(EMBEDDED / "target", EMBEDDED / "draft", tree, max_new_tokens=12,
+                                             max_seq_len=max_seq_len, lowering=lowering))
+
+    compiled = {"compile": True, "kernels": {"rope_write": "triton"}}
+    tree = {"shape": "static", "branching": [2, 1]}
+    eager = program({}, 1024, tree)
+    ids = eager.encode("def parse(path):\n    with open(path) as f:\n")
+    program(compiled, 256, {"shape": "chain", "length": 3}).generate(ids)
+    assert program(compiled, 1024, tree).generate(ids).output_ids == eager.generate(ids).output_ids
+
+
 def test_reference_attention_compiles_with_symbolic_grouped_heads():
     """Regional compilation marks head counts dynamic; grouped-query attention must still trace."""
     import torch

@@ -45,6 +45,12 @@ class Stage:
         self.capacity, self.block_size = capacity, block_size
         per_request = -(-capacity // block_size)
         self.cache: KVCache = model.new_cache(blocks or 1 + requests * per_request, block_size, requests, kernels)
+        # The cache's storage never changes size, so compiled code takes its sizes as constants. (Left to
+        # Dynamo, code compiled for one program's pool was recompiled for another's with the slots symbolic,
+        # and Inductor handed every layer's slice of the pool to the kernels that write it at layer 0's
+        # offset: a program built after another decoded wrong tokens, GPU runs 99-100, tests/test_compile.py.)
+        for name in self.cache.TENSORS:
+            torch._dynamo.mark_static(getattr(self.cache, name))
         self.table = (1 + torch.arange(requests * per_request, device=device)).view(requests, per_request)
         if blocks is not None:
             self.table.zero_()  # (rows are assigned as requests come: the trash until then)
