@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specgraph.quant.rounding import fake_quantized
+
 GRID = 20  # points of each search
 SEARCH_ROWS = 4096  # calibration tokens (rows of inputs) that the scale search reads, at most
 CLIP_ROWS = 512  # and the clip search
@@ -90,16 +92,6 @@ def apply_awq(model: nn.Module, calibration: list[list[int]], args, progress) ->
             hook.remove()
     for m in progress(clipped, desc="awq clips", unit="projection"):
         clip(m, torch.cat(inputs.pop(m)), args)
-
-
-def fake_quantized(weight: torch.Tensor, args) -> torch.Tensor:
-    """weight [N, K] quantized by compressed-tensors' round to nearest and back (float32)."""
-    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
-
-    from specgraph.quant.quantize import rtn_qparams
-
-    scale, zero = rtn_qparams(weight, args)
-    return fake_quantize(weight, scale, zero, args).float()
 
 
 def search_scale(x: torch.Tensor, projections: list[nn.Linear], args) -> torch.Tensor:

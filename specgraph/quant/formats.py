@@ -3,7 +3,8 @@
 - compressed-tensors (`quant_method: compressed-tensors`): `pack-quantized` int4/int8 weights
   (`weight_packed` int32 words, `weight_scale` per group or channel, `weight_zero_point` packed
   along the output rows where asymmetric, `weight_shape`) and `float-quantized` fp8 weights
-  (`weight` float8_e4m3fn, `weight_scale` per channel or tensor); weights only (activations unquantized).
+  (`weight` float8_e4m3fn, `weight_scale` per channel or tensor); weights only (activations unquantized);
+  a `weight_g_idx` other than k // G (activation order by group) is refused.
 - AutoAWQ's GEMM format (`quant_method: awq`, `version: gemm`): `qweight` int32 [K, N/8] and `qzeros`
   [K/G, N/8] packed along N in AWQ's nibble order, `scales` [K/G, N].
 - GPTQ (`quant_method: gptq`, `desc_act: false`): `qweight` int32 [K/8, N] packed along K,
@@ -133,6 +134,7 @@ def _from_compressed_tensors(state: dict[str, torch.Tensor], prefix: str) -> dic
         raise ValueError(f"weight_packed {tuple(words.shape)} {words.dtype} for a [{n}, {k}] weight")
     if scale.shape[0] != n or k % scale.shape[1]:
         raise ValueError(f"weight_scale {tuple(scale.shape)} for a [{n}, {k}] weight")
+    _check_group_order(state.pop(f"{prefix}.weight_g_idx", None), k, scale.shape[1])
     offset = 1 << (bits - 1)  # pack-quantized stores signed values plus this
     zero_point = state.pop(f"{prefix}.weight_zero_point", None)
     if zero_point is None:
@@ -156,12 +158,17 @@ def _from_awq_gptq(state: dict[str, torch.Tensor], prefix: str, quant: Quantizat
         k = qweight.shape[0] * per_word
         q = unpack(qweight.t(), bits, k).t()  # [K, N]
         zeros = unpack(qzeros, bits, n) + int(quant.zeros_less_one)  # [K/G, N]
-        g_idx = state.pop(f"{prefix}.g_idx", None)
-        if g_idx is not None and not torch.equal(g_idx.long().cpu(), torch.arange(k) // (k // groups)):
-            raise ValueError("g_idx is not k // group_size (act order), which is not supported")
+        _check_group_order(state.pop(f"{prefix}.g_idx", None), k, groups)
     if q.shape != (k, n) or k % groups or zeros.shape != (groups, n):
         raise ValueError(f"qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)} disagree")
     return {"weight": pack(q.t(), bits), "scales": scales.t().contiguous(), "zeros": zeros.t().to(torch.uint8).contiguous()}
+
+
+def _check_group_order(g_idx: torch.Tensor | None, k: int, groups: int) -> None:
+    """A ValueError unless g_idx [K] (each input's group, where stored) is k // group_size: groups of
+    inputs taken in activation order (GPTQ's act order) are not supported."""
+    if g_idx is not None and not torch.equal(g_idx.long().cpu(), torch.arange(k) // (k // groups)):
+        raise ValueError("g_idx is not k // group_size (act order), which is not supported")
 
 
 def _columns_awq(words: torch.Tensor, n: int) -> torch.Tensor:

@@ -20,28 +20,10 @@ import torch
 from specgraph.errors import CheckpointError, SpecgraphError
 from specgraph.models.loader import is_head, read_config, safetensor_files
 from specgraph.quant.linear import QuantLinear, pack, put
+from specgraph.quant.rounding import rtn_qparams, weight_args
 
 SCHEMES = ("w4a16", "w8a16", "fp8")
 DEFAULT_GROUP = {"w4a16": 128, "w8a16": None, "fp8": None}  # None: one scale per output row
-
-
-def weight_args(scheme: str, group: int | None):
-    """compressed-tensors' QuantizationArgs of `scheme`'s weights (symmetric; group None: per channel)."""
-    from compressed_tensors.quantization import QuantizationArgs
-
-    if scheme == "fp8":
-        return QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
-    strategy = {"strategy": "group", "group_size": group} if group else {"strategy": "channel"}
-    return QuantizationArgs(num_bits=4 if scheme == "w4a16" else 8, type="int", symmetric=True, **strategy)
-
-
-def rtn_qparams(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round-to-nearest scales and zero points [N, groups] (groups 1 per channel) of weight [N, K]
-    over each group's range, by compressed-tensors' own rule."""
-    from compressed_tensors.quantization.utils import calculate_qparams
-
-    w = weight.view(weight.shape[0], -1, args.group_size) if args.group_size else weight[:, None]  # [N, groups, G]
-    return calculate_qparams(w.amin(-1), w.amax(-1), args)
 
 
 @torch.no_grad()
