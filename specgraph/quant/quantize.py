@@ -144,7 +144,8 @@ def write_quantized(source: Path, files: list[Path], folder: Path, projections: 
     quantization.format = infer_module_format(torch.nn.Linear, quantization)
     compressor = BaseCompressor.get_value_from_registry(quantization.format.value)
     weight_map, done = {}, set()  # tensor name -> its shard; the projections written
-    with tqdm(total=len(projections), desc=f"quantize {quantization.weights.num_bits}-bit", unit="projection") as bar:
+    kind = f"{quantization.weights.type}{quantization.weights.num_bits}"  # int4, int8, float8
+    with tqdm(total=len(projections), desc=f"quantize {kind}", unit="projection") as bar:
         for file in files:
             tensors = {}
             with safe_open(file, "pt") as stored:
