@@ -157,7 +157,7 @@ def _from_awq_gptq(state: dict[str, torch.Tensor], prefix: str, quant: Quantizat
     else:  # [K/8, N] along K
         k = qweight.shape[0] * per_word
         q = unpack(qweight.t(), bits, k).t()  # [K, N]
-        zeros = unpack(qzeros, bits, n) + int(quant.zeros_less_one)  # [K/G, N]
+        zeros = unpack(qzeros, bits, n).to(torch.int32) + int(quant.zeros_less_one)  # [K/G, N]
         _check_group_order(state.pop(f"{prefix}.g_idx", None), k, groups)
     if q.shape != (k, n) or k % groups or zeros.shape != (groups, n):
         raise ValueError(f"qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)} disagree")

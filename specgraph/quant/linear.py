@@ -12,6 +12,8 @@ Scales keep the precision the checkpoint gave them (the loader does not round th
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -55,11 +57,12 @@ def put(root: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def unpack(words: torch.Tensor, bits: int, k: int) -> torch.Tensor:
-    """int32 words [N, W] -> the unsigned values [N, k] they pack (QuantLinear's layout), int32."""
-    per_word = 32 // bits
-    shifts = torch.arange(per_word, device=words.device, dtype=torch.int32) * bits
-    values = (words[..., None] >> shifts) & ((1 << bits) - 1)  # [N, W, per_word]
-    return values.flatten(-2)[..., :k]
+    """int32 words [N, W] -> the unsigned values [N, k] they pack (QuantLinear's layout), uint8."""
+    assert bits in (4, 8) and sys.byteorder == "little", (bits, sys.byteorder)
+    data = words.contiguous().view(torch.uint8)  # [N, 4W]: each word's bytes, its low bits first
+    if bits == 4:
+        data = torch.stack((data & 15, data >> 4), dim=-1).flatten(-2)  # [N, 8W]
+    return data[..., :k]
 
 
 def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -77,9 +80,9 @@ def dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor |
     """QuantLinear's stored weight -> the weight [N, K] it stands for, in the scales' dtype."""
     if format == "fp8":
         return weight.view(torch.float8_e4m3fn).to(scales.dtype) * scales
-    q = unpack(weight, FORMATS[format], k)  # [N, K]
-    z = zeros.to(torch.int32).repeat_interleave(group, dim=1)
-    return (q - z).to(scales.dtype) * scales.repeat_interleave(group, dim=1)
+    n = weight.shape[0]
+    q = unpack(weight, FORMATS[format], k).view(n, -1, group).to(scales.dtype)  # [N, K/G, G]: integers, exact
+    return ((q - zeros[..., None].to(scales.dtype)) * scales[..., None]).view(n, k)
 
 
 def weights_of(model: nn.Module) -> str:
