@@ -109,10 +109,11 @@ def test_sampling_through_a_quantized_target_follows_its_distribution(compressed
     program = Program.from_recipe(two_stage(target, DRAFT, {"shape": "static", "branching": [2, 1]},
                                             sampling=sampling, max_new_tokens=2))
     ids = program.encode("import os\n\n\ndef main(argv):\n    for i in range(")
-    observed = sampled_law(lambda seed: program.generate(ids, seed=seed).output_ids, 1200)
+    observed = sampled_law(lambda seed: program.generate(ids, seed=seed).output_ids, 800)
     exact = two_token_law(target, ids, sampling)
     assert set(observed) <= set(exact)
-    assert total_variation(observed, exact) < 0.06  # (the expected distance at 1200 draws is about 0.03)
+    # (800 draws from this prompt's int4 law, simulated: distance 0.022 on average, 0.064 at the 99.9th percentile)
+    assert total_variation(observed, exact) < 0.075
 
 
 # -- AutoAWQ (GEMM) and GPTQ: packed here as their formats document, against a plain checkpoint of the same weights
