@@ -23,8 +23,7 @@ from specgraph.quant.rounding import fake_quantized
 
 GRID = 20  # points of each search
 SEARCH_ROWS = 4096  # calibration tokens (rows of inputs) that the scale search reads, at most
-CLIP_ROWS = 512  # and the clip search
-BLOCK = 512  # tokens per calibration forward
+BLOCK = 512  # tokens per calibration forward (the clip search reads the first)
 TOKENS = 128 * BLOCK  # calibration tokens read, at most
 
 
@@ -80,16 +79,16 @@ def apply_awq(model: nn.Module, calibration: list[list[int]], args, progress) ->
         x = torch.cat(s.inputs)  # [R, K]
         s.inputs.clear()
         fold(s, search_scale(x, s.projections, args))
-    change = ((model(tokens[None, :BLOCK]).logits.float() - before).norm() / before.norm()).item()
-    assert change < 0.05, f"awq: folding the scales changed the model's logits by {change:.3f} of their norm"
-    inputs = {}  # projection -> its inputs' rows
+    inputs = {}  # projection -> its inputs' rows, from the first block after folding (which the clips search)
     hooks = [m.register_forward_pre_hook(lambda m, x: inputs.setdefault(m, []).append(x[0].flatten(0, -2).float()))
              for m in clipped]
     try:
-        model(tokens[None, :CLIP_ROWS])
+        after = model(tokens[None, :BLOCK]).logits.float()
     finally:
         for hook in hooks:
             hook.remove()
+    change = ((after - before).norm() / before.norm()).item()
+    assert change < 0.05, f"awq: folding the scales changed the model's logits by {change:.3f} of their norm"
     for m in progress(clipped, desc="awq clips", unit="projection"):
         clip(m, torch.cat(inputs.pop(m)), args)
 
