@@ -515,9 +515,14 @@ def device_flag(value: str):
     try:
         device = torch.device(value)
     except RuntimeError:
-        raise SpecgraphError(f"--device: {value!r} is not a device; valid: cpu, cuda, cuda:N") from None
+        device = None
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
+        raise SpecgraphError(f"--device: {value!r} is not a device; valid: cpu, cuda, cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SpecgraphError(f"--device: {value} asked for, but this machine has no CUDA GPU; give --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise SpecgraphError(f"--device: {value} asked for, but this machine has {torch.cuda.device_count()} CUDA "
+                             f"GPUs (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     return device
 
 
@@ -557,9 +562,9 @@ def cmd_train_draft(args: argparse.Namespace) -> None:
                              f"j + 2 ahead (got {args.ttt})")
     if args.intermediate_size is not None and args.intermediate_size < 1:
         raise SpecgraphError(f"--intermediate-size: must be at least 1 (got {args.intermediate_size})")
-    device_flag(args.device)
+    device = str(device_flag(args.device))
     out = train(TrainSpec(args.target, args.data, args.output, args.steps, layers, args.lr, args.batch, args.seq_len,
-                          args.ttt, args.draft_vocab, args.intermediate_size, args.dtype, args.seed, device=args.device))
+                          args.ttt, args.draft_vocab, args.intermediate_size, args.dtype, args.seed, device=device))
     print(f"wrote {out}")
 
 

@@ -7,12 +7,16 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from specgraph.errors import PromptError
+from specgraph.errors import CheckpointError, PromptError
 
 
 class Tokenizer:
     def __init__(self, checkpoint: Path):
-        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False)
+        except (OSError, ValueError):  # no tokenizer files, or ones transformers cannot read
+            raise CheckpointError(f"{checkpoint}: no tokenizer that transformers can load; give a checkpoint with its "
+                                  "tokenizer files (tokenizer.json, tokenizer_config.json)") from None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -34,9 +34,11 @@ def test_compiled_and_eager_programs_give_identical_greedy_tokens():
         expected[text] = eager.generate(ids).output_ids
         assert result.output_ids == expected[text]
         assert max(result.accepted_lengths) > 1
-    after = program({"compile": True, "kernels": {"rope_write": "triton"}}, {"shape": "static", "branching": [2, 1]},
-                    max_seq_len=2 * compiled.recipe.max_seq_len)  # (a pool of another size)
-    assert after.generate(after.encode(text)).output_ids == expected[text]  # (greedy: the target's own tokens)
+    length = compiled.recipe.max_seq_len
+    for max_seq_len in (2 * length, length // 2):  # pools of two other sizes, the second with the first's kernels
+        after = program({"compile": True, "kernels": {"rope_write": "triton"}}, {"shape": "static", "branching": [2, 1]},
+                        max_seq_len=max_seq_len)
+        assert after.generate(after.encode(text)).output_ids == expected[text]  # (greedy: the target's own tokens)
 
 
 def test_reference_attention_compiles_with_symbolic_grouped_heads():

@@ -253,6 +253,18 @@ def test_act_order_gptq_is_refused(tmp_path):
         load_model(folder, torch.float32, "cpu")
 
 
+
+def test_unpack_reads_int4_words_of_any_strides():
+    """GPTQ stores its words [K/8, N] and the loader reads them transposed: where K is 8 that is an
+    [N, 1] view with strides (1, N), which .contiguous() leaves as it is (it counts as contiguous)."""
+    from specgraph.quant.linear import unpack
+
+    values = torch.randint(0, 16, (5, 8))  # [N, K]
+    words = sum(values[:, i].to(torch.int64) << (4 * i) for i in range(8))  # [N]: value i in bits 4i to 4i + 3
+    stored = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)[None, :].clone()  # [K/8, N]
+    assert torch.equal(unpack(stored.t(), 4, 8).long(), values)
+
+
 # -- the other paths a quantized model takes
 
 def test_a_quantized_recipe_exports_and_its_package_decodes_the_same_tokens(compressed, tmp_path):
@@ -307,7 +319,12 @@ def test_round_to_nearest_quantizes_shard_by_shard_without_loading_the_model(tmp
     shards = sorted(file.name for file in safetensor_files(TARGET))
     assert len(shards) > 1 and sorted(set(where.values())) == shards
     for shard in shards:
-        assert set(load_file(out / shard)) == {name for name, file in where.items() if file == shard}
+        written, source = load_file(out / shard), load_file(TARGET / shard)
+        assert set(written) == {name for name, file in where.items() if file == shard}
+        for key, tensor in source.items():  # a projection compressed, every other tensor as it was
+            stem = key.removesuffix(".weight")
+            assert (f"{stem}.weight_packed" in written and key not in written if stem.endswith("_proj") else
+                    torch.equal(written[key], tensor)), key
     renamed = tmp_path / "renamed"
     shutil.copytree(TARGET, renamed)
     for file in safetensor_files(renamed):
@@ -333,10 +350,12 @@ def test_round_to_nearest_quantizes_shard_by_shard_without_loading_the_model(tmp
     (["--scheme", "w4a16", "--device", "cpu"], "--device: only --method awq runs the model"),
     (["--scheme", "w4a16", "--method", "awq", "--calibration", "missing.jsonl"], "--calibration: missing.jsonl does "
                                                                                  "not exist"),
-    (["--scheme", "w4a16", "--method", "awq", "--calibration", "README.md"], "--calibration: README.md line 1 is not "
-                                                                             "JSON"),
-    (["--scheme", "w4a16", "--method", "awq", "--calibration", "README.md", "--device", "gpu0"], "--device: 'gpu0' is "
-                                                                                                 "not a device"),
+    (["--scheme", "w4a16", "--method", "awq", "--calibration", str(REPO / "README.md")], "README.md line 1 is not "
+                                                                                         "JSON"),
+    (["--scheme", "w4a16", "--method", "awq", "--calibration", str(REPO / "README.md"), "--device", "gpu0"],
+     "--device: 'gpu0' is not a device"),
+    (["--scheme", "w4a16", "--method", "awq", "--calibration", str(REPO / "README.md"), "--device", "meta"],
+     "--device: 'meta' is not a device; valid: cpu, cuda, cuda:N"),
 ])
 def test_specgraph_quantize_refuses_bad_settings_in_one_line(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) if "invalid choice" in message else contextlib.nullcontext():
@@ -404,7 +423,68 @@ def test_awq_writes_what_transformers_loads_and_we_decode_alike_and_errs_less_th
     assert ours(awq) == expected
     assert ours(awq, DRAFT, CHAIN) == expected
     kl_awq, kl_rtn = divergences(TARGET, [awq, rtn], held_out)
-    assert kl_awq < 0.9 * kl_rtn
+    assert kl_awq < 0.9 * kl_rtn and kl_rtn < 0.06
+
+
+
+def test_awq_keeps_the_tensors_transformers_ignores_and_the_sources_index(small_hybrid, tmp_path, code_prompts):
+    """A Qwen3.5 checkpoint in one shard named by an index, with a multi-token-prediction tensor
+    (mtp.*, which transformers' Qwen3_5ForCausalLM ignores): the output keeps that tensor and an
+    index, and transformers and we decode it alike."""
+    source = tmp_path / "one-shard"
+    shutil.copytree(small_hybrid, source, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    state = {k: v for file in safetensor_files(small_hybrid) for k, v in load_file(file).items()}
+    state["mtp.norm.weight"] = torch.arange(8.0)
+    save_file(state, source / "model-00001-of-00001.safetensors", metadata={"format": "pt"})
+    (source / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": dict.fromkeys(state, "model-00001-of-00001.safetensors")}))
+    out = tmp_path / "awq"
+    assert main(["quantize", str(source), "-o", str(out), "--scheme", "w4a16", "--group-size", "32", "--method", "awq",
+                 "--calibration", str(calibration_file(tmp_path, code_prompts[:4]))]) == 0
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]["mtp.norm.weight"] == (
+        "model-00001-of-00001.safetensors")
+    assert torch.equal(load_file(out / "model-00001-of-00001.safetensors")["mtp.norm.weight"], torch.arange(8.0))
+    program = Program.from_recipe(two_stage(out, None, None, max_new_tokens=16))
+    assert [program.generate(program.encode(row["prompt"])).output_ids for row in PROMPTS] == [
+        new for _, new in hf_greedy(out, PROMPTS, 16)]
+
+
+def test_awq_refuses_calibration_it_cannot_tokenize_before_it_loads_the_model(tmp_path, monkeypatch, capsys):
+    def refuse(*args, **kwargs):
+        raise AssertionError("awq loaded the model before it tokenized its calibration")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    untokenized = tmp_path / "untokenized"
+    shutil.copytree(TARGET, untokenized, ignore=shutil.ignore_patterns("tokenizer*"))
+    for source, prompts, message in [
+            (TARGET, [{"prompt": ""}], "--calibration: its prompts encode to no tokens; give prompts with text"),
+            (untokenized, PROMPTS, f"{untokenized}: no tokenizer that transformers can load; give a checkpoint with")]:
+        assert main(["quantize", str(source), "-o", str(tmp_path / "out"), "--scheme", "w4a16", "--method", "awq",
+                     "--calibration", str(calibration_file(tmp_path, prompts))]) == 2
+        error = capsys.readouterr().err.strip().splitlines()
+        assert message in error[-1] and not any("Traceback" in line for line in error)
+        assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("norm", ["LlamaRMSNorm", "Qwen3_5RMSNorm"])
+def test_awq_folds_into_a_norm_the_division_its_rounded_weight_makes(norm):
+    """Each input channel's multiplier (the norm's weight, or Qwen3.5's 1 + weight) times the
+    projection's weight column is kept to the bf16 rounding of that column (2^-9), for scales from
+    1/100 to 100: folding 1/s into 1 + weight rounded in bf16 loses several percent of a small one."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    from specgraph.quant.awq import ScaleSet, fold
+
+    k, offset = 512, 1.0 if norm == "Qwen3_5RMSNorm" else 0.0
+    before = {"LlamaRMSNorm": LlamaRMSNorm, "Qwen3_5RMSNorm": Qwen3_5RMSNorm}[norm](k).to(torch.bfloat16)
+    projection = torch.nn.Linear(k, 64, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        before.weight.copy_(torch.randn(k) * 0.3 + (1 - offset))
+        product = lambda: (offset + before.weight.double()) * projection.weight.double()  # noqa: E731  [N, K]
+        kept = product()
+        fold(ScaleSet(before, [projection], []), torch.exp(torch.randn(k) * 1.5))
+        assert ((product() - kept).abs() <= kept.abs() * 2**-8).all()
 
 
 @pytest.mark.parametrize("method", ["rtn", "awq"])

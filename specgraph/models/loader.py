@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,6 +197,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def ignored_tensors(config: PretrainedConfig) -> re.Pattern:
+    """The names of the tensors that transformers' own class for the architecture ignores in a
+    checkpoint (Qwen3.5's multi-token-prediction mtp.* and vision model.visual.*)."""
+    import transformers
+
+    patterns = getattr(getattr(transformers, config.architectures[0], None), "_keys_to_ignore_on_load_unexpected", None)
+    return re.compile("|".join(f"(?:{p})" for p in patterns or ["(?!)"]))
+
+
 def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> LlamaModel | HybridModel | Eagle3Head:
     """Build our module for the checkpoint at `path` and load its safetensors weights onto `device`."""
     path, device = Path(path), torch.device(device)
@@ -208,14 +218,15 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> Ll
         else:
             model = HybridModel(hybrid_shape(config)) if hybrid else LlamaModel(llama_shape(config))
     model.to_empty(device=device)
-    state = {}
+    state, ignored = {}, ignored_tensors(config)
     for file in safetensor_files(path):
         try:
             weights = load_file(file, device=str(device))
         except (SafetensorError, OSError, ValueError) as exc:  # truncated, foreign, unreadable
             raise CheckpointError(f"{file}: not a readable safetensors file ({str(exc).splitlines()[0][:120]})") from None
         for name, tensor in weights.items():
-            state[name.removeprefix("model.")] = tensor
+            if not ignored.match(name):
+                state[name.removeprefix("model.")] = tensor
     if hybrid:
         state = from_hf_norms(state)
     if head:

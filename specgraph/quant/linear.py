@@ -59,7 +59,9 @@ def put(root: nn.Module, name: str, module: nn.Module) -> None:
 def unpack(words: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     """int32 words [N, W] -> the unsigned values [N, k] they pack (QuantLinear's layout), uint8."""
     assert bits in (4, 8) and sys.byteorder == "little", (bits, sys.byteorder)
-    data = words.contiguous().view(torch.uint8)  # [N, 4W]: each word's bytes, its low bits first
+    if words.stride(-1) != 1:  # (contiguous() keeps a transposed [N, 1]'s strides: it counts as contiguous)
+        words = words.clone(memory_format=torch.contiguous_format)
+    data = words.view(torch.uint8)  # [N, 4W]: each word's bytes, its low bits first
     if bits == 4:
         data = torch.stack((data & 15, data >> 4), dim=-1).flatten(-2)  # [N, 8W]
     return data[..., :k]

@@ -59,18 +59,17 @@ def quantize_projections(module: torch.nn.Module, scheme: str, group: int | None
             put(module, name, quantize_linear(child, scheme, group))
 
 
-def awq(model: torch.nn.Module, source: Path, calibration: list[str], args, device: torch.device | None) -> None:
+def awq(model: torch.nn.Module, calibration: list[list[int]], args, device: torch.device | None) -> None:
     """Scale and clip `model`'s projections by AWQ (awq.py) for quantization by `args`, the
-    calibration run on `device` (default: the GPU if there is one); the model back on the CPU."""
+    calibration prompts' token ids run on `device` (default: the GPU if there is one); the model
+    back on the CPU."""
     from tqdm import tqdm
 
     from specgraph.quant.awq import apply_awq
-    from specgraph.text import Tokenizer
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = Tokenizer(source)
     try:
-        apply_awq(model.to(device), [tokenizer.encode(text) for text in calibration], args, tqdm)
+        apply_awq(model.to(device), calibration, args, tqdm)
     except NotImplementedError as exc:
         raise SpecgraphError(f"{exc}; awq knows Llama and Qwen3.5 decoder layers (use --method rtn)") from None
     except torch.OutOfMemoryError:
@@ -100,6 +99,13 @@ def quantize_checkpoint(source: Path, out: Path, scheme: str, group: int | None 
         raise SpecgraphError("--group-size: fp8 weights are scaled per output row; leave --group-size out")
     group = group if group is not None else DEFAULT_GROUP[scheme]
     files = safetensor_files(source)
+    if calibration is not None:  # (tokenized before the model loads: a tokenizer's errors come first)
+        from specgraph.text import Tokenizer
+
+        tokenizer = Tokenizer(source)
+        calibration = [tokenizer.encode(text) for text in calibration]
+        if not any(calibration):
+            raise SpecgraphError("--calibration: its prompts encode to no tokens; give prompts with text")
     if calibration is None:
         with torch.device("meta"):  # the modules' names and shapes, no weights
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
@@ -113,17 +119,21 @@ def quantize_checkpoint(source: Path, out: Path, scheme: str, group: int | None 
                                  f"{odd}; give a group size that divides every projection's inputs (e.g. 32)")
     quantization = QuantizationScheme(targets=["Linear"], weights=weight_args(scheme, group))
     if calibration is not None:
-        awq(model, source, calibration, quantization.weights, device)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        awq(model, calibration, quantization.weights, device)
+    staging = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         write_quantized(source, files, staging, set(projections), quantization,
                         None if calibration is None else model.state_dict())
         if out.exists():
             out.rmdir()
         os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException as exc:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError):  # (disk full, no permission: the source's read errors are CheckpointErrors)
+            raise SpecgraphError(f"-o: cannot write {out}: {exc.strerror or exc}") from None
         raise
     return out
 
@@ -133,11 +143,12 @@ def write_quantized(source: Path, files: list[Path], folder: Path, projections: 
     """Write into `folder` the checkpoint at `source` (its safetensors `files`) with the weights of
     the modules named in `projections` compressed by compressed-tensors for `quantization` (a
     QuantizationScheme), each tensor taken from `state` where given (a model's, changed in memory),
-    else from its file; the config with its quantization_config, and the source's other files."""
+    else from its file (tensors that transformers does not build, as Qwen3.5's mtp.*, from the file);
+    the config with its quantization_config, and the source's other files."""
     from compressed_tensors.compressors import BaseCompressor, ModelCompressor
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.quantization import QuantizationConfig
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -147,30 +158,31 @@ def write_quantized(source: Path, files: list[Path], folder: Path, projections: 
     kind = f"{quantization.weights.type}{quantization.weights.num_bits}"  # int4, int8, float8
     with tqdm(total=len(projections), desc=f"quantize {kind}", unit="projection") as bar:
         for file in files:
+            try:
+                with safe_open(file, "pt") as stored:
+                    shard = {key: state[key] if state is not None and key in state else stored.get_tensor(key)
+                             for key in stored.keys()}
+            except (SafetensorError, OSError) as exc:  # truncated, foreign, unreadable
+                raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
             tensors = {}
-            with safe_open(file, "pt") as stored:
-                for key in stored.keys():
-                    if state is not None and key not in state:
-                        raise CheckpointError(f"{file}: tensor {key} is not a weight of the model transformers builds "
-                                              "from its config; quantize reads checkpoints with transformers' own names")
-                    tensor = stored.get_tensor(key) if state is None else state[key]
-                    name = key.removesuffix(".weight")
-                    if key.endswith(".weight") and name in projections:
-                        scale, zero = rtn_qparams(tensor, quantization.weights)
-                        compressed = compressor.compress({"weight": tensor, "weight_scale": scale.to(tensor.dtype),
-                                                          "weight_zero_point": zero}, quantization)
-                        tensors.update({f"{name}.{part}": value for part, value in compressed.items()})
-                        done.add(name)
-                        bar.update()
-                    else:
-                        tensors[key] = tensor
+            for key, tensor in shard.items():
+                name = key.removesuffix(".weight")
+                if key.endswith(".weight") and name in projections:
+                    scale, zero = rtn_qparams(tensor, quantization.weights)
+                    compressed = compressor.compress({"weight": tensor, "weight_scale": scale.to(tensor.dtype),
+                                                      "weight_zero_point": zero}, quantization)
+                    tensors.update({f"{name}.{part}": value for part, value in compressed.items()})
+                    done.add(name)
+                    bar.update()
+                else:
+                    tensors[key] = tensor
             save_file(tensors, folder / file.name, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, file.name))
     if done != projections:
         missing = sorted(projections - done)[0]
         raise CheckpointError(f"{source}: no weight for {missing}, a projection of the model its config describes; "
                               "quantize reads checkpoints with transformers' own names")
-    if len(files) > 1:
+    if len(files) > 1 or (source / "model.safetensors.index.json").is_file():  # (as the source: its names)
         size = sum((folder / file.name).stat().st_size for file in files)
         (folder / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
