@@ -205,8 +205,8 @@ class ServingSpec(_Strict):
     kv_blocks: PositiveInt | None = Field(None, description="blocks of the KV pool (each stage holds as many, of its "
                                           "own size); default: enough for max_batch requests of max_seq_len tokens. "
                                           "A request is admitted once the blocks of its prompt and new tokens are free")
-    prefill_chunk: PositiveInt = Field(512, description="most prompt tokens fed in one step: a newcomer delays the "
-                                       "requests being decoded by one chunk at most")
+    prefill_chunk: PositiveInt = Field(512, description="most prompt tokens fed in one step, over the newcomers, "
+                                       "earliest first: they delay the requests being decoded by one chunk at most")
     max_waiting: NonNegativeInt = Field(64, description="specgraph serve: requests waiting for a place in the batch "
                                         "at most; more are refused (503, Retry-After) until some finish")
 

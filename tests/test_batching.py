@@ -3,6 +3,7 @@ five at a time with staggered finishes, give each the tokens transformers' greed
 (fp32 on the CPU), for static and dynamic trees, the autoregressive target and a hybrid target;
 `specgraph run --batch` writes what one-at-a-time decoding writes."""
 
+import itertools
 import json
 
 import pytest
@@ -34,6 +35,31 @@ def test_a_hybrid_target_five_at_a_time(hybrid_reference, small_hybrid):
     budgets = [b // 2 for b in BUDGETS]
     outputs = decode_together(program, hybrid_reference, budgets)
     assert outputs == [expected[:budget] for (_, expected), budget in zip(hybrid_reference, budgets)]
+
+
+def test_short_prompts_go_in_together_and_each_decodes_exact(code_prompts):
+    """Newcomers share a step's chunk of prompt tokens, earliest first, the last one split where the
+    chunk runs out: every prompt is in after ceil(prompt tokens / chunk) steps (one a step before),
+    and each request still gets transformers' greedy tokens."""
+    import math
+
+    from helpers import hf_greedy
+
+    reference = hf_greedy(EMBEDDED / "target", [{"prompt": row["prompt"][: 20 + 23 * i]}
+                                                for i, row in enumerate(code_prompts[:6])], 12)
+    program = Program.from_recipe(two_stage(EMBEDDED / "target", EMBEDDED / "draft", TREES["static"],
+                                            serving={"max_batch": 6, "block_size": 16, "prefill_chunk": 32}))
+    engine = program.executor
+    requests = [engine.add_request(ids, 12) for ids, _ in reference]
+    first = {}  # request -> the step that gave it its first tokens (the step its prompt went all in)
+    for step in itertools.count(1):
+        if not engine.busy:
+            break
+        for request in engine.step():
+            first.setdefault(request.id, step)
+    fed = sum(len(ids) - 1 for ids, _ in reference)  # (a prompt's last token goes in with the first step)
+    assert max(first.values()) == math.ceil(fed / 32) < len(requests)
+    assert [r.generation.output_ids for r in requests] == [new for _, new in reference]
 
 
 def test_run_with_batch_writes_what_one_at_a_time_writes(tmp_path, code_prompts):

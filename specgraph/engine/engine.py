@@ -1,9 +1,9 @@
 """The engine: requests in, tokens out, many requests at once.
 
 Each `step` admits the waiting requests that fit (a request slot and the blocks of its longest
-sequence: scheduler.py), feeds one chunk of the prompt of the earliest one still prefilling, and
-decodes every request whose prompt is in, together (runner.py): a finished request's place goes to
-the next waiting one at the next step. `Program.generate`, `specgraph run --batch`, `bench` and
+sequence: scheduler.py), feeds those still prefilling a chunk of prompt tokens in all, earliest
+first, in one forward per stage, and decodes every request whose prompt is in, together
+(runner.py): a finished request's place goes to the next waiting one at the next step. `Program.generate`, `specgraph run --batch`, `bench` and
 the HTTP server all drive it. Tokenizing lives at the edges; the engine sees token ids.
 """
 
@@ -106,13 +106,17 @@ class Engine:
         """One step -> the requests that got tokens in it (each finished one is out of the engine)."""
         for request in self.scheduler.admit():
             self.runner.start(request.slot, request.blocks, request.prompt, request.sampling)
-        newcomer = self.scheduler.prefilling()
-        if newcomer is not None:
-            end = min(newcomer.fed + self.prefill_chunk, len(newcomer.prompt) - 1)
-            self.runner.prefill(newcomer.slot, newcomer.fed, end)
+        chunks, left = [], self.prefill_chunk  # (slot, start, end) of each newcomer fed; prompt tokens still to give
+        for newcomer in self.scheduler.prefilling():  # (all but a prompt's last token: the first step feeds it)
+            if left == 0:
+                break
+            end = min(newcomer.fed + left, len(newcomer.prompt) - 1)
+            chunks.append((newcomer.slot, newcomer.fed, end))
+            left -= end - newcomer.fed
             newcomer.fed = end
-            if end >= len(newcomer.prompt) - 1:
+            if end == len(newcomer.prompt) - 1:
                 newcomer.status = DECODE
+        self.runner.prefill(chunks)
         running = self.scheduler.decoding()
         if not running:
             return []

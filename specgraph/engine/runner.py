@@ -86,21 +86,22 @@ class Runner:
             self.pending[slot] = 0
 
     @torch.inference_mode()
-    def prefill(self, slot: int, start: int, end: int) -> None:
-        """Feed the prompt tokens [start, end) of `slot`'s request to the target, and those below the
-        drafter's share (all but the last two) to the drafter, each chunk kept; a head gets the
-        target's features instead (_prefill_head)."""
+    def prefill(self, chunks: list[tuple[int, int, int]]) -> None:
+        """Feed the prompt tokens [start, end) of each (slot, start, end) of `chunks` to the target,
+        and those below the drafter's share (all but the last two) to the drafter, in one forward
+        per stage, each chunk kept; a head gets the target's features instead (_prefill_head)."""
         if self.features is not None:
-            return self._prefill_head(slot, start, end)
-        stages = [(self.verifier.stage, self.host_lengths[slot] - 1)]
-        if self.drafter is not None:
-            stages.append((self.drafter.stage, self.host_lengths[slot] - CATCH_UP))
-        rows = torch.tensor([slot], device=self.device)
-        for stage, share in stages:
-            stop = min(end, share)
-            if stop > start:
-                stage.forward(*self._prompt_chunk(stage, slot, start, stop))
-                stage.cache.keep(rows, torch.tensor([stop - start], device=self.device))
+            for chunk in chunks:
+                self._prefill_head(*chunk)
+            return
+        stages = [(self.verifier.stage, 1)] + ([(self.drafter.stage, CATCH_UP)] if self.drafter is not None else [])
+        for stage, held_back in stages:  # (the prompt's last tokens, which the first step feeds)
+            fed = [(slot, start, min(end, self.host_lengths[slot] - held_back)) for slot, start, end in chunks]
+            fed = [chunk for chunk in fed if chunk[2] > chunk[1]]
+            if fed:
+                tokens, layout = self._prompt_chunks(stage, fed)
+                stage.forward(tokens, layout)
+                stage.cache.keep(layout.rows, layout.cu.diff())
 
     def _prefill_head(self, slot: int, start: int, end: int) -> None:
         """The target's chunk [start, end) of the prompt (all but its last token), whose features make
@@ -110,22 +111,25 @@ class Runner:
         if stop <= start:
             return
         rows = torch.tensor([slot], device=self.device)
-        features = target.forward_features(*self._prompt_chunk(target, slot, start, stop))[1]  # [stop - start, C H]
+        features = target.forward_features(*self._prompt_chunks(target, [(slot, start, stop)]))[1]  # [stop - start, C H]
         target.cache.keep(rows, torch.tensor([stop - start], device=self.device))
         last = self.drafter.prompt_pairs(rows, self.tokens[slot], features, start, length)
         if last is not None:
             self.features[slot, 0] = last
             self.pending[slot] = 1
 
-    def _prompt_chunk(self, stage: Stage, slot: int, start: int, stop: int) -> tuple[torch.Tensor, Layout]:
-        """The committed tokens [start, stop) of `slot`'s request packed for one forward of `stage`,
-        each at its own slot and seeing those before it -> (packed tokens, layout)."""
-        count = stop - start
-        offsets = torch.arange(count, device=self.device)
-        causal = torch.ones(count, count, dtype=torch.bool, device=self.device).tril()
-        return stage.pack(self.tokens[slot, start:stop][None], (start + offsets)[None],
-                          torch.tensor([slot], device=self.device), torch.tensor([start], device=self.device),
-                          offsets[None], causal[None], stop)
+    def _prompt_chunks(self, stage: Stage, chunks: list[tuple[int, int, int]]) -> tuple[torch.Tensor, Layout]:
+        """The committed tokens [start, stop) of each (slot, start, stop) of `chunks` packed for one
+        forward of `stage`, each at its own slot and seeing those before it -> (packed tokens, layout)."""
+        slots, starts, stops = (torch.tensor(column, device=self.device) for column in zip(*chunks))  # [R] each
+        counts = stops - starts
+        longest = max(stop - start for _, start, stop in chunks)
+        offsets = torch.arange(longest, device=self.device)[None].expand(len(chunks), -1)  # [R, E]
+        at = (starts[:, None] + offsets).clamp(max=self.tokens.shape[1] - 1)  # (past a row's count: padding)
+        causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
+        return stage.pack(self.tokens[slots[:, None], at], starts[:, None] + offsets, slots, starts, offsets,
+                          causal[None].expand(len(chunks), -1, -1), max(stop for *_, stop in chunks), counts,
+                          sum(stop - start for _, start, stop in chunks))
 
     # -- decoding
     @torch.inference_mode()

@@ -2,9 +2,10 @@
 
 Requests are admitted first come, first served while a request slot is free and the pool can
 give the request every block its longest sequence needs (pool.py); the first that cannot waits,
-and so do those behind it, so a long request is not starved by short ones. Each step feeds one
-chunk of the prompt of the earliest admitted request still prefilling (so a newcomer stalls the
-running requests for one chunk at most) and decodes every request whose prompt is in.
+and so do those behind it, so a long request is not starved by short ones. Each step feeds the
+admitted requests still prefilling, earliest first, a chunk of prompt tokens in all (so newcomers
+stall the running requests for one chunk at most, and many short prompts go in together), and
+decodes every request whose prompt is in.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ class Scheduler:
             admitted.append(request)
         return admitted
 
-    def prefilling(self) -> Request | None:
-        """The earliest admitted request whose prompt is not all in."""
-        return next((r for r in self.admitted if r.status == PREFILL), None)
+    def prefilling(self) -> list[Request]:
+        """The admitted requests whose prompts are not all in, earliest first."""
+        return [r for r in self.admitted if r.status == PREFILL]
 
     def decoding(self) -> list[Request]:
         return [r for r in self.admitted if r.status == DECODE]
