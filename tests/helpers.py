@@ -22,7 +22,7 @@ from specgraph.engine.runner import Runner
 from specgraph.layout import Layout
 from specgraph.models.hybrid import HybridModel, to_hf_norms
 from specgraph.models.llama import LlamaShape, hf_state
-from specgraph.models.loader import load_model
+from specgraph.models.loader import load_model, safetensor_files
 from specgraph.recipe import Recipe, SamplingSpec, VerifySpec
 from specgraph.runtime.stage import Stage
 from specgraph.runtime.verifier import Verifier
@@ -477,3 +477,28 @@ def decode_together(program, reference, budgets=BUDGETS) -> list[list[int]]:
         in_flight.append(sum(r.status == "decode" for r in requests))
     assert max(in_flight) == program.recipe.serving.max_batch  # the batch was full at times
     return [r.generation.output_ids for r in requests]
+
+
+def as_vision_language(hybrid: Path, folder: Path) -> Path:
+    """The hybrid fixture in the layout Qwen3.5 is published in (Qwen3_5ForConditionalGeneration, as
+    transformers builds it): the text model's config in text_config, its weights under
+    model.language_model., beside a (small, random) vision tower and a multi-token-prediction tensor."""
+    from safetensors.torch import load_file
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForConditionalGeneration
+
+    text = transformers.AutoConfig.from_pretrained(hybrid)
+    config = Qwen3_5Config(text_config={k: v for k, v in text.to_dict().items() if k != "architectures"},
+                           vision_config={"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
+                                          "out_hidden_size": text.hidden_size},
+                           tie_word_embeddings=text.tie_word_embeddings, architectures=["Qwen3_5ForConditionalGeneration"])
+    config.save_pretrained(folder)
+    vision = {k: v.contiguous() for k, v in Qwen3_5ForConditionalGeneration(config).state_dict().items()
+              if k.startswith("model.visual.")}
+    text_state = {k if k == "lm_head.weight" else "model.language_model." + k.removeprefix("model."): v
+                  for file in safetensor_files(hybrid) for k, v in load_file(file).items()}
+    save_file(text_state | vision | {"mtp.fc.weight": torch.zeros(8, 8)}, folder / "model.safetensors")
+    for file in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (hybrid / file).is_file():
+            shutil.copy(hybrid / file, folder / file)
+    return folder

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from conftest import EMBEDDED, NEW_TOKENS, REPO, shared_models
-from helpers import LONG_PROMPT, grown_on_the_host, hf_greedy, run_noting_projections, two_stage
+from helpers import LONG_PROMPT, as_vision_language, grown_on_the_host, hf_greedy, run_noting_projections, two_stage
 
 from specgraph.draft import Drafter, Requests
 from specgraph.draws import Draws
@@ -179,6 +179,20 @@ def test_autoregressive_hybrid_equals_transformers(hybrid, reference):
     program = Program.from_recipe(two_stage(hybrid, None, max_new_tokens=NEW_TOKENS))
     for ids, expected in reference[:2]:
         assert program.generate(ids).output_ids == expected
+
+
+def test_a_vision_language_checkpoint_decodes_as_its_text_model(hybrid, reference, tmp_path):
+    """Qwen3.5 as published: the text model runs (the vision tower and mtp.* are never loaded), and
+    decodes what transformers decodes, from this layout and from the text-only fixture."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForConditionalGeneration
+
+    folder = as_vision_language(hybrid, tmp_path / "vision-language")
+    hf_vl = Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    ids, expected = reference[0]
+    assert hf_vl.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist() == expected[:8]
+    program = Program.from_recipe(two_stage(folder, EMBEDDED / "draft", {"shape": "chain", "length": 4},
+                                            max_new_tokens=32))
+    assert program.generate(ids).output_ids == expected[:32]
 
 
 def test_hybrid_recipe_runs_from_the_cli_and_its_exported_program_decodes_the_same_tokens(tmp_path):

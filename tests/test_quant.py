@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 import transformers
-from conftest import EMBEDDED, REPO
-from helpers import REDUCED, hf_greedy, sampled_law, total_variation, two_stage, two_token_law
+from conftest import EMBEDDED, REPO, shared_models
+from helpers import REDUCED, as_vision_language, hf_greedy, sampled_law, total_variation, two_stage, two_token_law
 from safetensors.torch import load_file, save_file
 
 from specgraph.bench.widen import widen
@@ -365,7 +365,8 @@ def test_specgraph_quantize_refuses_bad_settings_in_one_line(tmp_path, capsys, a
     assert not (tmp_path / "out").exists()
 
 
-def test_specgraph_quantize_refuses_an_output_in_use_and_a_quantized_source(compressed, tmp_path, capsys):
+def test_specgraph_quantize_refuses_an_output_in_use_a_quantized_source_and_a_vision_language_one(
+        compressed, tmp_path, capsys):
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "notes.txt").write_text("mine")
@@ -374,6 +375,10 @@ def test_specgraph_quantize_refuses_an_output_in_use_and_a_quantized_source(comp
     assert (taken / "notes.txt").read_text() == "mine"
     assert main(["quantize", str(compressed["fp8"]), "-o", str(tmp_path / "again"), "--scheme", "w4a16"]) != 0
     assert "already quantized; quantize a model's checkpoint in full precision" in capsys.readouterr().err
+    vision_language = as_vision_language(shared_models() / "hybrid", tmp_path / "vision-language")
+    assert main(["quantize", str(vision_language), "-o", str(tmp_path / "again"), "--scheme", "w4a16"]) != 0
+    assert ("a Qwen3_5ForConditionalGeneration (vision-language) checkpoint, which quantize does not read yet; quantize "
+            "its text model's checkpoint (Qwen3_5ForCausalLM)") in capsys.readouterr().err
 
 
 def test_quantized_stages_under_the_disaggregated_and_pipeline_executors_keep_the_target_exact(compressed):

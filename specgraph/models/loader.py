@@ -29,7 +29,8 @@ from specgraph.quant.linear import FORMATS, QuantLinear, put
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 HYBRID = ("Qwen3_5ForCausalLM",)
 HEADS = (eagle.ARCHITECTURE,)  # draft heads over a target's features (models/eagle.py)
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + HYBRID + HEADS
+TEXT_MODEL_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}  # vision-language checkpoints: their text model
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + HYBRID + HEADS + tuple(TEXT_MODEL_OF)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -51,7 +52,18 @@ def read_config(path: Path) -> PretrainedConfig:
                               f"{', '.join(HEADS)} (EAGLE-3)")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(f"{path}: unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if arch in TEXT_MODEL_OF:  # (the vision tower is never loaded; the top level says what ties and what is quantized)
+        text = config.get_text_config()
+        config = type(text).from_dict({**text.to_dict(), "architectures": [TEXT_MODEL_OF[arch]],
+                                       "tie_word_embeddings": config.tie_word_embeddings,
+                                       **{k: v for k, v in config.to_dict().items() if k == "quantization_config"}})
     return config
+
+
+def our_name(name: str) -> str:
+    """A checkpoint tensor's name in our modules: without the model. prefix (or a vision-language
+    checkpoint's model.language_model.)."""
+    return name.removeprefix("model.language_model.").removeprefix("model.")
 
 
 def safetensor_files(path: Path) -> list[Path]:
@@ -198,8 +210,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def ignored_tensors(config: PretrainedConfig) -> re.Pattern:
-    """The names of the tensors that transformers' own class for the architecture ignores in a
-    checkpoint (Qwen3.5's multi-token-prediction mtp.* and vision model.visual.*)."""
+    """The names of the tensors that transformers' own class for the architecture (a text model's)
+    ignores in a checkpoint (Qwen3.5's multi-token-prediction mtp.* and vision tower model.visual.*)."""
     import transformers
 
     patterns = getattr(getattr(transformers, config.architectures[0], None), "_keys_to_ignore_on_load_unexpected", None)
@@ -226,7 +238,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> Ll
             raise CheckpointError(f"{file}: not a readable safetensors file ({str(exc).splitlines()[0][:120]})") from None
         for name, tensor in weights.items():
             if not ignored.match(name):
-                state[name.removeprefix("model.")] = tensor
+                state[our_name(name)] = tensor
     if hybrid:
         state = from_hf_norms(state)
     if head:
@@ -300,7 +312,7 @@ def load_embedding(path: Path) -> torch.Tensor:
     for file in safetensor_files(Path(path)):
         try:
             with safe_open(file, framework="pt") as f:
-                name = next((n for n in ("model.embed_tokens.weight", "embed_tokens.weight") if n in f.keys()), None)
+                name = next((n for n in f.keys() if our_name(n) == "embed_tokens.weight"), None)
                 if name is not None:
                     return f.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as exc:

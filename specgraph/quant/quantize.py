@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from specgraph.errors import CheckpointError, SpecgraphError
-from specgraph.models.loader import is_head, read_config, safetensor_files
+from specgraph.models.loader import TEXT_MODEL_OF, is_head, read_config, safetensor_files
 from specgraph.quant.linear import QuantLinear, pack, put
 from specgraph.quant.rounding import rtn_qparams, weight_args
 
@@ -90,6 +90,10 @@ def quantize_checkpoint(source: Path, out: Path, scheme: str, group: int | None 
 
     source, out = Path(source), Path(out)
     config = read_config(source)
+    stored = json.loads((source / "config.json").read_text())["architectures"][0]  # (read_config's: a text model's)
+    if stored in TEXT_MODEL_OF:
+        raise CheckpointError(f"{source}: a {stored} (vision-language) checkpoint, which quantize does not read yet; "
+                              f"quantize its text model's checkpoint ({TEXT_MODEL_OF[stored]})")
     if is_head(config) or getattr(config, "quantization_config", None) is not None:
         raise CheckpointError(f"{source}: {'an EAGLE-3 head' if is_head(config) else 'already quantized'}; quantize "
                               "a model's checkpoint in full precision")
