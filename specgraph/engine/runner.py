@@ -89,34 +89,32 @@ class Runner:
     def prefill(self, chunks: list[tuple[int, int, int]]) -> None:
         """Feed the prompt tokens [start, end) of each (slot, start, end) of `chunks` to the target,
         and those below the drafter's share (all but the last two) to the drafter, in one forward
-        per stage, each chunk kept; a head gets the target's features instead (_prefill_head)."""
-        if self.features is not None:
-            for chunk in chunks:
-                self._prefill_head(*chunk)
-            return
-        stages = [(self.verifier.stage, 1)] + ([(self.drafter.stage, CATCH_UP)] if self.drafter is not None else [])
+        per stage, each chunk kept; a head gets the pairs of the target's features instead."""
+        stages = [(self.verifier.stage, 1)]
+        if self.drafter is not None and self.features is None:
+            stages.append((self.drafter.stage, CATCH_UP))
         for stage, held_back in stages:  # (the prompt's last tokens, which the first step feeds)
             fed = [(slot, start, min(end, self.host_lengths[slot] - held_back)) for slot, start, end in chunks]
             fed = [chunk for chunk in fed if chunk[2] > chunk[1]]
-            if fed:
-                tokens, layout = self._prompt_chunks(stage, fed)
+            if not fed:
+                continue
+            tokens, layout = self._prompt_chunks(stage, fed)
+            if self.features is None:
                 stage.forward(tokens, layout)
-                stage.cache.keep(layout.rows, layout.cu.diff())
+            else:
+                self._prompt_pairs(fed, layout, stage.forward_features(tokens, layout)[1])
+            stage.cache.keep(layout.rows, layout.cu.diff())
 
-    def _prefill_head(self, slot: int, start: int, end: int) -> None:
-        """The target's chunk [start, end) of the prompt (all but its last token), whose features make
-        the head's pairs (head.py): all but the prompt's last pair, which the first catch-up feeds."""
-        length, target = self.host_lengths[slot], self.verifier.stage
-        stop = min(end, length - 1)
-        if stop <= start:
-            return
-        rows = torch.tensor([slot], device=self.device)
-        features = target.forward_features(*self._prompt_chunks(target, [(slot, start, stop)]))[1]  # [stop - start, C H]
-        target.cache.keep(rows, torch.tensor([stop - start], device=self.device))
-        last = self.drafter.prompt_pairs(rows, self.tokens[slot], features, start, length)
-        if last is not None:
-            self.features[slot, 0] = last
-            self.pending[slot] = 1
+    def _prompt_pairs(self, fed: list[tuple[int, int, int]], layout: Layout, features: torch.Tensor) -> None:
+        """The head's pairs of the target's prompt chunks `fed` (features [T, C H], packed as `layout`
+        says; head.py): all but each prompt's last pair, which its first catch-up feeds."""
+        bounds = layout.cu.tolist()
+        for i, (slot, start, _) in enumerate(fed):
+            last = self.drafter.prompt_pairs(layout.rows[i : i + 1], self.tokens[slot], features[bounds[i] : bounds[i + 1]],
+                                             start, self.host_lengths[slot])
+            if last is not None:
+                self.features[slot, 0] = last
+                self.pending[slot] = 1
 
     def _prompt_chunks(self, stage: Stage, chunks: list[tuple[int, int, int]]) -> tuple[torch.Tensor, Layout]:
         """The committed tokens [start, stop) of each (slot, start, stop) of `chunks` packed for one
