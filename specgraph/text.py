@@ -14,9 +14,9 @@ class Tokenizer:
     def __init__(self, checkpoint: Path):
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False)
-        except (OSError, ValueError):  # no tokenizer files, or ones transformers cannot read
+        except Exception:  # (no tokenizer files, or damaged ones: transformers and tokenizers raise all kinds)
             raise CheckpointError(f"{checkpoint}: no tokenizer that transformers can load; give a checkpoint with its "
-                                  "tokenizer files (tokenizer.json, tokenizer_config.json)") from None
+                                  "tokenizer files (tokenizer.json, tokenizer_config.json), undamaged") from None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

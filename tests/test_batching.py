@@ -37,19 +37,28 @@ def test_a_hybrid_target_five_at_a_time(hybrid_reference, small_hybrid):
     assert outputs == [expected[:budget] for (_, expected), budget in zip(hybrid_reference, budgets)]
 
 
-def test_short_prompts_go_in_together_and_each_decodes_exact(code_prompts):
+@pytest.mark.parametrize("kind, chunk, chars", [("tree", 32, 20), ("head", 32, 20), ("hybrid", 512, 150)])
+def test_short_prompts_go_in_together_and_each_decodes_exact(code_prompts, kind, chunk, chars):
     """Newcomers share a step's chunk of prompt tokens, earliest first, the last one split where the
     chunk runs out: every prompt is in after ceil(prompt tokens / chunk) steps (one a step before),
-    and each request still gets transformers' greedy tokens."""
+    and each request still gets transformers' greedy tokens. A drafting tree, an EAGLE-3 head (the
+    target's features of each chunk), and a hybrid target (chunks of many requests past its 128
+    tokens a request, each in its own state)."""
     import math
 
+    from conftest import shared_models
     from helpers import hf_greedy
 
-    reference = hf_greedy(EMBEDDED / "target", [{"prompt": row["prompt"][: 20 + 23 * i]}
-                                                for i, row in enumerate(code_prompts[:6])], 12)
-    program = Program.from_recipe(two_stage(EMBEDDED / "target", EMBEDDED / "draft", TREES["static"],
-                                            serving={"max_batch": 6, "block_size": 16, "prefill_chunk": 32}))
+    target = shared_models() / "hybrid" if kind == "hybrid" else EMBEDDED / "target"
+    draft = EMBEDDED / ("eagle3" if kind == "head" else "draft")
+    tree = {"shape": "dynamic", "width": 3, "depth": 3, "nodes": 8} if kind == "head" else TREES["static"]
+    reference = hf_greedy(target, [{"prompt": row["prompt"][: chars + 23 * i]} for i, row in enumerate(code_prompts[:6])],
+                          12)
+    program = Program.from_recipe(two_stage(target, draft, tree, serving={"max_batch": 6, "block_size": 16,
+                                                                            "prefill_chunk": chunk}))
     engine = program.executor
+    if kind == "hybrid":  # each prompt in one forward, the step's more than one forward of a request may hold
+        assert engine.prefill_share == 128 and all(len(ids) - 1 <= 128 for ids, _ in reference)
     requests = [engine.add_request(ids, 12) for ids, _ in reference]
     first = {}  # request -> the step that gave it its first tokens (the step its prompt went all in)
     for step in itertools.count(1):
@@ -58,7 +67,7 @@ def test_short_prompts_go_in_together_and_each_decodes_exact(code_prompts):
         for request in engine.step():
             first.setdefault(request.id, step)
     fed = sum(len(ids) - 1 for ids, _ in reference)  # (a prompt's last token goes in with the first step)
-    assert max(first.values()) == math.ceil(fed / 32) < len(requests)
+    assert max(first.values()) == math.ceil(fed / chunk) < len(requests) and (kind != "hybrid" or fed > 128)
     assert [r.generation.output_ids for r in requests] == [new for _, new in reference]
 
 

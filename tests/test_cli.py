@@ -112,3 +112,21 @@ def test_user_errors_print_no_traceback():
     assert proc.stderr.strip().splitlines()[-1] == (
         "specgraph: error: stages.1.verify.window: the stage above a first stage that drafts a tree verifies the "
         "whole tree; give the tree's size instead (stages.0.tree)")
+
+
+def test_device_flags_name_a_device_this_machine_has(monkeypatch):
+    """--device (quantize --method awq, train-draft): cpu, or a CUDA GPU that is there."""
+    import torch
+
+    from specgraph.cli import device_flag
+    from specgraph.errors import SpecgraphError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [device_flag(d) for d in ("cpu", "cuda", "cuda:1")] == [torch.device(d) for d in ("cpu", "cuda", "cuda:1")]
+    with pytest.raises(SpecgraphError, match=re.escape("--device: cuda:2 asked for, but this machine has 2 CUDA GPUs "
+                                                       "(cuda:0 to cuda:1)")):
+        device_flag("cuda:2")
+    for value in ("meta", "mps", "cpu:1", "gpu0"):
+        with pytest.raises(SpecgraphError, match=re.escape(f"--device: {value!r} is not a device; valid: cpu, cuda")):
+            device_flag(value)

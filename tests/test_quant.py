@@ -459,16 +459,52 @@ def test_awq_refuses_calibration_it_cannot_tokenize_before_it_loads_the_model(tm
         raise AssertionError("awq loaded the model before it tokenized its calibration")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
-    untokenized = tmp_path / "untokenized"
+    untokenized, damaged = tmp_path / "untokenized", tmp_path / "damaged"
     shutil.copytree(TARGET, untokenized, ignore=shutil.ignore_patterns("tokenizer*"))
+    shutil.copytree(TARGET, damaged)
+    (damaged / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}')
     for source, prompts, message in [
             (TARGET, [{"prompt": ""}], "--calibration: its prompts encode to no tokens; give prompts with text"),
-            (untokenized, PROMPTS, f"{untokenized}: no tokenizer that transformers can load; give a checkpoint with")]:
+            (untokenized, PROMPTS, f"{untokenized}: no tokenizer that transformers can load; give a checkpoint with"),
+            (damaged, PROMPTS, f"{damaged}: no tokenizer that transformers can load; give a checkpoint with")]:
         assert main(["quantize", str(source), "-o", str(tmp_path / "out"), "--scheme", "w4a16", "--method", "awq",
                      "--calibration", str(calibration_file(tmp_path, prompts))]) == 2
         error = capsys.readouterr().err.strip().splitlines()
         assert message in error[-1] and not any("Traceback" in line for line in error)
         assert not (tmp_path / "out").exists()
+
+
+def test_quantize_refuses_unreadable_or_foreign_sources_and_unwritable_outputs_in_one_line(tmp_path, monkeypatch,
+                                                                                        capsys, code_prompts):
+    """A truncated shard (round to nearest reads it, awq's transformers loads it), a tensor that is
+    no weight of the model and that transformers does not ignore (awq: a folded model's tensor would
+    be written unfolded), and an output that cannot be written (a full disk)."""
+    import safetensors.torch
+
+    truncated, foreign = tmp_path / "truncated", tmp_path / "foreign"
+    shutil.copytree(TARGET, truncated)
+    shard = safetensor_files(truncated)[0]
+    shard.write_bytes(shard.read_bytes()[:4096])
+    shutil.copytree(TARGET, foreign)
+    state = load_file(safetensor_files(foreign)[0])
+    save_file(state | {"model.layers.0.extra.weight": torch.zeros(4)}, safetensor_files(foreign)[0])
+    awq = ["--method", "awq", "--calibration", str(calibration_file(tmp_path, code_prompts[:1]))]
+    for source, flags, message in [
+            (truncated, [], f"{shard}: not a readable safetensors file"),
+            (truncated, awq, f"{truncated}: transformers cannot load it"),
+            (foreign, awq, "tensor model.layers.0.extra.weight is not a weight of the model transformers builds")]:
+        assert main(["quantize", str(source), "-o", str(tmp_path / "out"), "--scheme", "w4a16", *flags]) == 2
+        error = capsys.readouterr().err.strip().splitlines()
+        assert message in error[-1] and not any("Traceback" in line for line in error), (message, error[-1])
+        assert not (tmp_path / "out").exists()
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    assert main(["quantize", str(TARGET), "-o", str(tmp_path / "out"), "--scheme", "w4a16"]) == 2
+    assert f"-o: cannot write {tmp_path / 'out'}: No space left on device" in capsys.readouterr().err
+    assert list(tmp_path.glob(".out.*")) == [] and not (tmp_path / "out").exists()  # (nor its staging folder)
 
 
 @pytest.mark.parametrize("norm", ["LlamaRMSNorm", "Qwen3_5RMSNorm"])

@@ -44,8 +44,9 @@ class Engine:
         which requests take where they give none; `budget`: the draft nodes a step verifies over
         its whole batch (budget.py), None: each request its tree's."""
         self.runner, self.eos_ids, self.max_seq_len = runner, tuple(eos_ids), max_seq_len
-        # (a hybrid stage folds at most its step buffers' tokens per forward)
-        self.prefill_chunk = min(prefill_chunk, *(stage.max_step_tokens for stage in runner.stages))
+        self.prefill_chunk = prefill_chunk  # prompt tokens a step feeds, over its newcomers
+        # a prompt's tokens in one forward (a hybrid stage folds at most its step buffers' per request)
+        self.prefill_share = min(prefill_chunk, *(stage.max_step_tokens for stage in runner.stages))
         self.region, self.sampling, self.budget = region, sampling, budget
         self.scheduler = Scheduler(pool, slots, self._slots_needed)
         self.device = runner.device
@@ -110,7 +111,7 @@ class Engine:
         for newcomer in self.scheduler.prefilling():  # (all but a prompt's last token: the first step feeds it)
             if left == 0:
                 break
-            end = min(newcomer.fed + left, len(newcomer.prompt) - 1)
+            end = min(newcomer.fed + min(left, self.prefill_share), len(newcomer.prompt) - 1)
             chunks.append((newcomer.slot, newcomer.fed, end))
             left -= end - newcomer.fed
             newcomer.fed = end

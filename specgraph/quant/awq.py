@@ -126,8 +126,9 @@ def fold(s: ScaleSet, scale: torch.Tensor) -> None:
         offset = 1.0 if type(before).__name__ == "Qwen3_5RMSNorm" else 0.0
         old = offset + before.weight.float()  # [K]
         stored = (old / scale - offset).to(before.weight.dtype)
-        vanished = (offset + stored.float() == 0) & (old != 0)  # (rounded to -1: the nearest weight above it)
-        stored = torch.where(vanished, torch.nextafter(stored, torch.zeros_like(stored)), stored)
+        vanished = (offset + stored.float() == 0) & (old != 0)  # (rounded to -offset: the next weight on old's side)
+        toward = torch.where(old > 0, torch.inf, -torch.inf).to(stored.dtype)
+        stored = torch.where(vanished, torch.nextafter(stored, toward), stored)
         before.weight.copy_(stored)
         new = offset + stored.float()
         scale = torch.where(new != 0, old / new, scale)

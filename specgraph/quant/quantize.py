@@ -2,7 +2,7 @@
 round to nearest (per group of K, or per output row), written in compressed-tensors' format by the
 compressed-tensors library itself, so that transformers and vLLM load what it writes; lm_head stays
 in the checkpoint's precision. Shard by shard: round to nearest never holds more than one of the
-source's shards (`--method awq` holds the model: it runs it). OUT appears whole or not at all
+source's shards and its compressed form (`--method awq` holds the model: it runs it). OUT appears whole or not at all
 (written beside it, then renamed).
 `quantize_linear`: the same quantization of one projection in memory, as a QuantLinear (what
 `--widen SHAPE:SCHEME` makes of a widened model's layers as it builds them)."""
@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from specgraph.errors import CheckpointError, SpecgraphError
-from specgraph.models.loader import TEXT_MODEL_OF, is_head, read_config, safetensor_files
+from specgraph.models.loader import TEXT_MODEL_OF, ignored_tensors, is_head, read_config, safetensor_files
 from specgraph.quant.linear import QuantLinear, pack, put
 from specgraph.quant.rounding import rtn_qparams, weight_args
 
@@ -83,8 +85,8 @@ def quantize_checkpoint(source: Path, out: Path, scheme: str, group: int | None 
                         calibration: list[str] | None = None, device: torch.device | None = None) -> Path:
     """Quantize the checkpoint at `source` into the new folder `out` -> out: round to nearest, after
     AWQ's scales and clips (awq.py) searched on `calibration` prompts on `device` where given. Shard
-    by shard, each as the source names it: round to nearest holds one shard in memory (awq, the
-    model)."""
+    by shard, each as the source names it: round to nearest holds one shard and its compressed form
+    in memory (awq, the model)."""
     from compressed_tensors.quantization import QuantizationScheme
     from transformers import AutoModelForCausalLM
 
@@ -114,7 +116,10 @@ def quantize_checkpoint(source: Path, out: Path, scheme: str, group: int | None 
         with torch.device("meta"):  # the modules' names and shapes, no weights
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     else:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype="auto", trust_remote_code=False)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype="auto", trust_remote_code=False)
+        except (SafetensorError, OSError, ValueError) as exc:  # truncated, foreign, unreadable
+            raise CheckpointError(f"{source}: transformers cannot load it ({str(exc).splitlines()[0][:160]})") from None
     projections = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"}
     if group:
         odd = next((name for name, m in projections.items() if m.in_features % group), None)
@@ -129,36 +134,37 @@ def quantize_checkpoint(source: Path, out: Path, scheme: str, group: int | None 
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         write_quantized(source, files, staging, set(projections), quantization,
-                        None if calibration is None else model.state_dict())
+                        None if calibration is None else model.state_dict(), ignored_tensors(config))
         if out.exists():
             out.rmdir()
         os.replace(staging, out)
     except BaseException as exc:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(exc, OSError):  # (disk full, no permission: the source's read errors are CheckpointErrors)
-            raise SpecgraphError(f"-o: cannot write {out}: {exc.strerror or exc}") from None
+        if isinstance(exc, (OSError, SafetensorError)):  # (disk full, no permission; reads raise CheckpointErrors)
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0][:160]
+            raise SpecgraphError(f"-o: cannot write {out}: {reason}") from None
         raise
     return out
 
 
 def write_quantized(source: Path, files: list[Path], folder: Path, projections: set[str], quantization,
-                    state: dict[str, torch.Tensor] | None) -> None:
+                    state: dict[str, torch.Tensor] | None, ignored: re.Pattern) -> None:
     """Write into `folder` the checkpoint at `source` (its safetensors `files`) with the weights of
     the modules named in `projections` compressed by compressed-tensors for `quantization` (a
     QuantizationScheme), each tensor taken from `state` where given (a model's, changed in memory),
-    else from its file (tensors that transformers does not build, as Qwen3.5's mtp.*, from the file);
-    the config with its quantization_config, and the source's other files."""
+    else from its file; the tensors `ignored` names (that transformers does not build, as Qwen3.5's
+    mtp.*) from the file and left as they are (the quantization_config says so); the config with
+    its quantization_config, and the source's other files."""
     from compressed_tensors.compressors import BaseCompressor, ModelCompressor
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.quantization import QuantizationConfig
-    from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     quantization.format = infer_module_format(torch.nn.Linear, quantization)
     compressor = BaseCompressor.get_value_from_registry(quantization.format.value)
-    weight_map, done = {}, set()  # tensor name -> its shard; the projections written
+    weight_map, done, kept_as_stored = {}, set(), False  # tensor name -> its shard; the projections written
     kind = f"{quantization.weights.type}{quantization.weights.num_bits}"  # int4, int8, float8
     with tqdm(total=len(projections), desc=f"quantize {kind}", unit="projection") as bar:
         for file in files:
@@ -170,6 +176,11 @@ def write_quantized(source: Path, files: list[Path], folder: Path, projections: 
                 raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
             tensors = {}
             for key, tensor in shard.items():
+                if ignored.match(key):
+                    kept_as_stored = True
+                elif state is not None and key not in state:
+                    raise CheckpointError(f"{file}: tensor {key} is not a weight of the model transformers builds "
+                                          "from its config; quantize reads checkpoints with transformers' own names")
                 name = key.removesuffix(".weight")
                 if key.endswith(".weight") and name in projections:
                     scale, zero = rtn_qparams(tensor, quantization.weights)
@@ -194,6 +205,7 @@ def write_quantized(source: Path, files: list[Path], folder: Path, projections: 
         if file.is_file() and file.suffix in (".json", ".txt", ".jinja", ".model", ".tiktoken", ".md") and (
                 file.name != "model.safetensors.index.json"):
             shutil.copy(file, folder / file.name)
-    ModelCompressor(QuantizationConfig(config_groups={"group_0": quantization}, ignore=["lm_head"],
+    ignore = ["lm_head"] + ([f"re:{ignored.pattern}"] if kept_as_stored else [])  # (compressed-tensors' regex form)
+    ModelCompressor(QuantizationConfig(config_groups={"group_0": quantization}, ignore=ignore,
                                        format=quantization.format.value, quantization_status="compressed")
                     ).update_config(str(folder))
