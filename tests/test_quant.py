@@ -454,6 +454,15 @@ def test_awq_keeps_the_tensors_transformers_ignores_and_the_sources_index(small_
         new for _, new in hf_greedy(out, PROMPTS, 16)]
 
 
+def quantize_is_refused(capsys, source, out, flags: list[str], message: str) -> None:
+    """`specgraph quantize SOURCE -o OUT --scheme w4a16 FLAGS` exits 2 with `message` in its one-line
+    error, no traceback, and no OUT."""
+    assert main(["quantize", str(source), "-o", str(out), "--scheme", "w4a16", *flags]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert message in error[-1] and not any("Traceback" in line for line in error), (message, error[-1])
+    assert not out.exists()
+
+
 def test_awq_refuses_calibration_it_cannot_tokenize_before_it_loads_the_model(tmp_path, monkeypatch, capsys):
     def refuse(*args, **kwargs):
         raise AssertionError("awq loaded the model before it tokenized its calibration")
@@ -467,11 +476,8 @@ def test_awq_refuses_calibration_it_cannot_tokenize_before_it_loads_the_model(tm
             (TARGET, [{"prompt": ""}], "--calibration: its prompts encode to no tokens; give prompts with text"),
             (untokenized, PROMPTS, f"{untokenized}: no tokenizer that transformers can load; give a checkpoint with"),
             (damaged, PROMPTS, f"{damaged}: no tokenizer that transformers can load; give a checkpoint with")]:
-        assert main(["quantize", str(source), "-o", str(tmp_path / "out"), "--scheme", "w4a16", "--method", "awq",
-                     "--calibration", str(calibration_file(tmp_path, prompts))]) == 2
-        error = capsys.readouterr().err.strip().splitlines()
-        assert message in error[-1] and not any("Traceback" in line for line in error)
-        assert not (tmp_path / "out").exists()
+        quantize_is_refused(capsys, source, tmp_path / "out", ["--method", "awq", "--calibration",
+                                                               str(calibration_file(tmp_path, prompts))], message)
 
 
 def test_quantize_refuses_unreadable_or_foreign_sources_and_unwritable_outputs_in_one_line(tmp_path, monkeypatch,
@@ -493,10 +499,7 @@ def test_quantize_refuses_unreadable_or_foreign_sources_and_unwritable_outputs_i
             (truncated, [], f"{shard}: not a readable safetensors file"),
             (truncated, awq, f"{truncated}: transformers cannot load it"),
             (foreign, awq, "tensor model.layers.0.extra.weight is not a weight of the model transformers builds")]:
-        assert main(["quantize", str(source), "-o", str(tmp_path / "out"), "--scheme", "w4a16", *flags]) == 2
-        error = capsys.readouterr().err.strip().splitlines()
-        assert message in error[-1] and not any("Traceback" in line for line in error), (message, error[-1])
-        assert not (tmp_path / "out").exists()
+        quantize_is_refused(capsys, source, tmp_path / "out", flags, message)
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
