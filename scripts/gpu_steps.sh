@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One device call's work as named steps under one time limit (a fresh GPU machine with only this repository,
+# set up as scripts/gpu_setup.sh says):
+#
+#   bash scripts/gpu_steps.sh SECONDS STEP [STEP ...]
+#
+# Runs the steps in order while time is left (a step is skipped once less than its own limit remains), each
+# under its own limit, its output in $OUT/steps.log (and on standard output); each step's exit status in
+# $OUT/steps.tsv; what the steps write under $OUT/files/ (reports, traces, summaries) packed into
+# $OUT/files.tar when the steps end, so that a call brings back few files. Steps: see `case` below.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+deadline=$(( $(date +%s) + $1 - 15 ))
+shift
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT/files"
+source scripts/gpu_setup.sh
+export OUT
+prompts=.fixtures/prompts_code.jsonl
+
+run_step() {  # NAME LIMIT COMMAND...
+  local name=$1 limit=$2 left=$(( deadline - $(date +%s) ))
+  shift 2
+  if [ "$left" -lt "$limit" ]; then
+    printf '%s\tskipped (%s s left, needs %s)\n' "$name" "$left" "$limit" | tee -a "$OUT/steps.tsv"
+    return
+  fi
+  echo "=== $name ($(date +%T), limit $limit s)"
+  local began=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@"
+  local rc=$?
+  printf '%s\trc %s\t%s s\n' "$name" "$rc" "$(( $(date +%s) - began ))" | tee -a "$OUT/steps.tsv"
+}
+
+step() {
+  case $1 in
+    probe)  # a program built after another decodes its own ar's tokens (runs 99-100's fault)
+      run_step probe-after-chain 150 python3 scripts/probe_batch.py two-programs
+      run_step probe-fresh 120 python3 scripts/probe_batch.py two-programs fresh ;;
+    fp32)  # the fp32 GPU tests whose oracles are ar and transformers
+      run_step fp32-tests 240 python3 -m pytest -q -p no:cacheprovider -rA tests/test_gpu.py \
+        -k "fp32_speculation or fp32_on_gpu" ;;
+    gputests)
+      run_step gpu-tests 420 python3 -m pytest -q -p no:cacheprovider -rA --durations=10 tests/test_gpu.py ;;
+    profile8b)  # traces of steady steps at the Llama-3-8B shape
+      run_step profile-8b 240 python3 scripts/profile_engine.py recipes/dynamic.yaml --systems ar,specgraph \
+        --batches 1,8 --widen llama-3-8b --out "$OUT/files" ;;
+    *) echo "unknown step $1"; return 1 ;;
+  esac
+}
+
+{
+  for name in "$@"; do step "$name"; done
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+} 2>&1 | tee -a "$OUT/steps.log"
+tar cf "$OUT/files.tar" -C "$OUT" files && rm -r "$OUT/files"
+cat "$OUT/steps.tsv"

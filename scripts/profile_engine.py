@@ -1,0 +1,79 @@
+"""A torch profiler trace of steady engine steps, and its summary. Run from the repository root on a GPU
+(`.fixtures/` as scripts/gpu_setup.sh says):
+
+  python3 scripts/profile_engine.py RECIPE [--systems specgraph,ar] [--batches 1,8] [--steps 20] [--widen SHAPE]
+                                    [--set KEY=VALUE ...] --out DIR
+
+For each system (the recipe's engine, `ar`) and batch size B, in one process: B requests of the first prompts
+of prompts_code.jsonl, each long enough to outlast the profiled steps, are decoded untimed until every one is
+past its prompt and the graphs of size B are captured; then `--steps` steps are profiled (CPU and CUDA activity). DIR gets `trace-NAME.json.gz` (a Chrome trace) and `summary-NAME.json`
+(scripts/trace_summary.py's reading of it). Diagnostics, not benchmark figures: the profiler slows the host."""
+import argparse
+import gzip
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trace_summary import summarize  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("recipe")
+    parser.add_argument("--systems", default="specgraph,ar")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--widen")
+    parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    from specgraph.passes import plan
+    from specgraph.program import Program
+    from specgraph.recipe import Recipe
+
+    batches = [int(b) for b in args.batches.split(",")]
+    prompts = [json.loads(line)["prompt"] for line in open(".fixtures/prompts_code.jsonl")]
+    sets = [*args.set, f"serving.max_batch={max(batches)}"]
+    with Program(plan(Recipe.from_yaml(args.recipe, sets)), widen=args.widen) as program:
+        for system in args.systems.split(","):
+            engine = program.executor if system == "specgraph" else program.autoregressive()
+            for batch in batches:
+                profile(program, engine, prompts[:batch], args.steps, args.out,
+                        f"{Path(args.recipe).stem}-{system}-b{batch}")
+
+
+def profile(program, engine, prompts: list[str], steps: int, out: Path, name: str) -> None:
+    budget = 8 * (steps + 40)  # new tokens: more than the warm-up and the profiled steps can take
+    requests = [engine.add_request(program.encode(text), budget) for text in prompts]
+    for _ in range(30):  # prompts in, graphs of this size captured, compiled code warm
+        engine.step()
+    sync()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(steps):
+            with torch.profiler.record_function("engine_step"):
+                engine.step()
+        sync()
+    for request in requests:
+        engine.abort(request.id)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = out / f"trace-{name}.json"
+    profiler.export_chrome_trace(str(raw))
+    with open(raw, "rb") as source, gzip.open(f"{raw}.gz", "wb", compresslevel=9) as sink:
+        shutil.copyfileobj(source, sink)
+    raw.unlink()
+    summary = summarize(f"{raw}.gz", steps)
+    (out / f"summary-{name}.json").write_text(json.dumps(summary, indent=1))
+    print(name, json.dumps({k: v for k, v in summary.items() if k != "top_kernels"}), flush=True)
+    for row in summary["top_kernels"]:
+        print(f"   {row['ms_per_step']:8.3f} ms/step  {row['calls_per_step']:6.1f}x  {row['name'][:110]}", flush=True)
+
+if __name__ == "__main__":
+    main()
