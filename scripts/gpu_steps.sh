@@ -7,7 +7,8 @@
 # Runs the steps in order while time is left (a step is skipped once less than its own limit remains), each
 # under its own limit, its output in $OUT/steps.log (and on standard output); each step's exit status in
 # $OUT/steps.tsv; what the steps write under $OUT/files/ (reports, traces, summaries) packed into
-# $OUT/files.tar when the steps end, so that a call brings back few files. Steps: see `case` below.
+# $OUT/files.tar when the steps end, so that a call brings back few files. Steps: see `case` below
+# (GPU_TESTS: a pytest -k expression for the step gputests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 deadline=$(( $(date +%s) + $1 - 15 ))
@@ -41,7 +42,7 @@ step() {
       run_step fp32-tests 240 python3 -m pytest -q -p no:cacheprovider -rA tests/test_gpu.py \
         -k "fp32_speculation or fp32_on_gpu" ;;
     gputests)
-      run_step gpu-tests 420 python3 -m pytest -q -p no:cacheprovider -rA --durations=10 tests/test_gpu.py ;;
+      run_step gpu-tests 420 python3 -m pytest -q -p no:cacheprovider -rA --durations=10 tests/test_gpu.py ${GPU_TESTS:+-k "$GPU_TESTS"} ;;
     profile8b)  # traces of steady steps at the Llama-3-8B shape
       run_step profile-8b 240 python3 scripts/profile_engine.py recipes/dynamic.yaml --systems ar,specgraph \
         --batches 1,8 --widen llama-3-8b --out "$OUT/files" ;;
