@@ -9,8 +9,10 @@ from torch import nn
 
 from specgraph.bench.widen import draft_shape_for, widen, widened_shape
 from specgraph.draft import Drafter
-from specgraph.engine.budget import Budget, batch_sizes, calibrate
+from specgraph.engine.budget import Budget, batch_sizes
+from specgraph.engine.calibrate import budget_table, step_costs
 from specgraph.engine.engine import Engine
+from specgraph.engine.policy import Policy, StepCosts
 from specgraph.engine.pool import BlockPool
 from specgraph.engine.runner import Runner
 from specgraph.errors import SpecgraphError
@@ -23,7 +25,7 @@ from specgraph.models.eagle import Eagle3Head
 from specgraph.models.loader import is_head, load_embedding, load_model
 from specgraph.parallel import shard_model
 from specgraph.passes.place import resolve_device
-from specgraph.recipe import ChainTree
+from specgraph.recipe import ChainTree, DynamicTree
 from specgraph.runtime.disaggregated import DraftSide, VerifySide
 from specgraph.runtime.executor import Executor
 from specgraph.runtime.channel import Link, Mailbox
@@ -107,24 +109,44 @@ def build_executor(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks = Ra
 
 
 def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None) -> Engine:
-    """The engine of a serial program over its loaded verifier and drafter (None: the target alone),
-    its verification budget calibrated here where the recipe asks for one and gives no table."""
+    """The engine of a serial program over its loaded verifier and drafter (None: the target alone).
+    Where the recipe asks for a verification budget and gives no table, it is calibrated here; where
+    a policy chooses each step's mode (`serving.speculation: adaptive`, a drafter that is not a
+    head), the drafter's shallower trees are its other speculative modes and every mode's step is
+    timed here at batch sizes 1, 2, 4, ... up to serving.max_batch."""
     recipe, serving = graph.recipe, graph.recipe.serving
     target = graph.node(graph.target)
     region = max(graph.node(n)["cache_slots"] for n in graph.stages()) - recipe.max_seq_len
     captured = target["step_graphs"] if drafter is not None else target["alone_step_graphs"]
-    runner = Runner(verifier, drafter, serving.max_batch, recipe.max_seq_len + region, target["compile"], captured)
+    adaptive = serving.speculation == "adaptive" and drafter is not None and not isinstance(drafter, HeadDrafter)
+    runner = Runner(verifier, drafter, serving.max_batch, recipe.max_seq_len + region, target["compile"], captured,
+                    shallower(drafter) if adaptive else ())
     pool = BlockPool(target["kv_blocks"], target["block_size"])
+    sizes, context = batch_sizes(serving.max_batch), min(CALIBRATION_CONTEXT, recipe.max_seq_len // 2)
     spec, budget = target["spec"].verify.budget, None
     if spec is not None and drafter is not None:
-        table = spec.nodes or calibrate(verifier, batch_sizes(serving.max_batch), drafter.nodes, spec.epsilon,
-                                        min(CALIBRATION_CONTEXT, recipe.max_seq_len // 2))
-        budget = Budget(table, drafter.nodes)
+        budget = Budget(spec.nodes or budget_table(runner, runner.modes[1], sizes, spec.epsilon, context), drafter.nodes)
+    policy = Policy(runner.modes, StepCosts(step_costs(runner, runner.modes, sizes, budget, context))) if adaptive else None
     return Engine(runner, target["eos_ids"], recipe.max_seq_len, serving.max_batch, pool, region,
-                  serving.prefill_chunk, recipe.sampling, budget)
+                  serving.prefill_chunk, recipe.sampling, budget, policy)
 
 
-CALIBRATION_CONTEXT = 512  # committed tokens of each request while the budget is calibrated
+def shallower(drafter: Drafter) -> tuple[Drafter, ...]:
+    """Drafters of the same stage growing `drafter`'s tree cut to half its depth (rounded up) and to
+    depth 1, deepest first: a dynamic tree keeps its width and verifies its nodes in proportion."""
+    tree, depth = drafter.tree, drafter.max_depth
+    levels = []
+    for cut in sorted({-(-depth // 2), 1} - {depth}, reverse=True):
+        if isinstance(tree, DynamicTree):
+            pool = tree.width + (cut - 1) * tree.width ** 2  # nodes that `cut` expansions make
+            shape = DynamicTree(width=tree.width, depth=cut, nodes=min(pool, max(cut, -(-tree.nodes * cut // depth))))
+        else:
+            shape = tree.cut(cut)
+        levels.append(Drafter(drafter.stage, shape, drafter.rule, drafter.max_feeds))
+    return tuple(levels)
+
+
+CALIBRATION_CONTEXT = 512  # committed tokens of each request while steps are timed (the budget, the policy)
 
 
 def build_verifier(graph: SpecGraph, stages: dict[str, Stage], name: str | None = None) -> Verifier:

@@ -100,7 +100,7 @@ class BudgetSpec(_Strict):
     max{N : T_ver(N | c) <= (1 + epsilon) T_dec(c)}: the most nodes whose verification costs at
     most (1 + epsilon) times a step of the c roots alone, measured on this machine."""
 
-    epsilon: float = Field(0.1, gt=0, description="how much more than a plain decoding step verification may cost")
+    epsilon: float = Field(0.1, ge=0, description="how much more than a plain decoding step verification may cost")
     nodes: dict[PositiveInt, NonNegativeInt] | None = Field(
         None, description="B(c) by batch size c, as calibrated (between two sizes, the smaller's share per request); "
         "default: calibrated when the program loads, at batch sizes 1, 2, 4, ... up to serving.max_batch")
@@ -207,6 +207,11 @@ class ServingSpec(_Strict):
                                           "A request is admitted once the blocks of its prompt and new tokens are free")
     prefill_chunk: PositiveInt = Field(512, description="most prompt tokens fed in one step, over the newcomers, "
                                        "earliest first: they delay the requests being decoded by one chunk at most")
+    speculation: Literal["adaptive", "always"] = Field(
+        "adaptive", description="adaptive: each step runs plain decoding or speculation at one of the drafter's tree "
+        "depths, whichever is expected to give the batch the most tokens per second (step times measured when the "
+        "program loads, acceptance as the requests go); always: every step speculates with the recipe's tree. An "
+        "EAGLE-3 head, fed by every target step, always speculates")
     max_waiting: NonNegativeInt = Field(64, description="specgraph serve: requests waiting for a place in the batch "
                                         "at most; more are refused (503, Retry-After) until some finish")
 

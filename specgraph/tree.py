@@ -47,6 +47,12 @@ class TreeTopology:
         """The nodes at `depth` that have children: those a drafter feeds together at that depth."""
         return [u for u, d in enumerate(self.depths) if d == depth and self.children(u)]
 
+    def cut(self, depth: int) -> TreeTopology:
+        """The tree's nodes down to `depth` (its parents precede its children, so they keep their order)."""
+        kept = [i for i, d in enumerate(self.depths) if d <= depth]
+        index = {node: i for i, node in enumerate(kept)}
+        return TreeTopology(tuple(index.get(self.parents[i], -1) for i in kept), tuple(self.ranks[i] for i in kept))
+
     @classmethod
     def from_paths(cls, paths: list[list[int]]) -> TreeTopology:
         """Medusa-style paths of child ranks, e.g. [[0], [1], [0, 0]]."""

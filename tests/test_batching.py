@@ -26,6 +26,30 @@ def test_five_at_a_time_each_request_gets_the_target_greedy_tokens(target_refere
     assert outputs == [expected[:budget] for (_, expected), budget in zip(target_reference, BUDGETS)]
 
 
+@pytest.mark.parametrize("batch", [1, 5])
+def test_a_request_that_finished_while_its_next_step_ran_gets_nothing_more(target_reference, batch):
+    """The engine launches a step before it reads the one before, so a request that finished in a step
+    is in the next one too: that step's tokens for it are dropped (it gets transformers' tokens, none past
+    its end), and its blocks go back to the pool once (the pool refuses a second release)."""
+    program = Program.from_recipe(two_stage(EMBEDDED / "target", EMBEDDED / "draft", TREES["dynamic"],
+                                            serving={"max_batch": batch, "block_size": 16, "speculation": "always"}))
+    engine = program.executor
+    collect, late = engine.runner.collect, []
+
+    def noting(launched, keep):
+        late.extend(kept for kept in keep if not kept)
+        return collect(launched, keep)
+
+    engine.runner.collect = noting
+    requests = [engine.add_request(ids, budget) for (ids, _), budget in zip(target_reference, BUDGETS)]
+    while engine.busy:
+        engine.step()
+    assert [r.generation.output_ids for r in requests] == [new[:b] for (_, new), b in zip(target_reference, BUDGETS)]
+    assert len(late) >= len(requests) - 1  # (the last to finish is alone: no step follows it)
+    pool = engine.scheduler.pool
+    assert pool.free == pool.blocks - 1  # every block back (the trash is never lent)
+
+
 def test_a_hybrid_target_five_at_a_time(hybrid_reference, small_hybrid):
     """The gated-DeltaNet state of each request in a slot of its own."""
     from conftest import shared_models

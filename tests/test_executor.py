@@ -71,27 +71,20 @@ def test_a_step_touches_only_device_tensors():
     for static and dynamic trees and the target alone."""
     from helpers import HostReads
 
-    from specgraph.draft import Requests
     from specgraph.recipe import DynamicTree
 
-    for plan in (TreeTopology.from_spec(ChainTree(length=3)), DynamicTree(width=2, depth=3, nodes=4), None):
+    for plan in (TreeTopology.from_spec(ChainTree(length=3)), DynamicTree(width=2, depth=3, nodes=4)):
         engine = executor(eos=(), plan=plan, batch=2)
         runner = engine.runner
-        if plan is None:
-            runner.drafter = None
         for prompt in ([1, 2], [3]):
             engine.add_request(prompt, 8)
         engine.step()
         engine.step()  # both prompts in, a first step decoded
         rows = torch.tensor([0, 1])
-        lengths = runner.lengths[rows]
-        requests = Requests(rows, runner.tokens, lengths, lengths.clamp(max=CATCH_UP), CATCH_UP)
-        sampling, draws = runner.sampling.take(rows), runner.draws
-        with HostReads() as reads:
-            draft = None if runner.drafter is None else runner.drafter.draft(requests, 40, sampling, draws)
-            tree = runner._roots(requests) if draft is None else draft.tree
-            result = runner._settle(tree, draft, requests, sampling, draws, 30)
-        assert reads.seen == [] and result.shape == (2, (0 if plan is None else 3) + 2)
+        for mode in runner.modes:  # plain decoding, then the tree
+            with HostReads() as reads:
+                result = runner.step(rows, mode, 30, None)
+            assert reads.seen == [] and result.shape == (2, mode.depth + 2)
 
 
 def test_many_requests_at_once_end_each_where_it_ends_alone():
@@ -152,8 +145,23 @@ def test_an_aborted_request_gives_its_place_to_the_next():
 
 
 def test_the_budget_table_gives_each_batch_size_its_nodes():
+    """By hand: calibrated shares per request 6, 4 and 3 at batch sizes 1, 2 and 4. A batch between two
+    calibrated sizes takes the larger one's share (3 at 3: 9 nodes); past the largest, its share (3);
+    each request at most its tree's 5 nodes (batch 1), or fewer where a mode's tree is smaller."""
     from specgraph.engine.budget import Budget, batch_sizes
 
     budget = Budget({1: 6, 2: 8, 4: 12}, per_request=5)
-    assert [budget(c) for c in (1, 2, 3, 4, 6, 8)] == [5, 8, 12, 12, 18, 24]  # 1: capped by its tree; 3: 2's share
+    assert [budget(c) for c in (1, 2, 3, 4, 6, 8)] == [5, 8, 9, 12, 18, 24]
+    assert budget(2, per_request=2) == 4
     assert batch_sizes(12) == [1, 2, 4, 8, 12] and batch_sizes(1) == [1]
+
+
+def test_a_request_never_gets_more_nodes_in_a_bigger_batch():
+    """{1: 24, 4: 48} gave a batch of 3 72 nodes (24 each, the smaller size's share) and one of 4 48;
+    a share that grows with the batch (8: 16 each, above 4's 12) is cut to the smaller batch's."""
+    from specgraph.engine.budget import Budget
+
+    budget = Budget({1: 24, 4: 48, 8: 128}, per_request=24)
+    assert [budget(c) for c in range(1, 9)] == [24, 24, 36, 48, 60, 72, 84, 96]
+    shares = [budget(c) / c for c in range(1, 65)]
+    assert all(a >= b for a, b in zip(shares, shares[1:]))

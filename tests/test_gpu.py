@@ -4,6 +4,7 @@ gives the tokens of our own autoregressive decoding of the same program where it
 import json
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -26,21 +27,35 @@ def on_gpu(tree: dict, target=EMBEDDED / "target", **fields) -> Program:
     return Program.from_recipe(recipe)
 
 
-def step_without_host_sync(engine) -> int:
-    """One more step of a request (kept in the engine's slot 0 by `generate`) under sync debug mode
-    (raises on any host sync) -> its number of new tokens."""
-    runner = engine.runner
-    size = runner.sizes[0] if runner.captured else 1
-    rows = torch.tensor([0] + [runner.padding] * (size - 1), device="cuda")
-    live = torch.arange(size, device="cuda") < 1
+def steps_without_host_sync(engine, steps: int = 4) -> int:
+    """`steps` steady engine steps of a long request under sync debug mode "error", which raises on
+    any host synchronisation but the one a step is allowed: the wait for the event of the step it
+    collects (the step launched before, whose result then lies in pinned memory) -> the tokens they gave."""
+    request = engine.add_request([1, 2, 3, 4, 5], 64)
+    while request.steps < 2:  # prompt in, graphs captured
+        engine.step()
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.inference_mode():  # as in decode
-            result = runner.step(rows, live, runner.host_lengths[0], None)
-    finally:
+    wait = torch.cuda.Event.synchronize
+
+    def the_one_wait(event):
         torch.cuda.set_sync_debug_mode("default")
-    return int(result[0, 0])
+        try:
+            return wait(event)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    tokens = len(request.generation.output_ids)
+    with mock.patch.object(torch.cuda.Event, "synchronize", the_one_wait):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    engine.abort(request.id)
+    while engine.busy:
+        engine.step()
+    return len(request.generation.output_ids) - tokens
 
 
 def phases(engine) -> set[str]:
@@ -61,13 +76,14 @@ def test_cuda_graphs_replay_the_eager_program(dtype, tree):
     assert not phases(eager.executor) and not eager.stages["target"]._replays.graphs
 
 
-@pytest.mark.parametrize("lowering", [{"compile": False}, {"compile": False, "cuda_graphs": False}], ids=["graphs", "eager"])
-def test_a_decoding_step_never_waits_for_the_host(lowering):
-    program = on_gpu({"shape": "static", "branching": [2, 2, 1]}, max_new_tokens=8, lowering=lowering)
-    executor = program.executor
-    ids = program.encode(PROMPTS[0])
-    executor.generate(ids, 8)  # warm-up: prefill, graph capture
-    assert step_without_host_sync(executor) >= 1
+@pytest.mark.parametrize("lowering", [{}, {"compile": False, "cuda_graphs": False}], ids=["captured", "eager"])
+def test_steady_steps_never_wait_for_the_host(lowering):
+    """The engine's steps of a tree recipe (every step speculating) and of `ar`: each launched before
+    the last is read, nothing copied from pageable memory, no host read but the collected step's event."""
+    program = on_gpu({"shape": "static", "branching": [2, 2, 1]}, max_new_tokens=8, lowering=lowering,
+                     serving={"speculation": "always"})
+    assert steps_without_host_sync(program.executor) >= 4
+    assert steps_without_host_sync(program.autoregressive()) == 4
 
 
 def test_sampling_on_gpu_follows_the_target_distribution():
@@ -201,7 +217,7 @@ def test_hybrid_target_captured_and_compiled_gives_the_eager_tokens_and_never_wa
         ids = fast.encode(text)
         assert fast.generate(ids).output_ids == slow.generate(ids).output_ids
     assert phases(fast.executor) == {"draft", "verify"}
-    assert step_without_host_sync(fast.executor) >= 1
+    assert steps_without_host_sync(fast.executor) >= 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -259,7 +275,7 @@ def test_a_hybrid_drafter_captured_on_the_gpu_equals_transformers(small_hybrid, 
     for ids, expected in hybrid_reference[:4]:
         assert program.generate(ids).output_ids == expected
     assert phases(program.executor) == {"draft", "verify"}
-    assert step_without_host_sync(program.executor) >= 1
+    assert steps_without_host_sync(program.executor) >= 4
 
 
 def test_row_invariant_kernels_give_a_token_the_same_bits_in_any_step_in_bf16():

@@ -110,8 +110,10 @@ def measure_engine(engine: Engine, encoded: list[list[int]], max_new_tokens: int
     totals = engine.totals
     accepted = [n for g in gens for n in g.accepted_lengths]
     return {"tokens_per_second": sum(len(g.output_ids) for g in gens) / seconds, "seconds": seconds,
+            "decode_tokens_per_second": totals.decode_tokens / totals.decode_seconds if totals.decode_seconds else None,
+            "steps_per_mode": dict(totals.modes),  # (a policy's choices)
             "request_tokens_per_second": statistics.mean(len(g.output_ids) / g.seconds for g in gens),
-            "ttft_seconds": statistics.median(g.first_token_seconds for g in gens),
+            "ttft_seconds": statistics.median(g.first_token_seconds - g.queued_seconds for g in gens),  # (from its admission)
             "mean_accepted_length": sum(accepted) / len(accepted),
             "draft_step_ms": 1e3 * totals.draft_seconds / totals.steps, "verify_step_ms": 1e3 * totals.verify_seconds / totals.steps,
             "nodes_per_step": totals.nodes / totals.steps, "requests_per_step": totals.requests / totals.steps,
@@ -155,7 +157,7 @@ class HFBatches:
                 advance()
         seconds = time.perf_counter() - began
         return {"tokens_per_second": sum(map(len, outputs)) / seconds, "seconds": seconds,
-                "request_tokens_per_second": None, "ttft_seconds": None, "mean_accepted_length": None,
+                "decode_tokens_per_second": None, "steps_per_mode": None, "request_tokens_per_second": None, "ttft_seconds": None, "mean_accepted_length": None,
                 "draft_step_ms": None, "verify_step_ms": None, "nodes_per_step": None, "requests_per_step": None,
                 "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
                 "outputs": outputs}
@@ -172,7 +174,8 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
 
 def _line(name: str, batch: int, r: dict) -> str:
     steps = "" if r["mean_accepted_length"] is None else (
-        f", {r['mean_accepted_length']:.2f} accepted, {r['nodes_per_step']:.1f} nodes verified per step")
+        f" ({r['decode_tokens_per_second'] or 0:.1f} decoding), {r['mean_accepted_length']:.2f} accepted, "
+        f"{r['nodes_per_step']:.1f} nodes verified per step, steps per mode {r['steps_per_mode']}")
     return f"{name} at batch {batch}: {r['tokens_per_second']:.1f} tok/s{steps}"
 
 
@@ -180,21 +183,25 @@ def print_batched(report: dict, console: Console | None = None) -> None:
     console = console or Console(width=None if console else 200)
     table = Table(title=f"{report['recipe']} on {report['device']}" + (f", widened to {report['widen']}"
                   if report["widen"] else "") + f": {report['prompts']} prompts x {report['max_new_tokens']} tokens")
-    for column in ("system", "batch", "tok/s", "per request", "specgraph ÷", "TTFT ms", "accepted", "draft ms",
-                   "verify ms", "nodes/step", "peak GiB", "= ar"):
+    for column in ("system", "batch", "tok/s", "decode tok/s", "per request", "specgraph ÷", "TTFT ms", "accepted",
+                   "draft ms", "verify ms", "nodes/step", "steps per mode", "peak GiB", "= ar"):
         table.add_column(column, no_wrap=True)
     for name, by_batch in report["systems"].items():
         for batch, r in by_batch.items():
             ours = report["systems"]["specgraph"][batch]["tokens_per_second"]
-            table.add_row(name, str(batch), f"{r['tokens_per_second']:.1f}", _fmt(r["request_tokens_per_second"], ".1f"),
+            modes = ", ".join(f"{mode} {steps}" for mode, steps in (r.get("steps_per_mode") or {}).items()) or "—"
+            table.add_row(name, str(batch), f"{r['tokens_per_second']:.1f}", _fmt(r.get("decode_tokens_per_second"), ".1f"),
+                          _fmt(r["request_tokens_per_second"], ".1f"),
                           "—" if name == "specgraph" else f"{ours / r['tokens_per_second']:.2f}x",
                           _fmt(r["ttft_seconds"], ".1f", 1e3), _fmt(r["mean_accepted_length"], ".2f"),
                           _fmt(r["draft_step_ms"], ".2f"), _fmt(r["verify_step_ms"], ".2f"), _fmt(r["nodes_per_step"], ".1f"),
-                          _fmt(r["peak_memory_bytes"], ".1f", 2 ** -30), _fmt(r["same_tokens_as_ar"], ".0%"))
+                          modes, _fmt(r["peak_memory_bytes"], ".1f", 2 ** -30), _fmt(r["same_tokens_as_ar"], ".0%"))
     console.print(table)
-    console.print("tok/s: output tokens per second of the whole run; per request: a request's tokens over its own "
-                  "time, averaged; specgraph ÷: its tok/s over the row's at the same batch size; nodes/step: draft "
-                  "nodes verified per step over the batch; = ar: share of prompts whose tokens equal ar's")
+    console.print("tok/s: output tokens per second of the whole run; decode tok/s: those of the steps that fed no "
+                  "prompt beside them, over their time; per request: a request's tokens over its own time, averaged; "
+                  "specgraph ÷: its tok/s over the row's at the same batch size; TTFT: a request's admission to its "
+                  "first tokens (median); nodes/step: draft nodes verified per step over the batch; steps per mode: "
+                  "the policy's choices; = ar: share of prompts whose tokens equal ar's")
 
 
 def plot_batched(report: dict, path) -> None:

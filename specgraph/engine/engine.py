@@ -2,23 +2,29 @@
 
 Each `step` admits the waiting requests that fit (a request slot and the blocks of its longest
 sequence: scheduler.py), feeds those still prefilling a chunk of prompt tokens in all, earliest
-first, in one forward per stage, and decodes every request whose prompt is in, together
-(runner.py): a finished request's place goes to the next waiting one at the next step. `Program.generate`, `specgraph run --batch`, `bench` and
-the HTTP server all drive it. Tokenizing lives at the edges; the engine sees token ids.
+first, in one forward per stage, and launches a decoding step of every request whose prompt is in,
+together (runner.py), in the mode its policy chooses (policy.py: plain decoding or speculation);
+then it collects the step launched before, so that the device runs one step while the host
+prepares the next. A request that finished in the step collected is in the step just launched: its
+tokens there are dropped, and its place goes to the next waiting one (the device runs the steps in
+order, so nothing enqueued after can touch what that step still uses). `Program.generate`,
+`specgraph run --batch`, `bench` and the HTTP server all drive it. Tokenizing lives at the edges;
+the engine sees token ids.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specgraph.engine.budget import Budget
+from specgraph.engine.policy import Acceptance, Policy
 from specgraph.engine.pool import BlockPool
 from specgraph.engine.request import DECODE, FINISHED, Request
-from specgraph.engine.runner import Runner
+from specgraph.engine.runner import Launched, Mode, Runner
 from specgraph.engine.scheduler import Scheduler
 from specgraph.errors import PromptError
 from specgraph.recipe import SamplingSpec
@@ -34,20 +40,40 @@ class StepTotals:
     nodes: int = 0  # draft nodes verified, over the steps
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    modes: dict[str, int] = field(default_factory=dict)  # steps of each mode
+    decode_tokens: int = 0  # tokens of the steps launched with no prompt chunk beside them
+    decode_seconds: float = 0.0  # from the collection before each such step to its own
+
+
+@dataclass
+class InFlight:
+    """A launched step: its requests, in its rows' order, and the draft nodes it verifies."""
+
+    launched: Launched
+    requests: list[Request]
+    nodes: int
+    prefilled: bool  # whether a prompt chunk was fed beside it
 
 
 class Engine:
     def __init__(self, runner: Runner, eos_ids: tuple[int, ...], max_seq_len: int, slots: int, pool: BlockPool,
-                 region: int, prefill_chunk: int, sampling: SamplingSpec, budget: Budget | None = None):
+                 region: int, prefill_chunk: int, sampling: SamplingSpec, budget: Budget | None = None,
+                 policy: Policy | None = None):
         """`slots`: requests in flight at most; `region`: virtual slots a step writes past a
         request's committed tokens (the largest of its stages'); `sampling`: the recipe's settings,
         which requests take where they give none; `budget`: the draft nodes a step verifies over
-        its whole batch (budget.py), None: each request its tree's."""
+        its whole batch (budget.py), None: each request its tree's; `policy`: chooses each step's
+        mode (policy.py), None: every step speculates with the recipe's tree (plain decoding
+        without a drafter)."""
         self.runner, self.eos_ids, self.max_seq_len = runner, tuple(eos_ids), max_seq_len
         self.prefill_chunk = prefill_chunk  # prompt tokens a step feeds, over its newcomers
         # a prompt's tokens in one forward (a hybrid stage folds at most its step buffers' per request)
         self.prefill_share = min(prefill_chunk, *(stage.max_step_tokens for stage in runner.stages))
-        self.region, self.sampling, self.budget = region, sampling, budget
+        self.region, self.sampling, self.budget, self.policy = region, sampling, budget, policy
+        self.always = runner.modes[min(1, len(runner.modes) - 1)]  # without a policy: the recipe's tree, or plain
+        self.mode = self.always if policy is None else policy.current  # the last step's
+        self._in_flight: InFlight | None = None
+        self._collected_at: float | None = None  # when the last step was collected, while steps follow each other
         self.scheduler = Scheduler(pool, slots, self._slots_needed)
         self.device = runner.device
         self.totals = StepTotals()
@@ -91,7 +117,7 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return self.scheduler.busy
+        return self.scheduler.busy or self._in_flight is not None
 
     @property
     def limit(self) -> int:
@@ -104,44 +130,95 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """One step -> the requests that got tokens in it (each finished one is out of the engine)."""
+        """Launch one step and collect the one before -> the requests that got tokens in that one
+        (each finished one is out of the engine)."""
         for request in self.scheduler.admit():
-            self.runner.start(request.slot, request.blocks, request.prompt, request.sampling)
+            request.generation.queued_seconds = time.perf_counter() - request.arrival
+            end = len(request.prompt) + request.output.budget
+            self.runner.start(request.slot, request.blocks, request.prompt, request.sampling, end)
+            if self.policy is not None:
+                request.acceptance = Acceptance(self.policy.depth)
+        prefilled = self._prefill()
+        previous, self._in_flight = self._in_flight, None
+        done = []
+        running = self.scheduler.decoding()
+        if running:
+            mode = self.always if self.policy is None else self.policy.choose([r.acceptance for r in running])
+            if mode.drafter is not None and any(r.behind for r in running):  # its drafter first fed what it missed
+                done += self._collect(previous) if previous is not None else []
+                previous, running = None, self.scheduler.decoding()  # (exact lengths: nothing in flight)
+                self.runner.sync_drafter([r.slot for r in running if r.behind], self.prefill_chunk)
+                for request in running:
+                    request.behind = False
+            if running:
+                self._launch(running, mode, previous is not None, prefilled)
+        if previous is not None:
+            done += self._collect(previous)
+        if self._in_flight is None:
+            self._collected_at = None
+        return done
+
+    def _prefill(self) -> bool:
+        """Feed the newcomers a chunk of prompt tokens in all, earliest first (all but each prompt's
+        last token: the first step feeds it); their drafter only while the engine speculates ->
+        whether any prompt token was fed."""
         chunks, left = [], self.prefill_chunk  # (slot, start, end) of each newcomer fed; prompt tokens still to give
-        for newcomer in self.scheduler.prefilling():  # (all but a prompt's last token: the first step feeds it)
+        for newcomer in self.scheduler.prefilling():
             if left == 0:
                 break
             end = min(newcomer.fed + min(left, self.prefill_share), len(newcomer.prompt) - 1)
             chunks.append((newcomer.slot, newcomer.fed, end))
             left -= end - newcomer.fed
             newcomer.fed = end
-            if end == len(newcomer.prompt) - 1:
+        self.runner.prefill(chunks, drafter=self.mode.drafter is not None)
+        for newcomer in self.scheduler.prefilling():
+            if newcomer.fed == len(newcomer.prompt) - 1:
                 newcomer.status = DECODE
-        self.runner.prefill(chunks)
-        running = self.scheduler.decoding()
-        if not running:
-            return []
-        budget = None if self.budget is None else self.budget(len(running))
-        news, clock = self.runner.decode([r.slot for r in running], budget)
-        draft_s, verify_s = clock.seconds()
-        nodes = budget if budget is not None else len(running) * (self.runner.drafter.nodes if self.runner.drafter else 0)
+                newcomer.behind = bool(self.runner.lagging([newcomer.slot]))
+        return any(end > start for _, start, end in chunks)
+
+    def _launch(self, running: list[Request], mode: Mode, in_flight: bool, prefilled: bool) -> None:
+        budget = None if self.budget is None or mode.drafter is None else self.budget(len(running), mode.nodes)
+        launched = self.runner.launch([r.slot for r in running], mode, budget, in_flight)
+        self._in_flight = InFlight(launched, running, budget if budget is not None else len(running) * mode.nodes,
+                                   prefilled)
+        self.mode = mode
+        if mode.drafter is None:
+            for request in running:
+                request.behind = True
+
+    def _collect(self, step: InFlight) -> list[Request]:
+        """Wait for a launched step and give its requests their tokens -> those still in the engine
+        when it was collected (a request that finished before it gets none)."""
+        keep = [not r.finished for r in step.requests]
+        news, (draft_s, verify_s) = self.runner.collect(step.launched, keep)
+        mode, running = step.launched.mode, [r for r, kept in zip(step.requests, keep) if kept]
         totals = self.totals
-        totals.steps, totals.requests, totals.nodes = totals.steps + 1, totals.requests + len(running), totals.nodes + nodes
+        totals.steps, totals.requests, totals.nodes = totals.steps + 1, totals.requests + len(step.requests), totals.nodes + step.nodes
         totals.draft_seconds, totals.verify_seconds = totals.draft_seconds + draft_s, totals.verify_seconds + verify_s
-        now = time.perf_counter()
-        for request, new in zip(running, news):
+        totals.modes[mode.name] = totals.modes.get(mode.name, 0) + 1
+        if self.policy is not None:  # (a request that finished before the step may have run as the padding row)
+            self.policy.observe(mode, [len(new) for new, kept in zip(news, keep) if kept],
+                                [r.acceptance for r in running], len(step.requests), draft_s + verify_s)
+        now, tokens = time.perf_counter(), 0
+        for request, new in ((r, n) for r, n, kept in zip(step.requests, news, keep) if kept):
             gen = request.generation
+            before = len(gen.output_ids)
             request.steps += 1
             gen.target_steps += 1
             gen.draft_seconds += draft_s
             gen.verify_seconds += verify_s
             done = request.output.take(new)
+            tokens += len(gen.output_ids) - before
             if request.steps == 1:
                 gen.first_token_seconds = now - request.arrival
             if done:
                 gen.seconds = now - request.arrival
                 self.scheduler.finish(request)
                 del self.requests[request.id]
+        if self._collected_at is not None and not step.prefilled:
+            totals.decode_tokens, totals.decode_seconds = totals.decode_tokens + tokens, totals.decode_seconds + now - self._collected_at
+        self._collected_at = now
         return running
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from specgraph.engine.policy import Acceptance
 from specgraph.recipe import SamplingSpec
 from specgraph.runtime.executor import Generation, Output
 
@@ -24,6 +25,8 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     fed: int = 0  # prompt tokens the target holds (it holds all but the last once prefilled)
     steps: int = 0  # decoding steps it took part in
+    acceptance: Acceptance | None = None  # its drafts' acceptance by depth, where a policy chooses the steps' modes
+    behind: bool = True  # its drafter misses committed tokens that its catch-up does not feed
 
     @property
     def generation(self) -> Generation:

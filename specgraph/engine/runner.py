@@ -1,27 +1,39 @@
 """The device side of an engine: every request slot's committed tokens, sampling settings and
 random stream, the stages' block tables, and the batched work of a step.
 
-A decoding step over R requests is two phases that read and write only device tensors:
+A decoding step over R requests runs in one of the runner's modes (`Mode`): plain decoding (the
+target alone, one token a request) or speculation with one of its drafters' trees. A speculative
+step is two phases that read and write only device tensors:
   draft   - every request's catch-up and tree growth, one forward per tree level for all of them;
   verify  - the target scores the concatenation of all trees in one forward (ragged where a
             budget sizes them), the rule picks each request's path and bonus, both caches move the
             accepted K/V into place and the new tokens are appended.
-The host reads once per step: each request's count of new tokens and the tokens. With no drafter
-it is plain autoregressive decoding through the same path (root-only trees).
+A step is launched without a host read (`launch`); its result (each request's count of new tokens
+and the tokens) comes back through pinned memory and an event, read when the engine collects it,
+after it has launched the next step (`Launched.collect`). The device's committed lengths are the
+truth: a step reads them, never the host's.
 
-Slot `slots` (one past the last request slot) is the padding row a step may add to reach a
-captured size: its table row points at the trash block, and its committed length is put back
-after every step, so whatever it computes stays there.
+A request's slot stops at its end (`start`): a step finds the rows whose committed tokens reached
+their end (a request that finished in the step before, still in this one's batch because the host
+launched it before it read that) and runs them as the padding row, slot `slots` (one past the last
+request slot): its table row points at the trash block, its committed length is put back after
+every step, and whatever it computes stays there. Every step has exactly the batch's rows; where
+steps are captured, each (mode, batch size, budget) has its own CUDA graph.
+
+A drafter is fed only while the engine speculates: a step without drafts leaves it behind, and
+`sync_drafter` feeds it the committed tokens it missed (in prefill chunks) before it drafts again.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from specgraph.draft import Draft, Drafter, Requests
 from specgraph.draws import Draws
-from specgraph.layout import Layout
 from specgraph.head import HeadDrafter
+from specgraph.layout import Layout
 from specgraph.recipe import SamplingSpec
 from specgraph.runtime.clock import Clock
 from specgraph.runtime.graphs import Replays
@@ -31,22 +43,77 @@ from specgraph.sampling import SamplingRows
 from specgraph.tree import CATCH_UP, Tree, TreeStructure
 
 
+@dataclass(frozen=True)
+class Mode:
+    """What a step does: plain decoding (`drafter` None) or speculation with `drafter`'s trees."""
+
+    name: str
+    drafter: Drafter | None = None
+
+    @property
+    def depth(self) -> int:
+        """The most drafts a request may accept in a step."""
+        return 0 if self.drafter is None else self.drafter.max_depth
+
+    @property
+    def nodes(self) -> int:
+        """Draft nodes a request's tree holds."""
+        return 0 if self.drafter is None else self.drafter.nodes
+
+
+PLAIN = Mode("ar")
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A host list as a long tensor on `device`: on a GPU through pinned memory, copied without
+    waiting (PyTorch's pinned-memory cache keeps the buffer until the copy is done)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.long, device=device)
+    return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+
+
+class Launched:
+    """A step in flight: its result copied to pinned host memory behind an event."""
+
+    def __init__(self, slots: list[int], mode: Mode, result: torch.Tensor, clock: Clock):
+        self.slots, self.mode, self.clock = slots, mode, clock
+        if result.device.type == "cuda":
+            self._host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
+            self._host.copy_(result, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host, self._done = result.clone(), None
+
+    def collect(self) -> tuple[list[tuple[int, list[int]]], tuple[float, ...]]:
+        """Wait for the step -> (each request's count of new tokens and the new tokens, past its end
+        as the step made them), and its (draft, verify) seconds."""
+        if self._done is not None:
+            self._done.synchronize()
+        rows = [(count, new[:count]) for count, *new in self._host.tolist()]
+        return rows, tuple(self.clock.seconds())
+
+
 class Runner:
     def __init__(self, verifier: Verifier, drafter: Drafter | None, slots: int, capacity: int, compile: bool = False,
-                 captured: bool = False):
+                 captured: bool = False, levels: tuple[Drafter, ...] = ()):
         """`slots`: request slots (rows of the stages' tables, less the padding row); `capacity`:
         committed tokens a request may reach, and a step's worth past them; `compile`: run what
         follows the target's forward (verdicts, commits, append) through torch.compile where it
         draws nothing, a few fused kernels instead of some twenty; `captured`: each step's phases
-        replay CUDA graphs, one per batch size of `sizes` (powers of two, and `slots`)."""
+        replay CUDA graphs, one per (mode, batch size, budget); `levels`: drafters of smaller trees
+        over `drafter`'s stage, the other speculative modes a policy may choose."""
         self.verifier, self.drafter = verifier, drafter
         self.device = verifier.device
         self.stages = [verifier.stage] + ([drafter.stage] if drafter is not None else [])
+        self.modes = [PLAIN] + [Mode(f"depth {d.max_depth}", d) for d in ((drafter, *levels) if drafter else ())]
         self.padding = slots
         rows = slots + 1
         self.tokens = torch.zeros(rows, capacity, dtype=torch.long, device=self.device)  # [rows, capacity]
         self.lengths = torch.full((rows,), CATCH_UP, dtype=torch.long, device=self.device)  # [rows]
-        self.host_lengths = [CATCH_UP] * rows
+        self.ends = torch.zeros(rows, dtype=torch.long, device=self.device)  # [rows] committed tokens a slot stops at
+        self.host_lengths = [CATCH_UP] * rows  # as of the last step collected
+        self.drafted = [0] * rows  # committed tokens the drafter's cache holds of each slot (exact once all is collected)
         self.sampling = SamplingRows.of([SamplingSpec()] * rows, self.device)
         self.draws = Draws(torch.zeros(rows, dtype=torch.long, device=self.device),
                            torch.zeros(rows, dtype=torch.long, device=self.device))
@@ -58,7 +125,7 @@ class Runner:
                                         device=self.device)  # [rows, D + 1, C H]
             self.pending = torch.zeros(rows, dtype=torch.long, device=self.device)  # [rows] pairs not fed to the head
         self.captured = captured
-        self.sizes = sorted({min(1 << k, slots) for k in range(slots.bit_length() + 1)})
+        self.clock = Clock  # what times a step's phases (a test may charge its own)
         self._replays = Replays(captured, verifier.stage.pool)
         for stage in self.stages:
             stage.table[self.padding].zero_()
@@ -66,44 +133,84 @@ class Runner:
             self._settle = torch.compile(self._settle, fullgraph=True)
 
     # -- a request's slot
-    def start(self, slot: int, blocks: list[int], prompt: list[int], sampling: SamplingSpec) -> None:
+    def start(self, slot: int, blocks: list[int], prompt: list[int], sampling: SamplingSpec, end: int) -> None:
         """A request takes `slot`: its blocks in every stage's table, its prompt committed, its
-        settings and stream (seeded by sampling.seed), its recurrent state (hybrid) zeroed."""
-        rows = torch.tensor([slot], device=self.device)
+        settings and stream (seeded by sampling.seed), its recurrent state (hybrid) zeroed; no step
+        decodes it once it has `end` committed tokens."""
+        rows = to_device([slot], self.device)
+        blocks = to_device(blocks, self.device)
         for stage in self.stages:
             stage.table[slot].zero_()
-            stage.table[slot, : len(blocks)] = torch.tensor(blocks, device=self.device)
+            stage.table[slot, : blocks.numel()] = blocks
             stage.cache.reset(rows)
-        self.tokens[slot, : len(prompt)] = torch.tensor(prompt, device=self.device)
+        self.tokens[slot, : len(prompt)] = to_device(prompt, self.device)
         self.lengths[slot] = len(prompt)
+        self.ends[slot] = end
         self.host_lengths[slot] = len(prompt)
-        settings = SamplingRows.of([sampling], self.device)
+        self.drafted[slot] = 0
         for name in ("temperature", "top_p", "top_k"):
-            getattr(self.sampling, name)[slot] = getattr(settings, name)[0]
-        self.sampling.filters = self.sampling.filters or settings.filters
+            getattr(self.sampling, name)[slot] = getattr(sampling, name)
+        self.sampling.filters = self.sampling.filters or sampling.top_k > 0 or sampling.top_p < 1
         self.draws.seeds[slot], self.draws.counters[slot] = sampling.seed, 0
         if self.pending is not None:
             self.pending[slot] = 0
 
     @torch.inference_mode()
-    def prefill(self, chunks: list[tuple[int, int, int]]) -> None:
+    def prefill(self, chunks: list[tuple[int, int, int]], drafter: bool = True) -> None:
         """Feed the prompt tokens [start, end) of each (slot, start, end) of `chunks` to the target,
-        and those below the drafter's share (all but the last two) to the drafter, in one forward
-        per stage, each chunk kept; a head gets the pairs of the target's features instead."""
-        stages = [(self.verifier.stage, 1)]
-        if self.drafter is not None and self.features is None:
-            stages.append((self.drafter.stage, CATCH_UP))
-        for stage, held_back in stages:  # (the prompt's last tokens, which the first step feeds)
-            fed = [(slot, start, min(end, self.host_lengths[slot] - held_back)) for slot, start, end in chunks]
-            fed = [chunk for chunk in fed if chunk[2] > chunk[1]]
-            if not fed:
-                continue
-            tokens, layout = self._prompt_chunks(stage, fed)
+        and (where `drafter`) those below the drafter's share (all but the last two) to the drafter,
+        in one forward per stage, each chunk kept; a head gets the pairs of the target's features
+        instead. A drafter not fed here is fed by `sync_drafter` before it drafts."""
+        target = self.verifier.stage
+        fed = self._within(chunks, 1)  # (the prompt's last token: the first step feeds it)
+        if fed:
+            tokens, layout = self._prompt_chunks(target, fed)
             if self.features is None:
-                stage.forward(tokens, layout)
+                target.forward(tokens, layout)
             else:
-                self._prompt_pairs(fed, layout, stage.forward_features(tokens, layout)[1])
-            stage.cache.keep(layout.rows, layout.cu.diff())
+                self._prompt_pairs(fed, layout, target.forward_features(tokens, layout)[1])
+            target.cache.keep(layout.rows, layout.cu.diff())
+        if drafter and self.drafter is not None and self.features is None:  # (a drafter left behind: sync_drafter)
+            self._feed_drafter(self._within([c for c in chunks if self.drafted[c[0]] == c[1]], CATCH_UP))
+
+    def lagging(self, slots: list[int]) -> list[int]:
+        """The slots whose drafter misses committed tokens its catch-up does not feed (exact once
+        every launched step is collected; a head, fed the target's features by every step, never does)."""
+        if self.drafter is None or self.features is not None:
+            return []
+        return [s for s in slots if self.drafted[s] < self.host_lengths[s] - CATCH_UP]
+
+    @torch.inference_mode()
+    def sync_drafter(self, slots: list[int], chunk: int) -> None:
+        """Feed the drafter of each of `slots` the committed tokens it missed, all but the last
+        two (its next catch-up feeds those), in forwards of at most `chunk` tokens; call once
+        every launched step is collected."""
+        share = min(chunk, self.drafter.stage.max_step_tokens)
+        while slots := self.lagging(slots):
+            chunks, left = [], chunk
+            for slot in slots:
+                if left == 0:
+                    break
+                start = self.drafted[slot]
+                end = min(start + min(left, share), self.host_lengths[slot] - CATCH_UP)
+                chunks.append((slot, start, end))
+                left -= end - start
+            self._feed_drafter(chunks)
+
+    def _within(self, chunks: list[tuple[int, int, int]], held_back: int) -> list[tuple[int, int, int]]:
+        """`chunks` cut to the committed tokens but each slot's last `held_back`; empty ones left out."""
+        cut = [(slot, start, min(end, self.host_lengths[slot] - held_back)) for slot, start, end in chunks]
+        return [chunk for chunk in cut if chunk[2] > chunk[1]]
+
+    def _feed_drafter(self, chunks: list[tuple[int, int, int]]) -> None:
+        if not chunks:
+            return
+        stage = self.drafter.stage
+        tokens, layout = self._prompt_chunks(stage, chunks)
+        stage.forward(tokens, layout)
+        stage.cache.keep(layout.rows, layout.cu.diff())
+        for slot, _, end in chunks:
+            self.drafted[slot] = end
 
     def _prompt_pairs(self, fed: list[tuple[int, int, int]], layout: Layout, features: torch.Tensor) -> None:
         """The head's pairs of the target's prompt chunks `fed` (features [T, C H], packed as `layout`
@@ -119,7 +226,7 @@ class Runner:
     def _prompt_chunks(self, stage: Stage, chunks: list[tuple[int, int, int]]) -> tuple[torch.Tensor, Layout]:
         """The committed tokens [start, stop) of each (slot, start, stop) of `chunks` packed for one
         forward of `stage`, each at its own slot and seeing those before it -> (packed tokens, layout)."""
-        slots, starts, stops = (torch.tensor(column, device=self.device) for column in zip(*chunks))  # [R] each
+        slots, starts, stops = (to_device(list(column), self.device) for column in zip(*chunks))  # [R] each
         counts = stops - starts
         longest = max(stop - start for _, start, stop in chunks)
         offsets = torch.arange(longest, device=self.device)[None].expand(len(chunks), -1)  # [R, E]
@@ -131,72 +238,84 @@ class Runner:
 
     # -- decoding
     @torch.inference_mode()
-    def decode(self, slots: list[int], budget: int | None = None) -> tuple[list[list[int]], Clock]:
-        """One step of the requests in `slots` -> each one's new tokens (accepted drafts and the
-        bonus, past its end as the step made them) and the step's clock (draft, verify marks).
+    def launch(self, slots: list[int], mode: Mode, budget: int | None = None, in_flight: bool = False) -> Launched:
+        """Enqueue one step of the requests in `slots` in `mode` and return it in flight; no host read.
         `budget`: draft nodes verified over the whole batch (a dynamic drafter), None: each its
-        tree's. Where steps are captured, the batch is padded to a size of `sizes` with the padding
-        row, and each phase replays the CUDA graph of its size (and budget)."""
-        n = len(slots)
-        size = next(b for b in self.sizes if b >= n) if self.captured else n
-        rows = torch.tensor(slots + [self.padding] * (size - n), device=self.device)
-        live = torch.arange(size, device=self.device) < n
-        clock = Clock(self.device)
-        result = self.step(rows, live, max(self.host_lengths[s] for s in slots), budget, clock)  # [R, D + 2]
-        out = []
-        for slot, (count, *new) in zip(slots, result[:n].tolist()):  # the step's one host read
-            self.host_lengths[slot] += count
-            out.append(new[:count])
-        return out, clock
+        tree's; `in_flight`: whether a step launched before is not collected yet (the host's
+        lengths are then a step behind: the eager forwards' widths allow for it)."""
+        step_tokens = max(m.depth for m in self.modes) + 1
+        longest = max(self.host_lengths[s] for s in slots) + (step_tokens if in_flight else 0)
+        clock = self.clock(self.device)
+        result = self.step(to_device(slots, self.device), mode, longest, budget, clock)
+        return Launched(slots, mode, result, clock)
 
-    def step(self, rows: torch.Tensor, live: torch.Tensor, longest: int, budget: int | None,
+    def collect(self, launched: Launched, keep: list[bool]) -> tuple[list[list[int]], tuple[float, ...]]:
+        """Wait for a launched step -> the new tokens of each of its requests (past its end as the
+        step made them) and its (draft, verify) seconds; its slots' host lengths (and what their
+        drafters hold) move on where `keep` (not for a request that had finished before the step,
+        whose slot may be another's now)."""
+        rows, seconds = launched.collect()
+        for slot, (count, _), kept in zip(launched.slots, rows, keep):
+            if kept:
+                self.host_lengths[slot] += count
+                if launched.mode.drafter is not None:
+                    self.drafted[slot] = self.host_lengths[slot] - CATCH_UP
+        return [new for _, new in rows], seconds
+
+    def step(self, rows: torch.Tensor, mode: Mode, longest: int, budget: int | None,
              clock: Clock | None = None) -> torch.Tensor:
-        """The device work of a step of the requests in table rows `rows` [R] (`live` [R]: not
-        padding; `longest`: the most committed tokens among them, which sizes eager forwards) ->
-        [R, D + 2]: each one's count of new tokens, then the new tokens; no host read. `clock`:
-        marked around the draft and the verify phases."""
+        """The device work of a step of the requests in table rows `rows` [R] (`longest`: at least
+        the most committed tokens among them, which sizes eager forwards) -> [R, D + 2]: each one's
+        count of new tokens, then the new tokens; no host read. A row whose request reached its end
+        runs as the padding row. `clock`: marked around the draft and the verify phases."""
         marks = clock.mark if clock is not None else lambda: None
         marks()
         size = rows.numel()
-        drafted = () if self.drafter is None else self._replays.run(
-            ("draft", size, budget), lambda rows, live: self._draft(rows, live, longest, budget).tensors(), rows, live)
+        drafter = mode.drafter
+        drafted = () if drafter is None else self._replays.run(
+            ("draft", mode.name, size, budget), lambda rows: self._draft(drafter, self._alive(rows), longest,
+                                                                         budget).tensors(), rows)
         marks()
-        result = self._replays.run(("verify", size, budget), lambda rows, *drafted: self._verify(
-            rows, drafted, longest, budget), rows, *drafted)
+        result = self._replays.run(("verify", mode.name, size, budget), lambda rows, *drafted: self._verify(
+            drafter, self._alive(rows), drafted, longest, budget), rows, *drafted)
         marks()
         return result
 
-    def _requests(self, rows: torch.Tensor) -> tuple[Requests, SamplingRows, Draws]:
+    def _alive(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` [R], each whose request reached its end replaced by the padding row."""
+        return torch.where(self.lengths[rows] < self.ends[rows], rows, self.padding)
+
+    def _requests(self, rows: torch.Tensor, drafter: Drafter | None) -> tuple[Requests, SamplingRows, Draws]:
         """The step's requests (table rows `rows` [R]), their settings and random streams."""
         lengths = self.lengths[rows]
         if self.features is None:
             requests = Requests(rows, self.tokens, lengths, lengths.clamp(max=CATCH_UP), CATCH_UP)
         else:
-            requests = Requests(rows, self.tokens, lengths, self.pending[rows], self.drafter.max_feeds, self.features[rows])
+            requests = Requests(rows, self.tokens, lengths, self.pending[rows], drafter.max_feeds, self.features[rows])
         return requests, self.sampling.take(rows), Draws(self.draws.seeds[rows], self.draws.counters[rows])
 
-    def _draft(self, rows: torch.Tensor, live: torch.Tensor, longest: int, budget: int | None) -> Draft:
-        requests, sampling, draws = self._requests(rows)
-        width = self.drafter.stage.width(longest, self.drafter.span)
-        draft = self.drafter.draft(requests, width, sampling, draws, budget, live)
+    def _draft(self, drafter: Drafter, rows: torch.Tensor, longest: int, budget: int | None) -> Draft:
+        requests, sampling, draws = self._requests(rows, drafter)
+        width = drafter.stage.width(longest, drafter.span)
+        draft = drafter.draft(requests, width, sampling, draws, budget, rows != self.padding)
         self.draws.counters.index_copy_(0, rows, draws.counters)
         return draft
 
-    def _verify(self, rows: torch.Tensor, drafted: tuple[torch.Tensor, ...], longest: int,
+    def _verify(self, drafter: Drafter | None, rows: torch.Tensor, drafted: tuple[torch.Tensor, ...], longest: int,
                 budget: int | None) -> torch.Tensor:
-        requests, sampling, draws = self._requests(rows)
+        requests, sampling, draws = self._requests(rows, drafter)
         draft = None
         if drafted:
-            packed = None if budget is None else rows.numel() + min(budget, rows.numel() * self.drafter.nodes)
-            draft = Draft.from_tensors(drafted, self.drafter.max_depth, packed)
+            packed = None if budget is None else rows.numel() + min(budget, rows.numel() * drafter.nodes)
+            draft = Draft.from_tensors(drafted, drafter.max_depth, packed)
         tree = self._roots(requests) if draft is None else draft.tree
-        result = self._settle(tree, draft, requests, sampling, draws, longest)
+        result = self._settle(tree, drafter, draft, requests, sampling, draws, longest)
         self.draws.counters.index_copy_(0, rows, draws.counters)
         self.lengths[self.padding].fill_(CATCH_UP)  # (the padding row's tokens stay where its next step needs them)
         return result
 
-    def _settle(self, tree: Tree, draft: Draft | None, requests: Requests, sampling: SamplingRows, draws: Draws,
-                longest: int) -> torch.Tensor:
+    def _settle(self, tree: Tree, drafter: Drafter | None, draft: Draft | None, requests: Requests,
+                sampling: SamplingRows, draws: Draws, longest: int) -> torch.Tensor:
         """The target's forward of the trees and what follows it: verdicts, both caches' commits and
         the append -> [R, D + 2]: each request's count of new tokens, then the new tokens (padded)."""
         verifier = self.verifier
@@ -213,7 +332,7 @@ class Runner:
             self.pending.index_copy_(0, requests.rows, counts)
         verifier.commit(verdict.paths, requests.rows, requests.lengths)
         if draft is not None:
-            self.drafter.commit(draft, verdict.paths, requests)
+            drafter.commit(draft, verdict.paths, requests)
         at = requests.lengths[:, None] + torch.arange(new.shape[1], device=self.device)  # [R, D + 1]
         self.tokens[requests.rows[:, None], at] = new  # (past the count: garbage the next step overwrites)
         self.lengths.index_copy_(0, requests.rows, requests.lengths + counts)

@@ -22,6 +22,7 @@ class Generation:
     finish_reason: str = ""  # "stop" (an end-of-sequence token), "length" (max_new_tokens), "clipped" (max_seq_len)
     seconds: float = 0.0
     first_token_seconds: float = 0.0  # prompt in, first step's tokens out
+    queued_seconds: float = 0.0  # of those, waiting for a place (many requests at once)
     draft_seconds: float = 0.0  # device time of the draft phases (GPU: CUDA events)
     verify_seconds: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)  # what an executor measures besides (see its docstring)

@@ -1,0 +1,139 @@
+"""Which mode a step runs: plain decoding or speculation at one of the recipe's tree depths, the
+one expected to give the batch it runs the most output tokens per second:
+
+    rate(m) = sum over the batch's requests r of E_r[tokens per step | m] / T(m, n)
+
+T(m, n) is the time of a real step in mode m of n requests (`StepCosts`: measured when the engine
+starts, then each step's own time). E_r comes from per-depth acceptance rates: p_k, the chance a
+step accepts a draft at depth k once it accepted one at depth k - 1, so a tree cut at depth d
+gives E = 1 + sum_{k <= d} p_1 ... p_k. Each request has its own counts, drawn toward the
+batch-wide rates (themselves drawn toward a prior) while it has few (`Acceptance`). Plain
+decoding gives 1 token at its own cost and is always a candidate, so no step is expected to be
+slower than plain decoding.
+
+Modes switch only for a gain above `HYSTERESIS`. While plain decoding runs, nothing is learned of
+the drafter: every `PROBE` steps (doubling each time the probe does not win) one step speculates
+in the best speculative mode that could win were every draft accepted, so that a drafter whose
+acceptance was underrated gets its chance (and one that could never pay is never run).
+A drafter that skipped steps is fed what it missed before it drafts again (runner.sync_drafter).
+"""
+
+from __future__ import annotations
+
+from specgraph.engine.runner import Mode
+
+HYSTERESIS = 0.05  # a mode replaces the current one only if its rate is this much higher
+PROBE = 16  # plain steps before the first probe of speculation (then doubling, up to PROBE_MOST)
+PROBE_MOST = 1024
+PRIOR = 0.5  # a depth's acceptance rate before any is seen
+PRIOR_WEIGHT = 4.0  # pseudo-trials of the prior in the batch-wide rates, and of those in a request's
+DECAY = 0.99  # the batch-wide counts' weight after each observation (old requests' acceptance fades)
+
+
+class Acceptance:
+    """Per-depth counts: at depth k, `trials[k]` steps that accepted every draft above depth k and
+    could accept one there, `hits[k]` of them that did."""
+
+    def __init__(self, depth: int):
+        self.trials, self.hits = [0.0] * (depth + 1), [0.0] * (depth + 1)
+
+    def observe(self, accepted: int, depth: int, weight: float = 1.0) -> None:
+        """A step that could accept `depth` drafts accepted `accepted`."""
+        for k in range(1, min(accepted + 1, depth) + 1):
+            self.trials[k] += weight
+            self.hits[k] += weight * (k <= accepted)
+
+    def rates(self, prior: list[float], weight: float) -> list[float]:
+        """p_k for k = 1 .. depth: the counts drawn toward `prior` [depth + 1] with `weight` pseudo-trials."""
+        return [(h + weight * p) / (t + weight) for h, t, p in zip(self.hits[1:], self.trials[1:], prior[1:])]
+
+    def decay(self, factor: float) -> None:
+        self.trials = [t * factor for t in self.trials]
+        self.hits = [h * factor for h in self.hits]
+
+
+def expected_tokens(rates: list[float], depth: int) -> float:
+    """E[tokens a step gives] with a tree cut at `depth`: the bonus and each depth's acceptance."""
+    total, reach = 1.0, 1.0
+    for p in rates[:depth]:
+        reach *= p
+        total += reach
+    return total
+
+
+class StepCosts:
+    """Seconds of a step by mode name and batch size: measured ones, and between them a straight
+    line (past the largest measured, the line through the last two)."""
+
+    def __init__(self, table: dict[str, dict[int, float]] | None = None):
+        self.table = {name: dict(by_size) for name, by_size in (table or {}).items()}
+
+    def observe(self, mode: str, size: int, seconds: float, weight: float = 0.2) -> None:
+        """A step's measured time, averaged into what was known of its mode and size."""
+        by_size = self.table.setdefault(mode, {})
+        by_size[size] = seconds if size not in by_size else (1 - weight) * by_size[size] + weight * seconds
+
+    def seconds(self, mode: str, size: int) -> float:
+        by_size = self.table[mode]
+        if size in by_size:
+            return by_size[size]
+        below, above = [s for s in sorted(by_size) if s < size], [s for s in sorted(by_size) if s > size]
+        if not below:
+            return by_size[above[0]]
+        if not above and len(below) == 1:
+            return by_size[below[0]] * size / below[0]  # (one size measured: as if a step's cost grew with its batch)
+        lo, hi = (below[-1], above[0]) if above else (below[-2], below[-1])
+        slope = (by_size[hi] - by_size[lo]) / (hi - lo)
+        return max(by_size[lo] + slope * (size - lo), 0.0)
+
+
+class Policy:
+    def __init__(self, modes: list[Mode], costs: StepCosts, prior: float = PRIOR):
+        """`modes`: plain decoding first, then speculation, deepest first."""
+        self.modes, self.costs = modes, costs
+        self.depth = max(m.depth for m in modes)
+        self.prior = [prior] * (self.depth + 1)
+        self.batchwide = Acceptance(self.depth)
+        self.current = max(modes, key=lambda m: self.rate(m, [Acceptance(self.depth)]))  # for one request, a priori
+        self.plain_steps, self.probe_every = 0, PROBE
+        self.chosen: dict[str, int] = {}  # steps each mode ran
+
+    def rate(self, mode: Mode, acceptances: list[Acceptance]) -> float:
+        """Expected output tokens per second of a step in `mode` of requests with these acceptance counts."""
+        shared = self.batchwide.rates(self.prior, PRIOR_WEIGHT)
+        shared = [0.0, *shared]
+        tokens = sum(expected_tokens(a.rates(shared, PRIOR_WEIGHT), mode.depth) for a in acceptances)
+        return tokens / max(self.costs.seconds(mode.name, len(acceptances)), 1e-9)
+
+    def ceiling(self, mode: Mode, size: int) -> float:
+        """The rate of `mode` for `size` requests were every draft accepted."""
+        return size * (1 + mode.depth) / max(self.costs.seconds(mode.name, size), 1e-9)
+
+    def choose(self, acceptances: list[Acceptance]) -> Mode:
+        """The mode of the next step of requests with these acceptance counts (one per request)."""
+        rates = {m.name: self.rate(m, acceptances) for m in self.modes}
+        best = max(self.modes, key=lambda m: rates[m.name])
+        if rates[best.name] > rates[self.current.name] * (1 + HYSTERESIS):
+            self.current = best
+        mode = self.current
+        if mode.drafter is None:
+            self.plain_steps += 1
+            hopeful = [m for m in self.modes[1:] if self.ceiling(m, len(acceptances)) > rates[mode.name]]
+            if self.plain_steps >= self.probe_every and hopeful:  # a probe of the best speculation that could win
+                self.plain_steps, self.probe_every = 0, min(2 * self.probe_every, PROBE_MOST)
+                mode = max(hopeful, key=lambda m: rates[m.name])
+        else:
+            self.plain_steps, self.probe_every = 0, PROBE
+        self.chosen[mode.name] = self.chosen.get(mode.name, 0) + 1
+        return mode
+
+    def observe(self, mode: Mode, counts: list[int], acceptances: list[Acceptance], size: int, seconds: float) -> None:
+        """A collected step of `size` requests in `mode` and its seconds: the count of new tokens of
+        each request still decoding (its acceptance counts alongside)."""
+        self.costs.observe(mode.name, size, seconds)
+        if mode.drafter is None:
+            return
+        self.batchwide.decay(DECAY)
+        for count, acceptance in zip(counts, acceptances):
+            acceptance.observe(count - 1, mode.depth)
+            self.batchwide.observe(count - 1, mode.depth)

@@ -1,0 +1,172 @@
+"""The speculation policy (specgraph/engine/policy.py): each step runs plain decoding or speculation
+at one of the drafter's tree depths, whichever is expected to give the batch the most tokens per
+second. Step times come from a clock that charges each forward a price (a CPU's measured times vary
+too much under load to test a choice on), so what the policy should choose follows by hand; the
+tokens are transformers' greedy ones whatever it chooses, and sampling keeps the target's law."""
+
+import pytest
+from conftest import EMBEDDED
+from helpers import BUDGETS, decode_together, sampled_law, total_variation, two_stage, two_token_law
+
+from specgraph.engine import runner as runner_module
+from specgraph.engine.policy import Acceptance, Policy, StepCosts, expected_tokens
+from specgraph.engine.runner import PLAIN, Mode
+from specgraph.program import Program
+from specgraph.runtime.stage import Stage
+
+DYNAMIC = {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 10}
+
+
+class Ledger:
+    """Simulated time: every forward of a stage adds its price, (seconds a forward, seconds a token), by stage name."""
+
+    def __init__(self, prices: dict[str, tuple[float, float]]):
+        self.prices, self.total = prices, 0.0
+
+    def clock(self, device):
+        ledger = self
+
+        class Clock:
+            def __init__(self):
+                self.marks = []
+
+            def mark(self):
+                self.marks.append(ledger.total)
+
+            def seconds(self):
+                return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+        return Clock()
+
+
+@pytest.fixture
+def priced(monkeypatch):
+    """A program whose steps are timed by a Ledger of the given prices (calibration included)."""
+
+    def build(prices: dict[str, tuple[float, float]], **fields) -> Program:
+        ledger = Ledger(prices)
+        forward = Stage.forward
+
+        def charged(stage, tokens, layout):
+            per_forward, per_token = ledger.prices[stage.name]
+            ledger.total += per_forward + per_token * tokens.numel()
+            return forward(stage, tokens, layout)
+
+        monkeypatch.setattr(Stage, "forward", charged)
+        monkeypatch.setattr(runner_module, "Clock", ledger.clock)
+        return Program.from_recipe(two_stage(EMBEDDED / "target", EMBEDDED / "draft", DYNAMIC, **fields))
+
+    return build
+
+
+def expected(reference, budgets=BUDGETS):
+    return [new[:budget] for (_, new), budget in zip(reference, budgets)]
+
+
+def test_a_draft_that_costs_more_than_it_gains_is_never_run(priced, target_reference):
+    """A drafter forward at 1 s, a target forward at 10 ms: a step of depth d costs at least 1 s for
+    at most d + 1 tokens a request, plain decoding 10 ms for one. Even all drafts accepted could not
+    pay, so no step speculates, not even a probe; the tokens are transformers'."""
+    program = priced({"draft": (1.0, 0.0), "target": (0.010, 0.0)}, serving={"max_batch": 5, "block_size": 16})
+    engine = program.executor
+    assert decode_together(program, target_reference) == expected(target_reference)
+    assert set(engine.totals.modes) == {"ar"} and engine.totals.modes["ar"] == engine.totals.steps > 30
+
+
+def test_a_draft_that_pays_is_run(priced, target_reference):
+    """A drafter forward at 0.1 ms, a target forward at 10 ms (plus 0.1 ms a token): speculation costs
+    about what a plain step does and gives more tokens (the fixture drafter is often right), so the
+    policy speculates, deepest tree included; the tokens are transformers'."""
+    program = priced({"draft": (1e-4, 0.0), "target": (0.010, 1e-4)}, serving={"max_batch": 5, "block_size": 16})
+    engine = program.executor
+    assert decode_together(program, target_reference) == expected(target_reference)
+    modes = engine.totals.modes
+    assert modes.get("ar", 0) < 0.1 * engine.totals.steps and modes.get("depth 4", 0) > 0
+
+
+class Cycling(Policy):
+    """Runs its modes in turn, whatever they cost: mode switches in the middle of every request."""
+
+    def __init__(self, modes: list[Mode]):
+        super().__init__(modes, StepCosts({m.name: {1: 1.0} for m in modes}))
+        self.turn = 0
+
+    def choose(self, acceptances):
+        self.turn += 1
+        return self.modes[self.turn % len(self.modes)]
+
+
+def test_switching_modes_mid_request_keeps_the_greedy_tokens(target_reference):
+    """Plain decoding, then depth 4, 2 and 1 trees in turn, requests five at a time with staggered
+    finishes: a drafter that skipped steps is fed what it missed; every request gets transformers' tokens."""
+    program = Program.from_recipe(two_stage(EMBEDDED / "target", EMBEDDED / "draft", DYNAMIC,
+                                            serving={"max_batch": 5, "block_size": 16}))
+    engine = program.executor
+    engine.policy = Cycling(engine.runner.modes)
+    assert decode_together(program, target_reference) == expected(target_reference)
+    assert set(engine.totals.modes) == {"ar", "depth 4", "depth 2", "depth 1"}
+
+
+def test_switching_modes_mid_request_keeps_the_sampled_law():
+    """Two sampled tokens after a prompt over many seeds, modes in turn (so a request's steps run
+    plain then speculative, or the reverse): their law approaches the target's exact one, far below
+    the draft's own distance to it (temperature 1, top-k 3: 9 outcomes)."""
+    sampling = {"temperature": 1.0, "top_k": 3}
+    program = Program.from_recipe(two_stage(EMBEDDED / "target", EMBEDDED / "draft",
+                                            {"shape": "static", "branching": [2, 2]}, sampling=sampling,
+                                            max_new_tokens=2, serving={"speculation": "always"}))
+    engine = program.executor
+    engine.policy = Cycling([PLAIN, *engine.runner.modes[1:]])
+    ids = program.encode("import os\nimport sys\n\n\ndef main(")
+    observed = sampled_law(lambda seed: program.generate(ids, seed=seed).output_ids, 1200)
+    exact, draft = two_token_law(EMBEDDED / "target", ids, sampling), two_token_law(EMBEDDED / "draft", ids, sampling)
+    assert set(observed) <= set(exact)
+    assert total_variation(draft, exact) > 0.25  # the draft's own law is far from the target's
+    assert total_variation(observed, exact) < 0.06  # (the expected distance at 1200 draws is about 0.03)
+    assert engine.totals.modes["ar"] > 300 and engine.totals.modes["depth 2"] > 300
+
+
+def test_acceptance_counts_each_depth_a_step_reached():
+    """By hand: a depth-3 step that accepted 1 draft tried depths 1 and 2 and passed depth 1; one that
+    accepted all 3 passed each; a depth-1 step that accepted its draft says nothing of depth 2."""
+    counts = Acceptance(3)
+    counts.observe(1, 3)
+    counts.observe(3, 3)
+    counts.observe(1, 1)
+    assert counts.trials == [0, 3, 2, 1] and counts.hits == [0, 3, 1, 1]
+    assert counts.rates([0.5] * 4, 0.0) == [1.0, 0.5, 1.0]
+    assert counts.rates([0.5] * 4, 2.0) == [(3 + 1) / 5, (1 + 1) / 4, (1 + 1) / 3]
+    assert expected_tokens([0.5, 0.5, 0.5], 2) == 1 + 0.5 + 0.25 and expected_tokens([0.5], 0) == 1
+
+
+def test_step_costs_between_and_past_the_measured_sizes():
+    """By hand: 10 ms at 1, 14 ms at 2, 22 ms at 4 -> 18 ms at 3 (between 2 and 4), 26 ms at 5 (the line
+    through 2 and 4 is 4 ms a request); a mode measured at one size only grows with the batch, and is that
+    size's below it. A step's own time is taken where its size was not measured, then averaged in."""
+    costs = StepCosts({"m": {1: 0.010, 2: 0.014, 4: 0.022}, "one": {2: 0.010}})
+    assert [round(costs.seconds("m", n), 6) for n in (1, 3, 5)] == [0.010, 0.018, 0.026]
+    assert costs.seconds("one", 4) == pytest.approx(0.020) and costs.seconds("one", 1) == 0.010
+    costs.observe("m", 3, 0.028)
+    assert costs.seconds("m", 3) == 0.028
+    costs.observe("m", 3, 0.018)
+    assert costs.seconds("m", 3) == pytest.approx(0.8 * 0.028 + 0.2 * 0.018)
+
+
+def test_a_mode_replaces_the_current_one_only_for_a_clear_gain():
+    """Plain at 10 ms a token; a depth-1 tree at 19.5 ms: with its draft accepted 1000 times in 1000 it
+    gives (almost) 2 tokens, 2 / 19.5 ms = 102.6 tokens/s against 100, under the 5% a switch needs; at
+    18 ms, 111 tokens/s: it switches."""
+
+    class Tree:
+        max_depth, nodes = 1, 3
+
+    deep = Mode("depth 1", Tree())
+    sure = Acceptance(1)
+    for _ in range(1000):
+        sure.observe(1, 1)
+    policy = Policy([PLAIN, deep], StepCosts({"ar": {1: 0.010}, "depth 1": {1: 0.0195}}))
+    policy.current = PLAIN
+    policy.batchwide = sure
+    assert policy.choose([sure]) is PLAIN
+    policy.costs.table["depth 1"][1] = 0.018
+    assert policy.choose([sure]) is deep
