@@ -38,6 +38,7 @@ class Layout:
     grid: torch.Tensor  # [R, G] packed index of each segment's i-th token, -1 past its count
     table: torch.Tensor  # [table rows, M] physical block of each virtual block: a segment's slots are below M blocks
     block_size: int
+    padded: bool = True  # whether tokens past the segments' may be there (the attention then zeroes its output first)
 
     @property
     def width(self) -> int:
@@ -56,11 +57,11 @@ class Layout:
     @classmethod
     def build(cls, table: torch.Tensor, block_size: int, rows: torch.Tensor, starts: torch.Tensor,
               counts: torch.Tensor, offsets: torch.Tensor, visible: torch.Tensor, positions: torch.Tensor,
-              width: int) -> Layout:
+              width: int, padded: bool = True) -> Layout:
         """rows, starts, counts [R] (tokens per segment: at most G, as each sits at an offset of its
         own); offsets, positions [T] and visible [T, G] for the packed tokens (rows past sum(counts):
-        padding, whatever they hold); `width`: at least every starts[r] + G (the table is cut to the
-        blocks that hold it: a view)."""
+        padding, whatever they hold; `padded` False: the counts are known to fill all T); `width`: at
+        least every starts[r] + G (the table is cut to the blocks that hold it: a view)."""
         t, g = visible.shape
         table = table[:, : -(-width // block_size)]
         device = visible.device
@@ -76,7 +77,7 @@ class Layout:
         grid = cu[:-1, None] + torch.arange(g, device=device)  # [R, G]
         grid = torch.where(grid < cu[1:, None], grid, -1)
         return cls(t, torch.where(live, slots, 0), torch.where(live, positions, 0), rows, cu, starts,
-                   visible & live[:, None], grid, table, block_size)
+                   visible & live[:, None], grid, table, block_size, padded)
 
     @classmethod
     def single(cls, table: torch.Tensor, block_size: int, start: torch.Tensor, offsets: torch.Tensor,
@@ -85,7 +86,7 @@ class Layout:
         `start` ([] long), each seeing the offsets visible [T, G] marks."""
         device = visible.device
         return cls.build(table, block_size, torch.full((1,), row, device=device), start.reshape(1),
-                         torch.full((1,), offsets.numel(), device=device), offsets, visible, positions, width)
+                         torch.full((1,), offsets.numel(), device=device), offsets, visible, positions, width, False)
 
     def to(self, device: torch.device | str) -> Layout:
         tensors = {f.name: getattr(self, f.name).to(device) for f in fields(self)
@@ -97,10 +98,10 @@ class Layout:
         of `heads` query heads (at most: a rank of a split model has fewer): with a zeroed scratch of
         int32 tickets [R (ceil(heads G / 16) + heads)], where the Triton kernel counts the split
         programs of each row block (it leaves them zero, so one scratch serves every layer of a
-        forward, and a CUDA graph of the forward holds its own)."""
+        forward, and a CUDA graph of the forward holds its own), and whether it may have padding tokens."""
         tickets = torch.zeros(self.segments * (-(-heads * self.region // 16) + heads), dtype=torch.int32,
                               device=self.rows.device)
-        return self.table, self.rows, self.cu, self.starts, self.visible, self.grid, tickets, self.block_size
+        return self.table, self.rows, self.cu, self.starts, self.visible, self.grid, tickets, self.block_size, self.padded
 
     def tree(self) -> torch.Tensor:
         """[R, G, G] bool: within each segment, token i sees token j (a hybrid forward: see the module doc)."""

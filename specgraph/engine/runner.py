@@ -62,6 +62,7 @@ class Mode:
 
 
 PLAIN = Mode("ar")
+PREFILL_BUCKET = 16  # the fewest tokens a captured prompt forward is sized for
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -163,12 +164,11 @@ class Runner:
         instead. A drafter not fed here is fed by `sync_drafter` before it drafts."""
         target = self.verifier.stage
         fed = self._within(chunks, 1)  # (the prompt's last token: the first step feeds it)
-        if fed:
-            tokens, layout = self._prompt_chunks(target, fed)
-            if self.features is None:
-                target.forward(tokens, layout)
-            else:
-                self._prompt_pairs(fed, layout, target.forward_features(tokens, layout)[1])
+        if fed and self.features is None:
+            self._forward_chunks(target, fed)
+        elif fed:
+            tokens, layout = self._prompt_chunks(target, fed, *self._sizes(fed))
+            self._prompt_pairs(fed, layout, target.forward_features(tokens, layout)[1])
             target.cache.keep(layout.rows, layout.cu.diff())
         if drafter and self.drafter is not None and self.features is None:  # (a drafter left behind: sync_drafter)
             self._feed_drafter(self._within([c for c in chunks if self.drafted[c[0]] == c[1]], CATCH_UP))
@@ -203,14 +203,39 @@ class Runner:
         return [chunk for chunk in cut if chunk[2] > chunk[1]]
 
     def _feed_drafter(self, chunks: list[tuple[int, int, int]]) -> None:
-        if not chunks:
-            return
-        stage = self.drafter.stage
-        tokens, layout = self._prompt_chunks(stage, chunks)
-        stage.forward(tokens, layout)
-        stage.cache.keep(layout.rows, layout.cu.diff())
+        if chunks:
+            self._forward_chunks(self.drafter.stage, chunks)
         for slot, _, end in chunks:
             self.drafted[slot] = end
+
+    def _forward_chunks(self, stage: Stage, chunks: list[tuple[int, int, int]]) -> None:
+        """One forward of `stage` over the committed tokens [start, stop) of each (slot, start, stop)
+        of `chunks`, each kept. Where steps are captured, it replays a CUDA graph of its bucket: the
+        tokens rounded up to a power of two (16 at least), the chunks to a power of two of rows (those
+        added: empty ones of the padding row), so that a prompt costs its forward, not its launches."""
+        if not self.captured:
+            self._chunks_forward(stage, *(to_device(list(c), self.device) for c in zip(*chunks)), *self._sizes(chunks))
+            return
+        tokens = max(PREFILL_BUCKET, 1 << (sum(stop - start for _, start, stop in chunks) - 1).bit_length())
+        rows = 1 << (len(chunks) - 1).bit_length()
+        longest = min(tokens, stage.max_step_tokens)  # (no chunk is longer: the engine's prefill share)
+        padded = chunks + [(self.padding, 0, 0)] * (rows - len(chunks))
+        inputs = tuple(to_device(list(column), self.device) for column in zip(*padded))
+        self._replays.run(("prefill", stage.name, tokens, rows), lambda *inputs: self._chunks_forward(
+            stage, *inputs, longest, stage.capacity, min(tokens, rows * longest)), *inputs)
+
+    def _chunks_forward(self, stage: Stage, slots: torch.Tensor, starts: torch.Tensor, stops: torch.Tensor,
+                        longest: int, width: int, total: int) -> None:
+        """`stage`'s forward of the chunks (slots, starts, stops [R]: see `_prompt_chunks`), kept."""
+        tokens, layout = self._prompt_chunks(stage, (slots, starts, stops), longest, width, total)
+        stage.forward(tokens, layout)
+        stage.cache.keep(layout.rows, layout.cu.diff())
+
+    @staticmethod
+    def _sizes(chunks: list[tuple[int, int, int]]) -> tuple[int, int, int]:
+        """The longest chunk, the furthest slot and the tokens of `chunks`, (slot, start, stop) each."""
+        return (max(stop - start for _, start, stop in chunks), max(stop for *_, stop in chunks),
+                sum(stop - start for _, start, stop in chunks))
 
     def _prompt_pairs(self, fed: list[tuple[int, int, int]], layout: Layout, features: torch.Tensor) -> None:
         """The head's pairs of the target's prompt chunks `fed` (features [T, C H], packed as `layout`
@@ -223,18 +248,19 @@ class Runner:
                 self.features[slot, 0] = last
                 self.pending[slot] = 1
 
-    def _prompt_chunks(self, stage: Stage, chunks: list[tuple[int, int, int]]) -> tuple[torch.Tensor, Layout]:
-        """The committed tokens [start, stop) of each (slot, start, stop) of `chunks` packed for one
-        forward of `stage`, each at its own slot and seeing those before it -> (packed tokens, layout)."""
-        slots, starts, stops = (to_device(list(column), self.device) for column in zip(*chunks))  # [R] each
-        counts = stops - starts
-        longest = max(stop - start for _, start, stop in chunks)
-        offsets = torch.arange(longest, device=self.device)[None].expand(len(chunks), -1)  # [R, E]
+    def _prompt_chunks(self, stage: Stage, chunks, longest: int, width: int, total: int) -> tuple[torch.Tensor, Layout]:
+        """The committed tokens [start, stop) of each (slot, start, stop) of `chunks` (host tuples, or
+        slots, starts and stops [R] on the device) packed for one forward of `stage`, each at its own
+        slot and seeing those before it, at most `longest` a chunk, `width` virtual slots and `total`
+        tokens in all (past the chunks' own: padding) -> (packed tokens, layout)."""
+        if not isinstance(chunks[0], torch.Tensor):
+            chunks = tuple(to_device(list(column), self.device) for column in zip(*chunks))
+        slots, starts, stops = chunks  # [R] each
+        offsets = torch.arange(longest, device=self.device)[None].expand(slots.numel(), -1)  # [R, E]
         at = (starts[:, None] + offsets).clamp(max=self.tokens.shape[1] - 1)  # (past a row's count: padding)
         causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
         return stage.pack(self.tokens[slots[:, None], at], starts[:, None] + offsets, slots, starts, offsets,
-                          causal[None].expand(len(chunks), -1, -1), max(stop for *_, stop in chunks), counts,
-                          sum(stop - start for _, start, stop in chunks))
+                          causal[None].expand(slots.numel(), -1, -1), width, stops - starts, total)
 
     # -- decoding
     @torch.inference_mode()

@@ -97,6 +97,7 @@ class Stage:
         total] and their layout (its grid: row r's e-th token's packed index)."""
         r, e = tokens.shape
         flat = (tokens.flatten(), positions.flatten(), offsets.flatten(), visible.flatten(0, 1))
+        padded = counts is not None
         if counts is None:
             counts = torch.full((r,), e, dtype=torch.long, device=self.device)
         else:  # the rows' first counts[r] tokens first, in row order: each a segment; padding after them
@@ -105,7 +106,7 @@ class Stage:
             flat = tuple(x.index_select(0, order) for x in flat)
         tokens, positions, offsets, visible = flat
         return tokens, Layout.build(self.table, self.block_size, rows, starts, counts, offsets, visible, positions,
-                                    width)
+                                    width, padded)
 
     def forward_rows(self, tokens: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """`pack`'s requests (tokens [R, E]) through one forward -> logits [R, E, V] (a padding token's: garbage)."""

@@ -215,7 +215,7 @@ def _merge(part_o, part_m, part_l, ends, o, cu, T, H_KV, SPLITS, s_oh, s_ot,
 @torch.library.custom_op("specgraph::attention_invariant", mutates_args=())
 def attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                         rows: torch.Tensor, cu: torch.Tensor, starts: torch.Tensor, visible: torch.Tensor,
-                        grid: torch.Tensor, tickets: torch.Tensor, block_size: int) -> torch.Tensor:
+                        grid: torch.Tensor, tickets: torch.Tensor, block_size: int, padded: bool = True) -> torch.Tensor:
     """Same signature and result as attention_reference; each query's bits independent of its
     forward (`grid` and `tickets` unused: a segment's tokens are cu[r]..cu[r + 1]; the table's width, the slots a
     segment may see, only sizes the split count)."""
@@ -235,7 +235,9 @@ def attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     part_m = torch.empty(h_kv * splits * t * group, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     ends = torch.empty(t * group, dtype=torch.int32, device=q.device)
-    out = token_major_like(q).zero_()  # padding tokens: 0
+    out = token_major_like(q)
+    if padded:  # padding tokens: 0 (no program writes them)
+        out.zero_()
     blocks = triton.cdiv(g, tokens)  # token blocks covering the largest segment
     common = dict(GROUP=group, GROUP_P2=group_p2, TOKENS=tokens, SPLIT=SPLIT, D=d,
                   BLOCK_D=max(16, triton.next_power_of_2(d)), **launch(q.device))
@@ -250,5 +252,5 @@ def attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 @attention_invariant.register_fake
-def _(q, k_cache, v_cache, table, rows, cu, starts, visible, grid, tickets, block_size):
+def _(q, k_cache, v_cache, table, rows, cu, starts, visible, grid, tickets, block_size, padded=True):
     return token_major_like(q)

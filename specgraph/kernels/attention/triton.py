@@ -138,7 +138,7 @@ def _merge(part_o, part_m, part_l, o, i_kv, tok, g, m_rows, T, s_oh, s_ot,
 @torch.library.custom_op("specgraph::attention", mutates_args=())
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
               cu: torch.Tensor, starts: torch.Tensor, visible: torch.Tensor, grid: torch.Tensor, tickets: torch.Tensor,
-              block_size: int) -> torch.Tensor:
+              block_size: int, padded: bool = True) -> torch.Tensor:
     """Same signature and result as attention_reference (`grid` unused: a segment's tokens are
     cu[r]..cu[r + 1]; the table's width, the slots a segment may see, only sizes the split count).
     `tickets`: zeros, counted up by the split programs of each row block and left zero again (so
@@ -158,7 +158,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
     part_o = torch.empty(h_kv * splits * t * group, d, dtype=torch.float32, device=q.device)
     part_m = torch.empty(h_kv * splits * t * group, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
-    out = token_major_like(q).zero_()  # padding tokens: 0
+    out = token_major_like(q)
+    if padded:  # padding tokens: 0 (no program writes them)
+        out.zero_()
     row_blocks = triton.cdiv(group * g, block_m)
     assert tickets.numel() >= segments * h_kv * row_blocks, "tickets: Layout.attention_inputs(heads) sizes them"
     _step_attention[(segments * h_kv, row_blocks, splits)](
@@ -171,5 +173,5 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
 
 
 @attention.register_fake
-def _(q, k_cache, v_cache, table, rows, cu, starts, visible, grid, tickets, block_size):
+def _(q, k_cache, v_cache, table, rows, cu, starts, visible, grid, tickets, block_size, padded=True):
     return token_major_like(q)
