@@ -237,6 +237,16 @@ def total_variation(p: dict, q: dict) -> float:
     return 0.5 * sum(abs(p.get(k, 0) - q.get(k, 0)) for k in set(p) | set(q))
 
 
+def simulated_distances(law: dict, samples: int, to: dict | None = None, runs: int = 10_000) -> torch.Tensor:
+    """The total variation from `to` (default: `law` itself) of the empirical law of `samples` draws
+    from `law`, in each of `runs` simulated runs: [runs]. Sets a sampling test's bound (a quantile of
+    the runs from the exact law) and checks its power (the runs from a wrong law must exceed it)."""
+    outcomes = sorted(set(law) | set(to or law))
+    drawn, target = (torch.tensor([p.get(o, 0.0) for o in outcomes], dtype=torch.float64) for p in (law, to or law))
+    counts = torch.distributions.Multinomial(samples, drawn).sample((runs,))
+    return 0.5 * (counts / samples - target).abs().sum(-1)
+
+
 def gone(pids: list[int], within: float = 10.0) -> bool:
     """Whether none of `pids` is still running `within` seconds from now (a zombie is not: its parent
     has not reaped it yet). The grace covers multiprocessing's resource tracker, a child that exits
