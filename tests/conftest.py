@@ -10,6 +10,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import NoReturn  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -21,20 +22,31 @@ SHARED = REPO.parent / "shared" / "fixtures"  # mid, hybrid and the prompt file 
 LOCAL = REPO / ".fixtures"  # what a GPU machine, which gets only the checkout, has of ../shared/fixtures
 
 
+def absent(what: str) -> NoReturn:
+    """End the calling test for want of `what` (a fixture of ../shared, a reference package): a skip,
+    except under CI (CI=true), which must have everything: there a failure."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{what} is not present, and under CI (CI=true) every test must run", pytrace=False)
+    pytest.skip(f"{what} is not present")
+
+
 def shared_models() -> Path:
     for folder in (SHARED / "models", LOCAL):
         if folder.is_dir():
             return folder
-    pytest.skip("../shared/fixtures is not present")
+    absent("../shared/fixtures")
+
+
+def shared_prompts() -> Path:
+    for path in (SHARED / "prompts_code.jsonl", LOCAL / "prompts_code.jsonl"):
+        if path.is_file():
+            return path
+    absent("../shared/fixtures/prompts_code.jsonl")
 
 
 @pytest.fixture(scope="session")
 def code_prompts() -> list[dict]:
-    found = [p for p in (SHARED / "prompts_code.jsonl", LOCAL / "prompts_code.jsonl") if p.is_file()]
-    if not found:
-        pytest.skip("../shared/fixtures/prompts_code.jsonl is not present")
-    path = found[0]
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in shared_prompts().read_text().splitlines()]
 
 
 PROMPTS, NEW_TOKENS = 16, 128  # the greedy-equivalence tests: held-out code prompts x new tokens

@@ -8,7 +8,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import EMBEDDED, NEW_TOKENS, REPO, SHARED
+from conftest import EMBEDDED, NEW_TOKENS, REPO, SHARED, absent
 from conftest import PROMPTS as HELD_OUT
 from helpers import one_token_steps, path_alone, random_layout, sampled_law, total_variation, two_stage, two_token_law
 
@@ -202,7 +202,7 @@ def shared_fixture(name: str):
     """A fixture model from ../shared, or from .fixtures/ where a GPU machine got only the checkout."""
     found = [p for p in (SHARED / "models" / name, REPO / ".fixtures" / name) if p.is_dir()]
     if not found:
-        pytest.skip(f"the {name} fixture is not present")
+        absent(f"the {name} fixture")
     return found[0]
 
 
