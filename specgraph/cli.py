@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--widen", **WIDEN)
     bench.add_argument("--batch", dest="batches", metavar="N,N,...",
                        help="measure many requests at once: for each batch size, every prompt decoded with at most N "
-                            "in flight, by the recipe, ar and hf (--baselines ar,hf); e.g. 1,4,16 (serial recipes)")
+                            "in flight, by the recipe, ar and hf (--baselines ar,hf; also `always`: every step "
+                            "speculating, and `epsilon=E`: the recipe's budget at epsilon E); e.g. 1,4,16 (serial recipes)")
     bench.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON")
     bench.add_argument("--plot", type=Path, metavar="OUT.png", help="plot tokens/s per system and accepted lengths, "
                        "in the format the suffix names (.png, .jpg, .pdf, .svg, ...)")

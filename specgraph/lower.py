@@ -108,24 +108,29 @@ def build_executor(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks = Ra
     raise SpecgraphError(f"execution: {recipe.execution!r} has no executor yet")
 
 
-def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None) -> Engine:
+def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None, speculation: str | None = None,
+                 epsilon: float | None = None) -> Engine:
     """The engine of a serial program over its loaded verifier and drafter (None: the target alone).
     Where the recipe asks for a verification budget and gives no table, it is calibrated here; where
     a policy chooses each step's mode (`serving.speculation: adaptive`, a drafter that is not a
     head), the drafter's shallower trees are its other speculative modes and every mode's step is
-    timed here at batch sizes 1, 2, 4, ... up to serving.max_batch."""
+    timed here at batch sizes 1, 2, 4, ... up to serving.max_batch. `speculation` and `epsilon`
+    stand for the recipe's serving.speculation and its budget's epsilon (then calibrated) where given."""
     recipe, serving = graph.recipe, graph.recipe.serving
+    speculation = speculation or serving.speculation
     target = graph.node(graph.target)
     region = max(graph.node(n)["cache_slots"] for n in graph.stages()) - recipe.max_seq_len
     captured = target["step_graphs"] if drafter is not None else target["alone_step_graphs"]
-    adaptive = serving.speculation == "adaptive" and drafter is not None and not isinstance(drafter, HeadDrafter)
+    adaptive = speculation == "adaptive" and drafter is not None and not isinstance(drafter, HeadDrafter)
     runner = Runner(verifier, drafter, serving.max_batch, recipe.max_seq_len + region, target["compile"], captured,
                     shallower(drafter) if adaptive else ())
     pool = BlockPool(target["kv_blocks"], target["block_size"])
     sizes, context = batch_sizes(serving.max_batch), min(CALIBRATION_CONTEXT, recipe.max_seq_len // 2)
     spec, budget = target["spec"].verify.budget, None
     if spec is not None and drafter is not None:
-        budget = Budget(spec.nodes or budget_table(runner, runner.modes[1], sizes, spec.epsilon, context), drafter.nodes)
+        table = spec.nodes if epsilon is None else None
+        budget = Budget(table or budget_table(runner, runner.modes[1], sizes, spec.epsilon if epsilon is None else epsilon,
+                                              context), drafter.nodes)
     policy = Policy(runner.modes, StepCosts(step_costs(runner, runner.modes, sizes, budget, context))) if adaptive else None
     return Engine(runner, target["eos_ids"], recipe.max_seq_len, serving.max_batch, pool, region,
                   serving.prefill_chunk, recipe.sampling, budget, policy)

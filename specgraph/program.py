@@ -63,6 +63,12 @@ class Program:
         """The target alone, one token per step, on the same loaded stage (the `ar` baseline)."""
         return build_engine(self.graph, self.executor.runner.verifier, None)
 
+    def engine(self, speculation: str | None = None, epsilon: float | None = None) -> Engine:
+        """Another engine of the recipe on the same loaded stages: `speculation` (adaptive, always) in
+        place of the recipe's serving.speculation, `epsilon` in place of its budget's (recalibrated)."""
+        runner = self.executor.runner
+        return build_engine(self.graph, runner.verifier, runner.drafter, speculation, epsilon)
+
     def close(self, now: bool = False) -> None:
         """Stop the program's processes, if it has any: after the call in progress (another thread's),
         or `now`, whatever they are doing (that call then fails)."""

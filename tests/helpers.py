@@ -39,7 +39,10 @@ LONG_PROMPT = ('"""Read a list of paths, count the lines of each file and print 
 
 def two_stage(target: Path, draft: Path | None, tree: dict | None = None, dtype: str = "float32",
               **fields) -> Recipe:
-    """A recipe of `target` verified over `draft` (or the target alone when draft is None), on the CPU."""
+    """A recipe of `target` verified over `draft` (or the target alone when draft is None), on the CPU;
+    every step speculating unless `serving` says otherwise (what a test of drafting asserts must not
+    hang on a policy's choices, made from a busy CPU's timings: tests/test_policy.py tests those)."""
+    fields["serving"] = {"speculation": "always", **fields.get("serving", {})}
     models = {"target": {"path": str(target), "dtype": dtype}}
     stages = [{"name": "target", "model": "target", "devices": ["cpu"]}]
     if draft is not None:
@@ -535,3 +538,35 @@ def as_vision_language(hybrid: Path, folder: Path) -> Path:
         if (hybrid / file).is_file():
             shutil.copy(hybrid / file, folder / file)
     return folder
+
+
+class Ledger:
+    """Simulated time: every forward of a stage adds its price, (seconds a forward, seconds a token), by stage name."""
+
+    def __init__(self, prices: dict[str, tuple[float, float]]):
+        self.prices, self.total = prices, 0.0
+
+    def clock(self, device):
+        ledger = self
+
+        class Clock:
+            def __init__(self):
+                self.marks = []
+
+            def mark(self):
+                self.marks.append(ledger.total)
+
+            def seconds(self):
+                return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+        return Clock()
+
+    def charged(self, forward):
+        """`forward(stage, tokens, layout)` (Stage.forward), charging each call its stage's price."""
+
+        def charged(stage, tokens, layout):
+            per_forward, per_token = self.prices[stage.name]
+            self.total += per_forward + per_token * tokens.numel()
+            return forward(stage, tokens, layout)
+
+        return charged

@@ -148,11 +148,13 @@ def test_the_budget_takes_the_most_likely_nodes_over_the_whole_batch():
 
 def test_a_budget_verifies_its_nodes_and_keeps_every_request_exact(target_reference):
     """Requests five at a time under a budget that grows with the batch (a fixed table: calibration
-    on a busy CPU would make the trees vary from run to run): each still gets the target's greedy
-    tokens, drafts are accepted, and every step verifies its batch's budget of nodes."""
+    on a busy CPU would make the trees vary from run to run), every step speculating: each still gets
+    the target's greedy tokens, drafts are accepted, and every step verifies its batch's budget of
+    nodes: by hand, shares per request 6, 4, 3 and 2.8 at 1, 2, 4 and 5 requests, so 6, 8, 9 (three
+    requests take four's share), 12 and 14 nodes."""
     table = {1: 6, 2: 8, 4: 12, 5: 14}
     recipe = Recipe.from_dict({
-        "name": "budget", "serving": {"max_batch": 5, "block_size": 16},
+        "name": "budget", "serving": {"max_batch": 5, "block_size": 16, "speculation": "always"},
         "models": {"target": {"path": str(EMBEDDED / "target")}, "draft": {"path": str(EMBEDDED / "draft")}},
         "stages": [{"name": "draft", "model": "draft", "devices": ["cpu"],
                     "tree": {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 8}},
@@ -170,29 +172,34 @@ def test_a_budget_verifies_its_nodes_and_keeps_every_request_exact(target_refere
     drafter.draft = recording
     outputs = decode_together(program, target_reference)
     assert outputs == [expected[:budget] for (_, expected), budget in zip(target_reference, BUDGETS)]
-    budget = program.executor.budget
-    assert all(nodes == budget(batch) and packed == batch + nodes for batch, nodes, packed in verified)
+    by_hand = {1: 6, 2: 8, 3: 9, 4: 12, 5: 14}
+    assert all(nodes == by_hand[batch] and packed == batch + nodes for batch, nodes, packed in verified)
     assert {batch for batch, _, _ in verified} >= {5, 1}  # a full batch, and the last request alone
 
 
-def test_the_budget_is_calibrated_from_measured_forwards(monkeypatch):
-    """B(c): the most nodes a request whose forward of c requests stays within (1 + epsilon) of the
-    forward without them. The forwards run; their time comes from a clock that charges 10 ms a
-    forward and 1 ms a packed token (a CPU's measured times vary too much under load to test on):
-    at epsilon 0.25 a batch of one may take 2 nodes (13 ms <= 1.25 x 11 ms < 14 ms), one of two 1
-    each (14 ms <= 1.25 x 12 ms < 16 ms)."""
-    from specgraph.engine import budget
+def test_the_budget_is_calibrated_from_measured_steps(monkeypatch):
+    """B(c): the most nodes per request whose verification of c requests stays within (1 + epsilon) of
+    a plain step's. The engine's own steps run; their time comes from a clock that charges 10 ms a target
+    forward and 1 ms a packed token (a CPU's measured times vary too much under load to test on), so by
+    hand, c requests with k nodes each take 10 + c (k + 1) ms against a plain step's 10 + c: at epsilon
+    0.25 a batch of one may take 2 nodes (13 ms <= 1.25 x 11 ms < 14 ms), one of two 1 each (14 ms <=
+    1.25 x 12 ms < 16 ms)."""
+    from helpers import Ledger
 
-    def clock(forward, device, calls, warmup) -> float:
-        logits, _ = forward()  # [T, V]: the packed tokens
-        return 0.010 + 0.001 * logits.shape[0]
+    from specgraph.engine.calibrate import budget_table
+    from specgraph.runtime.stage import Stage
 
-    monkeypatch.setattr(budget, "best_seconds", clock)
-    program = Program.from_recipe(two_stage(EMBEDDED / "target", None, serving={"max_batch": 2, "block_size": 16}))
-    verifier = program.executor.runner.verifier
-    assert budget.calibrate(verifier, [1, 2], 4, 0.25, 40) == {1: 2, 2: 2}
-    assert budget.calibrate(verifier, [1, 2], 4, 1e6, 40) == {1: 4, 2: 8}
-    assert budget.calibrate(verifier, [1, 2], 4, 1e-9, 40) == {1: 0, 2: 0}
+    program = Program.from_recipe(two_stage(EMBEDDED / "target", EMBEDDED / "draft",
+                                            {"shape": "dynamic", "width": 2, "depth": 2, "nodes": 4},
+                                            serving={"max_batch": 2, "block_size": 16, "speculation": "always"}))
+    runner = program.executor.runner
+    ledger = Ledger({"target": (0.010, 0.001), "draft": (0.0, 0.0)})
+    monkeypatch.setattr(Stage, "forward", ledger.charged(Stage.forward))
+    runner.clock = ledger.clock
+    tree = runner.modes[1]
+    assert budget_table(runner, tree, [1, 2], 0.25, 40) == {1: 2, 2: 2}
+    assert budget_table(runner, tree, [1, 2], 1e6, 40) == {1: 4, 2: 8}
+    assert budget_table(runner, tree, [1, 2], 0.0, 40) == {1: 0, 2: 0}
 
 
 def test_bench_measures_each_batch_size(tmp_path, code_prompts):

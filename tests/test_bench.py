@@ -109,7 +109,8 @@ def test_a_recipe_file_baseline_runs_its_trees_over_the_recipes_models(tmp_path,
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "import os\\nimport sys\\n"}\n{"prompt": "class Node:\\n    def __init__(self"}\n')
-    demo = Recipe.from_yaml(REPO / "recipes" / "demo.yaml")
+    always = ["serving.speculation=always"]  # (accepted lengths compared step for step: no policy choosing modes)
+    demo = Recipe.from_yaml(REPO / "recipes" / "demo.yaml", always)
     tuned = tmp_path / "elsewhere" / "tuned.yml"  # another folder: its model paths are written relative to it
     tuned.parent.mkdir()
     variant = demo.with_tree(0, DynamicTree(shape="dynamic", width=2, depth=3, nodes=6))
@@ -121,14 +122,14 @@ def test_a_recipe_file_baseline_runs_its_trees_over_the_recipes_models(tmp_path,
     # --set applies to the file too, a relative model path as the recipe's folder resolves it (the file is elsewhere)
     assert main(["bench", str(REPO / "recipes" / "demo.yaml"), "--prompts", str(prompts), "--max-new-tokens", "12",
                  "--repeats", "1", "--baselines", f"ar,{tuned}", "--json", str(out),
-                 "--set", "models.draft.path=models/draft"]) == 0
+                 "--set", "models.draft.path=models/draft", "--set", always[0]]) == 0
     assert sorted(p.name for p in loads) == ["draft", "target"]  # the recipe's models, once each
     report = json.loads(out.read_text())
     assert list(report["systems"]) == ["specgraph", "ar", str(tuned)]
     ours, theirs = report["systems"]["specgraph"], report["systems"][str(tuned)]
     assert "trees (draft: dynamic width=2 depth=3 nodes=6) over the recipe's models" in theirs["description"]
     rows = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines()]
-    for result, recipe in ((ours, demo), (theirs, Recipe.from_yaml(tuned))):
+    for result, recipe in ((ours, demo), (theirs, Recipe.from_yaml(tuned, always))):
         program = Program.from_recipe(recipe)
         steps = [n for prompt in rows for n in program.generate(program.encode(prompt), 12).accepted_lengths]
         assert result["accepted_lengths"] == steps and result["same_tokens_as_ar"] == 1.0

@@ -6,7 +6,7 @@ tokens are transformers' greedy ones whatever it chooses, and sampling keeps the
 
 import pytest
 from conftest import EMBEDDED
-from helpers import BUDGETS, decode_together, sampled_law, total_variation, two_stage, two_token_law
+from helpers import BUDGETS, Ledger, decode_together, sampled_law, total_variation, two_stage, two_token_law
 
 from specgraph.engine import runner as runner_module
 from specgraph.engine.policy import Acceptance, Policy, StepCosts, expected_tokens
@@ -17,42 +17,13 @@ from specgraph.runtime.stage import Stage
 DYNAMIC = {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 10}
 
 
-class Ledger:
-    """Simulated time: every forward of a stage adds its price, (seconds a forward, seconds a token), by stage name."""
-
-    def __init__(self, prices: dict[str, tuple[float, float]]):
-        self.prices, self.total = prices, 0.0
-
-    def clock(self, device):
-        ledger = self
-
-        class Clock:
-            def __init__(self):
-                self.marks = []
-
-            def mark(self):
-                self.marks.append(ledger.total)
-
-            def seconds(self):
-                return [b - a for a, b in zip(self.marks, self.marks[1:])]
-
-        return Clock()
-
-
 @pytest.fixture
 def priced(monkeypatch):
     """A program whose steps are timed by a Ledger of the given prices (calibration included)."""
 
     def build(prices: dict[str, tuple[float, float]], **fields) -> Program:
         ledger = Ledger(prices)
-        forward = Stage.forward
-
-        def charged(stage, tokens, layout):
-            per_forward, per_token = ledger.prices[stage.name]
-            ledger.total += per_forward + per_token * tokens.numel()
-            return forward(stage, tokens, layout)
-
-        monkeypatch.setattr(Stage, "forward", charged)
+        monkeypatch.setattr(Stage, "forward", ledger.charged(Stage.forward))
         monkeypatch.setattr(runner_module, "Clock", ledger.clock)
         return Program.from_recipe(two_stage(EMBEDDED / "target", EMBEDDED / "draft", DYNAMIC, **fields))
 
@@ -67,7 +38,8 @@ def test_a_draft_that_costs_more_than_it_gains_is_never_run(priced, target_refer
     """A drafter forward at 1 s, a target forward at 10 ms: a step of depth d costs at least 1 s for
     at most d + 1 tokens a request, plain decoding 10 ms for one. Even all drafts accepted could not
     pay, so no step speculates, not even a probe; the tokens are transformers'."""
-    program = priced({"draft": (1.0, 0.0), "target": (0.010, 0.0)}, serving={"max_batch": 5, "block_size": 16})
+    program = priced({"draft": (1.0, 0.0), "target": (0.010, 0.0)},
+                     serving={"max_batch": 5, "block_size": 16, "speculation": "adaptive"})
     engine = program.executor
     assert decode_together(program, target_reference) == expected(target_reference)
     assert set(engine.totals.modes) == {"ar"} and engine.totals.modes["ar"] == engine.totals.steps > 30
@@ -77,7 +49,8 @@ def test_a_draft_that_pays_is_run(priced, target_reference):
     """A drafter forward at 0.1 ms, a target forward at 10 ms (plus 0.1 ms a token): speculation costs
     about what a plain step does and gives more tokens (the fixture drafter is often right), so the
     policy speculates, deepest tree included; the tokens are transformers'."""
-    program = priced({"draft": (1e-4, 0.0), "target": (0.010, 1e-4)}, serving={"max_batch": 5, "block_size": 16})
+    program = priced({"draft": (1e-4, 0.0), "target": (0.010, 1e-4)},
+                     serving={"max_batch": 5, "block_size": 16, "speculation": "adaptive"})
     engine = program.executor
     assert decode_together(program, target_reference) == expected(target_reference)
     modes = engine.totals.modes
@@ -100,7 +73,7 @@ def test_switching_modes_mid_request_keeps_the_greedy_tokens(target_reference):
     """Plain decoding, then depth 4, 2 and 1 trees in turn, requests five at a time with staggered
     finishes: a drafter that skipped steps is fed what it missed; every request gets transformers' tokens."""
     program = Program.from_recipe(two_stage(EMBEDDED / "target", EMBEDDED / "draft", DYNAMIC,
-                                            serving={"max_batch": 5, "block_size": 16}))
+                                            serving={"max_batch": 5, "block_size": 16, "speculation": "adaptive"}))
     engine = program.executor
     engine.policy = Cycling(engine.runner.modes)
     assert decode_together(program, target_reference) == expected(target_reference)

@@ -27,7 +27,7 @@ from specgraph.passes import plan
 from specgraph.program import Program
 from specgraph.recipe import Recipe
 
-BASELINES = ("ar", "hf")
+BASELINES = ("ar", "hf", "always")  # and epsilon=E: the recipe's budget at another epsilon (recalibrated)
 
 
 @dataclass
@@ -41,10 +41,14 @@ class BatchSpec:
 
 
 def run_batched_bench(spec: BatchSpec) -> dict:
-    unknown = [b for b in spec.baselines if b not in BASELINES]
+    unknown = [b for b in spec.baselines if b not in BASELINES and epsilon_of(b) is None]
     if unknown:
         raise SpecgraphError(f"--baselines: {unknown[0]} is not measured with --batch; valid there: "
-                             f"{', '.join(BASELINES)}")
+                             f"{', '.join(BASELINES)}, epsilon=E (E at least 0; a recipe with a budget)")
+    if any(epsilon_of(b) is not None for b in spec.baselines) and not any(
+            s.verify.budget for s in spec.recipe.stages):
+        raise SpecgraphError(f"--baselines epsilon=E: recipe {spec.recipe.name} verifies no budget "
+                             "(stages.N.verify.budget); give one, e.g. --set stages.1.verify.budget.epsilon=0.1")
     if spec.recipe.execution != "serial":
         raise SpecgraphError(f"--batch: execution {spec.recipe.execution!r} decodes one request at a time; "
                              "measure a serial recipe")
@@ -58,6 +62,11 @@ def run_batched_bench(spec: BatchSpec) -> dict:
         systems = {"specgraph": program.executor}
         if "ar" in spec.baselines:
             systems["ar"] = program.autoregressive()
+        if "always" in spec.baselines:
+            systems["always"] = program.engine(speculation="always")
+        for name in spec.baselines:
+            if epsilon_of(name) is not None:
+                systems[name] = program.engine(epsilon=epsilon_of(name))
         target = program.graph.node(program.graph.target)
         if "hf" in spec.baselines:
             systems["hf"] = HFBatches(hf_mirror(program.stages[program.graph.target].model, target["config"]),
@@ -86,6 +95,15 @@ def run_batched_bench(spec: BatchSpec) -> dict:
                         for batch in spec.batches} if "ar" in results else {}}
 
 
+def epsilon_of(baseline: str) -> float | None:
+    """E of a baseline named epsilon=E (E at least 0), else None."""
+    name, _, value = baseline.partition("=")
+    try:
+        return float(value) if name == "epsilon" and float(value) >= 0 else None
+    except ValueError:
+        return None
+
+
 def measure_engine(engine: Engine, encoded: list[list[int]], max_new_tokens: int, batch: int, advance) -> dict:
     """The engine decoding every prompt, at most `batch` at once (after an untimed pass over `batch` of them)."""
     engine.limit = batch
@@ -112,6 +130,7 @@ def measure_engine(engine: Engine, encoded: list[list[int]], max_new_tokens: int
     return {"tokens_per_second": sum(len(g.output_ids) for g in gens) / seconds, "seconds": seconds,
             "decode_tokens_per_second": totals.decode_tokens / totals.decode_seconds if totals.decode_seconds else None,
             "steps_per_mode": dict(totals.modes),  # (a policy's choices)
+            "budget_nodes": None if engine.budget is None else {c: engine.budget(c) for c in range(1, batch + 1)},
             "request_tokens_per_second": statistics.mean(len(g.output_ids) / g.seconds for g in gens),
             "ttft_seconds": statistics.median(g.first_token_seconds - g.queued_seconds for g in gens),  # (from its admission)
             "mean_accepted_length": sum(accepted) / len(accepted),
@@ -157,7 +176,8 @@ class HFBatches:
                 advance()
         seconds = time.perf_counter() - began
         return {"tokens_per_second": sum(map(len, outputs)) / seconds, "seconds": seconds,
-                "decode_tokens_per_second": None, "steps_per_mode": None, "request_tokens_per_second": None, "ttft_seconds": None, "mean_accepted_length": None,
+                "decode_tokens_per_second": None, "steps_per_mode": None, "budget_nodes": None,
+                "request_tokens_per_second": None, "ttft_seconds": None, "mean_accepted_length": None,
                 "draft_step_ms": None, "verify_step_ms": None, "nodes_per_step": None, "requests_per_step": None,
                 "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
                 "outputs": outputs}

@@ -18,7 +18,8 @@ their end (a request that finished in the step before, still in this one's batch
 launched it before it read that) and runs them as the padding row, slot `slots` (one past the last
 request slot): its table row points at the trash block, its committed length is put back after
 every step, and whatever it computes stays there. Every step has exactly the batch's rows; where
-steps are captured, each (mode, batch size, budget) has its own CUDA graph.
+steps are captured, each (mode, batch size, budget) has its own CUDA graph, recorded the second
+time that shape runs (one met once, as the end of a run passes through batch sizes, runs as it is).
 
 A drafter is fed only while the engine speculates: a step without drafts leaves it behind, and
 `sync_drafter` feeds it the committed tokens it missed (in prefill chunks) before it drafts again.
@@ -63,6 +64,7 @@ class Mode:
 
 PLAIN = Mode("ar")
 PREFILL_BUCKET = 16  # the fewest tokens a captured prompt forward is sized for
+CAPTURE_AFTER = 2  # a step's (or prompt forward's) shape is captured the second time it runs: the first runs as it is
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -127,7 +129,7 @@ class Runner:
             self.pending = torch.zeros(rows, dtype=torch.long, device=self.device)  # [rows] pairs not fed to the head
         self.captured = captured
         self.clock = Clock  # what times a step's phases (a test may charge its own)
-        self._replays = Replays(captured, verifier.stage.pool)
+        self._replays = Replays(captured, verifier.stage.pool, after=CAPTURE_AFTER)
         for stage in self.stages:
             stage.table[self.padding].zero_()
         if compile and not verifier.draws:

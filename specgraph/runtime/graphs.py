@@ -37,16 +37,22 @@ class CapturedGraph:
 
 
 class Replays:
-    """Functions run through CUDA graphs, one per key, recorded on first use (that call runs it for
-    real), or run as they are where `captured` is False (a CPU, a step that draws)."""
+    """Functions run through CUDA graphs, one per key, recorded on use number `after` of the key (that
+    call runs it for real; earlier ones run it as it is: a key met once, such as a batch size the end
+    of a run passes through, costs no capture), or run as they are where `captured` is False (a CPU,
+    a step that draws)."""
 
-    def __init__(self, captured: bool, pool=None):
-        self.captured, self.pool = captured, pool
+    def __init__(self, captured: bool, pool=None, after: int = 1):
+        self.captured, self.pool, self.after = captured, pool, after
         self.graphs: dict[Hashable, CapturedGraph] = {}
+        self._uses: dict[Hashable, int] = {}
 
     def run(self, key: Hashable, fn: Callable, *inputs: torch.Tensor):
         """fn(*inputs), replayed from the graph of `key` (outputs static: the next replay overwrites them)."""
         if not self.captured or torch.cuda.is_current_stream_capturing():  # (a captured step records fn itself)
+            return fn(*inputs)
+        if key not in self.graphs and self._uses.setdefault(key, 0) + 1 < self.after:
+            self._uses[key] += 1
             return fn(*inputs)
         if key not in self.graphs:
             self.graphs[key], first = CapturedGraph.record(fn, inputs, self.pool)
