@@ -18,6 +18,8 @@ mkdir -p "$OUT/files"
 source scripts/gpu_setup.sh
 export OUT
 prompts=.fixtures/prompts_code.jsonl
+batches=${BATCHES:-1,2,4,8,16,32,64}
+sweep=(--prompts "$prompts" --max-new-tokens 128 --widen llama-3-8b --batch "$batches")
 
 run_step() {  # NAME LIMIT COMMAND...
   local name=$1 limit=$2 left=$(( deadline - $(date +%s) ))
@@ -46,6 +48,21 @@ step() {
     profile8b)  # traces of steady steps at the Llama-3-8B shape
       run_step profile-8b 240 python3 scripts/profile_engine.py recipes/dynamic.yaml --systems ar,specgraph \
         --batches 1,8 --widen llama-3-8b --out "$OUT/files" ;;
+    sweep-dynamic)  # the policy (adaptive) against every step speculating, ar and transformers, every batch size
+      run_step sweep-dynamic 540 python3 -m specgraph bench recipes/dynamic.yaml "${sweep[@]}" \
+        --baselines ar,always,hf --json "$OUT/files/llama-3-8b-dynamic-sweep.json" ;;
+    sweep-tree)
+      run_step sweep-tree 420 python3 -m specgraph bench recipes/tree.yaml "${sweep[@]}" --baselines always \
+        --json "$OUT/files/llama-3-8b-tree-sweep.json" ;;
+    sweep-budget)  # Bole's budget under the policy, epsilon swept at batch 8
+      run_step sweep-budget 420 python3 -m specgraph bench recipes/dynamic.yaml "${sweep[@]}" \
+        --set 'stages.1.verify.budget={epsilon: 0.1}' --baselines always --json "$OUT/files/llama-3-8b-budget-sweep.json"
+      run_step epsilon-8b 300 python3 -m specgraph bench recipes/dynamic.yaml --prompts "$prompts" --max-new-tokens 128 \
+        --widen llama-3-8b --batch 8 --set 'stages.1.verify.budget={epsilon: 0.1}' \
+        --baselines ar,epsilon=0,epsilon=0.25,epsilon=0.5 --json "$OUT/files/llama-3-8b-epsilon.json" ;;
+    sweep-eagle)
+      run_step sweep-eagle 420 python3 -m specgraph bench recipes/eagle3.yaml "${sweep[@]}" --baselines ar \
+        --json "$OUT/files/llama-3-8b-eagle3-sweep.json" ;;
     *) echo "unknown step $1"; return 1 ;;
   esac
 }

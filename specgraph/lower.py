@@ -131,7 +131,8 @@ def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None, 
         table = spec.nodes if epsilon is None else None
         budget = Budget(table or budget_table(runner, runner.modes[1], sizes, spec.epsilon if epsilon is None else epsilon,
                                               context), drafter.nodes)
-    policy = Policy(runner.modes, StepCosts(step_costs(runner, runner.modes, sizes, budget, context))) if adaptive else None
+    costs = StepCosts(step_costs(runner, runner.modes, sizes, budget, context)) if adaptive else None
+    policy = Policy(runner.modes, costs, budget=budget) if adaptive else None
     return Engine(runner, target["eos_ids"], recipe.max_seq_len, serving.max_batch, pool, region,
                   serving.prefill_chunk, recipe.sampling, budget, policy)
 

@@ -143,3 +143,17 @@ def test_a_mode_replaces_the_current_one_only_for_a_clear_gain():
     assert policy.choose([sure]) is PLAIN
     policy.costs.table["depth 1"][1] = 0.018
     assert policy.choose([sure]) is deep
+
+
+def test_speculation_whose_budget_verifies_no_node_is_no_candidate():
+    """By hand: a budget of 3 nodes for one request and none for two. A depth-1 step costing a thousandth
+    of a plain one wins alone; with two requests it would verify nothing, so plain decoding runs."""
+    from specgraph.engine.budget import Budget
+
+    class Tree:
+        max_depth, nodes = 1, 3
+
+    policy = Policy([PLAIN, Mode("depth 1", Tree())], StepCosts({"ar": {1: 1.0}, "depth 1": {1: 0.001}}),
+                    budget=Budget({1: 3, 2: 0}, per_request=3))
+    assert policy.choose([Acceptance(1)]).name == "depth 1"
+    assert policy.choose([Acceptance(1), Acceptance(1)]) is PLAIN

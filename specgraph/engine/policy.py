@@ -88,15 +88,15 @@ class StepCosts:
 
 
 class Policy:
-    def __init__(self, modes: list[Mode], costs: StepCosts, prior: float = PRIOR):
-        """`modes`: plain decoding first, then speculation, deepest first."""
-        self.modes, self.costs = modes, costs
+    def __init__(self, modes: list[Mode], costs: StepCosts, prior: float = PRIOR, budget=None):
+        """`modes`: plain decoding first, then speculation, deepest first; `budget`: the batch-wide
+        budget (budget.py) where one bounds the nodes (a mode whose step would verify none is no candidate)."""
+        self.modes, self.costs, self.budget = modes, costs, budget
         self.depth = max(m.depth for m in modes)
         self.prior = [prior] * (self.depth + 1)
         self.batchwide = Acceptance(self.depth)
-        self.current = max(modes, key=lambda m: self.rate(m, [Acceptance(self.depth)]))  # for one request, a priori
+        self.current = max(self.candidates(1), key=lambda m: self.rate(m, [Acceptance(self.depth)]))  # a priori, alone
         self.plain_steps, self.probe_every = 0, PROBE
-        self.chosen: dict[str, int] = {}  # steps each mode ran
 
     def rate(self, mode: Mode, acceptances: list[Acceptance]) -> float:
         """Expected output tokens per second of a step in `mode` of requests with these acceptance counts."""
@@ -109,22 +109,28 @@ class Policy:
         """The rate of `mode` for `size` requests were every draft accepted."""
         return size * (1 + mode.depth) / max(self.costs.seconds(mode.name, size), 1e-9)
 
+    def candidates(self, size: int) -> list[Mode]:
+        """The modes a step of `size` requests may run: plain decoding, and speculation that verifies nodes."""
+        return [m for m in self.modes if m.drafter is None or self.budget is None or self.budget(size, m.nodes) > 0]
+
     def choose(self, acceptances: list[Acceptance]) -> Mode:
         """The mode of the next step of requests with these acceptance counts (one per request)."""
-        rates = {m.name: self.rate(m, acceptances) for m in self.modes}
-        best = max(self.modes, key=lambda m: rates[m.name])
+        modes = self.candidates(len(acceptances))
+        rates = {m.name: self.rate(m, acceptances) for m in modes}
+        if self.current not in modes:
+            self.current = self.modes[0]
+        best = max(modes, key=lambda m: rates[m.name])
         if rates[best.name] > rates[self.current.name] * (1 + HYSTERESIS):
             self.current = best
         mode = self.current
         if mode.drafter is None:
             self.plain_steps += 1
-            hopeful = [m for m in self.modes[1:] if self.ceiling(m, len(acceptances)) > rates[mode.name]]
+            hopeful = [m for m in modes[1:] if self.ceiling(m, len(acceptances)) > rates[mode.name]]
             if self.plain_steps >= self.probe_every and hopeful:  # a probe of the best speculation that could win
                 self.plain_steps, self.probe_every = 0, min(2 * self.probe_every, PROBE_MOST)
                 mode = max(hopeful, key=lambda m: rates[m.name])
         else:
             self.plain_steps, self.probe_every = 0, PROBE
-        self.chosen[mode.name] = self.chosen.get(mode.name, 0) + 1
         return mode
 
     def observe(self, mode: Mode, counts: list[int], acceptances: list[Acceptance], size: int, seconds: float) -> None:
