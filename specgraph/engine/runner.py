@@ -300,11 +300,12 @@ class Runner:
         marks()
         size = rows.numel()
         drafter = mode.drafter
+        shape = (mode.name, size, budget, self.sampling.filters)  # (a graph holds whether any row filters its draws)
         drafted = () if drafter is None else self._replays.run(
-            ("draft", mode.name, size, budget), lambda rows: self._draft(drafter, self._alive(rows), longest,
+            ("draft", *shape), lambda rows: self._draft(drafter, self._alive(rows), longest,
                                                                          budget).tensors(), rows)
         marks()
-        result = self._replays.run(("verify", mode.name, size, budget), lambda rows, *drafted: self._verify(
+        result = self._replays.run(("verify", *shape), lambda rows, *drafted: self._verify(
             drafter, self._alive(rows), drafted, longest, budget), rows, *drafted)
         marks()
         return result
