@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specgraph.bench.widen import widen
+from specgraph.models.widen import widen
 from specgraph.cache import KVCache
 from specgraph.draft import Drafter
 from specgraph.engine.engine import Engine
@@ -372,7 +372,7 @@ def gated_delta_layer(trees: list[tuple[int, int]], h: int, hk: int, dk: int, dv
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
     from bench_gated_delta import layer_inputs
 
-    from specgraph.bench.widen import QWEN35_REAL
+    from specgraph.models.widen import QWEN35_REAL
     shape = replace(QWEN35_REAL["qwen3.5-9b"], linear_key_heads=hk, linear_value_heads=h, linear_key_dim=dk,
                     linear_value_dim=dv)
     gen = torch.Generator().manual_seed(seed)
