@@ -214,7 +214,7 @@ class ServingSpec(_Strict):
     @classmethod
     def _power_of_two(cls, size: int) -> int:
         if size < 16 or size & (size - 1):
-            raise ValueError(f"must be a power of two of at least 16, e.g. 64 (got {size})")
+            raise ValueError("must be a power of two of at least 16, e.g. 64")
         return size
 
 
@@ -228,7 +228,8 @@ class Recipe(_Strict):
     execution: Literal["serial", "disaggregated", "pipeline"] = "serial"
     sampling: SamplingSpec = SamplingSpec()
     max_new_tokens: PositiveInt = 256
-    max_seq_len: PositiveInt = Field(2048, description="prompt + generated tokens that the caches hold")
+    max_seq_len: int = Field(2048, ge=2, description="prompt + generated tokens that the caches hold: at least 2 (a "
+                             "one-token prompt and one new token)")
     prompt: str | None = Field(None, description="prompt used when the command line gives none")
     lowering: LoweringSpec = LoweringSpec()
     pipeline: PipelineSpec = PipelineSpec()
