@@ -55,6 +55,7 @@ class MarkovModel(nn.Module):
     def __init__(self, table: torch.Tensor):  # [V, V], rows sum to 1
         super().__init__()
         self.register_buffer("log_table", table.log())
+        self.served_vocab = table.shape[0]
 
     def new_cache(self, blocks: int, block_size: int, requests: int = 1, kernels=None) -> KVCache:
         return KVCache(0, 1, 1, blocks, block_size, torch.float32, "cpu")

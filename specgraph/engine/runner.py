@@ -27,7 +27,7 @@ from specgraph.runtime.clock import Clock
 from specgraph.runtime.graphs import Replays
 from specgraph.runtime.stage import Stage
 from specgraph.runtime.verifier import Verifier
-from specgraph.sampling import SamplingRows
+from specgraph.sampling import SamplingRows, stopping
 from specgraph.tree import CATCH_UP, Tree, TreeStructure
 
 
@@ -66,9 +66,11 @@ class Runner:
             self._settle = torch.compile(self._settle, fullgraph=True)
 
     # -- a request's slot
-    def start(self, slot: int, blocks: list[int], prompt: list[int], sampling: SamplingSpec) -> None:
+    def start(self, slot: int, blocks: list[int], prompt: list[int], sampling: SamplingSpec,
+              stops: tuple[int, ...] = (), min_tokens: int = 0) -> None:
         """A request takes `slot`: its blocks in every stage's table, its prompt committed, its
-        settings and stream (seeded by sampling.seed), its recurrent state (hybrid) zeroed."""
+        settings and stream (seeded by sampling.seed), its stop tokens kept from being drawn before
+        `min_tokens` new tokens, its recurrent state (hybrid) zeroed."""
         rows = torch.tensor([slot], device=self.device)
         for stage in self.stages:
             stage.table[slot].zero_()
@@ -81,6 +83,9 @@ class Runner:
         for name in ("temperature", "top_p", "top_k"):
             getattr(self.sampling, name)[slot] = getattr(settings, name)[0]
         self.sampling.filters = self.sampling.filters or settings.filters
+        min_length, row = stopping(stops, len(prompt) + min_tokens)
+        self.sampling.min_length[slot] = min_length
+        self.sampling.stops[slot] = torch.tensor(row, device=self.device)
         self.draws.seeds[slot], self.draws.counters[slot] = sampling.seed, 0
         if self.pending is not None:
             self.pending[slot] = 0
