@@ -17,8 +17,9 @@ TUNE_NEW_TOKENS, BOLE_EPSILON = 64, 0.1  # tune's defaults: new tokens per promp
 DEFAULT_BASELINES = "hf,hf-assisted,ar"  # bench's (with --batch: ar,hf)
 
 
-def _recipe_args(parser: argparse.ArgumentParser, optional: bool = False) -> None:
-    parser.add_argument("recipe", type=Path, help="recipe YAML file", nargs="?" if optional else None)
+def _recipe_args(parser: argparse.ArgumentParser, optional: bool = False, help: str = "recipe YAML file",
+                 metavar: str = "RECIPE") -> None:
+    parser.add_argument("recipe", type=Path, help=help, metavar=metavar, nargs="?" if optional else None)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a recipe field by dotted path, e.g. stages.0.devices=[cpu] (repeatable)")
 
@@ -107,9 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="candidate node counts, each cut to what the width and depth grow (default 4,8,16,32,64)")
     tune.add_argument("--widen", **WIDEN)
 
-    serve = sub.add_parser("serve", help="serve the recipe over HTTP with the OpenAI API (completions, chat, "
-                                         "streaming), until Ctrl-C or SIGTERM")
-    _recipe_args(serve)
+    serve = sub.add_parser("serve", help="serve a recipe, or a model (with a drafter: --draft), over HTTP with the "
+                                         "OpenAI API (completions, chat, streaming), until Ctrl-C or SIGTERM")
+    _recipe_args(serve, help="a recipe YAML file, or a model to serve: a checkpoint folder or a Hugging Face hub id "
+                 "(org/name) in the local cache", metavar="RECIPE|MODEL")
+    serve.add_argument("--draft", "--speculative-model", dest="draft", metavar="MODEL", help="with a MODEL: a "
+                       "drafter for it (a checkpoint folder or hub id), drafting the default tree (a chain of 4)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                        "only; 0.0.0.0: every interface)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one, "
@@ -486,11 +490,31 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise SpecgraphError(f"--port: must be 0 to 65535 (got {args.port})")
     if args.grace is not None and not args.grace >= 0:
         raise SpecgraphError(f"--grace: must be 0 seconds or more (got {args.grace})")
-    recipe = Recipe.from_yaml(args.recipe, _overrides(args))
+    recipe = _served_recipe(args)
     if args.batch is not None and args.batch > 1 and recipe.execution != "serial":
         raise SpecgraphError(f"--batch: execution {recipe.execution!r} decodes one request at a time; give --batch 1, "
                              "or a serial recipe")
     serve(recipe, args.host, args.port, args.chat_template, args.api_key, args.widen, args.grace)
+
+
+def _served_recipe(args: argparse.Namespace):
+    """serve's RECIPE (a YAML file), or the recipe of a MODEL (a checkpoint folder, or a hub id
+    in the local cache) served alone or over its --draft."""
+    from specgraph.hub import cache_folder, cached_snapshot, is_hub_id
+    from specgraph.recipe import Recipe
+
+    source = args.recipe
+    if source.is_file() or (source.suffix in (".yaml", ".yml") and not source.is_dir()):
+        if args.draft is not None:
+            raise SpecgraphError(f"--draft: {source} is a recipe, which names its own drafter; give a MODEL to serve "
+                                 "with --draft, or put the drafter in the recipe")
+        return Recipe.from_yaml(source, _overrides(args))
+    for given, flag in ((source, "MODEL"), *(((Path(args.draft), "--draft"),) if args.draft is not None else ())):
+        if not given.exists() and not (is_hub_id(given.as_posix()) and cached_snapshot(given.as_posix())):
+            raise SpecgraphError(f"{flag}: {given} is neither a recipe file, a checkpoint folder nor a model in the "
+                                 f"Hugging Face cache ({cache_folder()}); give one of them (download a model there "
+                                 "with `hf download ORG/NAME`)")
+    return Recipe.of_models(source.as_posix(), args.draft, _overrides(args))
 
 
 def cmd_loadgen(args: argparse.Namespace) -> None:

@@ -121,6 +121,8 @@ def write_output(path: Path, content: str | Callable[[BinaryIO], None]) -> None:
 def read_text(path: Path, what: str) -> str:
     """The file's text (UTF-8), or a one-line error naming it."""
     path = Path(path)
+    if path.is_dir():
+        raise SpecgraphError(f"{what}: {path} is a folder; give a file")
     if not path.is_file():
         raise SpecgraphError(f"{what}: {path} does not exist")
     try:

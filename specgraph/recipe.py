@@ -26,6 +26,7 @@ from pydantic import (
 
 from specgraph.errors import RecipeError
 from specgraph.files import read_text
+from specgraph.hub import cached_snapshot, is_hub_id
 
 
 class _Strict(BaseModel):
@@ -33,9 +34,10 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    """A Hugging Face checkpoint folder (config.json + *.safetensors)."""
+    """A Hugging Face checkpoint folder (config.json + *.safetensors), or a hub id in the local cache."""
 
-    path: Path = Field(description="checkpoint folder; relative paths resolve against the recipe's folder")
+    path: Path = Field(description="checkpoint folder (relative paths resolve against the recipe's folder), or a "
+                       "Hugging Face hub id (org/name) found in the local cache (HF_HOME), offline")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weight and activation dtype; auto = float32 on cpu, bfloat16 on cuda"
     )
@@ -43,8 +45,27 @@ class ModelSpec(_Strict):
     @field_validator("path")
     @classmethod
     def _resolve(cls, path: Path, info: ValidationInfo) -> Path:
+        """Against the recipe's folder; where no folder is there and the path reads as a hub id, the
+        cache's snapshot of it (else a NotFound that says what was looked for)."""
         base = (info.context or {}).get("base_dir")
-        return path if path.is_absolute() or base is None else Path(base) / path
+        resolved = path if path.is_absolute() or base is None else Path(base) / path
+        if resolved.exists() or not is_hub_id(path.as_posix()):
+            return resolved
+        snapshot = cached_snapshot(path.as_posix())
+        return snapshot if snapshot is not None else NotFound.of(resolved, path.as_posix())
+
+
+class NotFound(type(Path())):
+    """A model path that names no folder, given as a hub id that the local cache lacks too (the
+    validate pass says both); equal to the plain path."""
+
+    hub_id: str
+
+    @classmethod
+    def of(cls, path: Path, hub_id: str) -> NotFound:
+        missing = cls(path)
+        missing.hub_id = hub_id
+        return missing
 
 
 class ChainTree(_Strict):
@@ -207,8 +228,9 @@ class ServingSpec(_Strict):
                                           "A request is admitted once the blocks of its prompt and new tokens are free")
     prefill_chunk: PositiveInt = Field(512, description="most prompt tokens fed in one step, over the newcomers, "
                                        "earliest first: they delay the requests being decoded by one chunk at most")
-    max_waiting: NonNegativeInt = Field(64, description="specgraph serve: requests waiting for a place in the batch "
-                                        "at most; more are refused (503, Retry-After) until some finish")
+    max_waiting: NonNegativeInt | None = Field(None, description="specgraph serve: requests waiting for a place in "
+                                               "the batch at most, more refused (503, Retry-After) until some finish; "
+                                               "default: every request waits its turn (its prompt in host memory)")
 
     @field_validator("block_size")
     @classmethod
@@ -248,6 +270,8 @@ class Recipe(_Strict):
     @classmethod
     def from_yaml(cls, path: Path | str, overrides: list[str] = ()) -> Recipe:
         path = Path(path)
+        if path.is_dir():
+            raise RecipeError(f"recipe: {path} is a folder; a recipe is a YAML file")
         if not path.is_file():
             raise RecipeError(f"recipe file {path} does not exist")
         try:
@@ -260,6 +284,20 @@ class Recipe(_Strict):
         for override in overrides:
             apply_override(data, override)
         return cls.from_dict(data, base_dir=path.parent)
+
+    @classmethod
+    def of_models(cls, target: str, draft: str | None = None, overrides: list[str] = ()) -> Recipe:
+        """The recipe of `specgraph serve MODEL [--draft MODEL]`: the target alone (plain decoding),
+        or verifying `draft`'s default tree; named after the target as given, paths (or hub ids)
+        as given (relative ones from the working folder)."""
+        models = {"target": {"path": target}} | ({"draft": {"path": draft}} if draft is not None else {})
+        stages = [{"name": "target", "model": "target"}]
+        if draft is not None:
+            stages = [{"name": "draft", "model": "draft"}, stages[0] | {"verifies": "draft"}]
+        data = {"name": target, "models": models, "stages": stages}
+        for override in overrides:
+            apply_override(data, override)
+        return cls.from_dict(data)
 
     def with_tree(self, stage: int, tree: TreeSpec) -> Recipe:
         """This recipe with stage number `stage` drafting `tree`."""

@@ -16,6 +16,7 @@ import json
 
 from specgraph.errors import CheckpointError, RecipeError
 from specgraph.graph import SpecGraph
+from specgraph.hub import cache_folder
 from specgraph.models.eagle import default_features
 from specgraph.models.loader import head_shape, is_head, is_hybrid, read_config, read_tokenizer
 from specgraph.passes.base import graph_pass
@@ -46,6 +47,11 @@ def validate(graph: SpecGraph) -> SpecGraph:
         try:
             node["config"] = read_config(node["model"].path)
         except CheckpointError as exc:
+            hub_id = getattr(node["model"].path, "hub_id", None)
+            if hub_id is not None:  # (neither a folder nor in the cache: recipe.NotFound)
+                raise CheckpointError(f"models.{spec.model}.path: {hub_id} is neither a folder ({node['model'].path}) "
+                                      f"nor a model in the Hugging Face cache ({cache_folder()}); download it there "
+                                      f"(hf download {hub_id}), or give a checkpoint folder") from None
             raise CheckpointError(f"models.{spec.model}.path: {exc}") from None
         node["tokenizer"] = read_tokenizer(node["model"].path)
         node["eos_ids"] = _eos_ids(node)
