@@ -71,14 +71,14 @@ class NotFound(type(Path())):
 class ChainTree(_Strict):
     """A single sequence of `length` draft tokens."""
 
-    shape: Literal["chain"] = "chain"
+    shape: Literal["chain"] = Field("chain", description="this tree's kind")
     length: PositiveInt = Field(4, description="draft tokens per step")
 
 
 class StaticTree(_Strict):
     """A fixed tree: `branching` (children per depth) or explicit `paths` of child ranks."""
 
-    shape: Literal["static"] = "static"
+    shape: Literal["static"] = Field("static", description="this tree's kind")
     branching: list[PositiveInt] | None = Field(None, description="children of every node at each depth")
     paths: list[list[NonNegativeInt]] | None = Field(
         None, description="each path a sequence of child ranks from the root (Medusa-style)"
@@ -106,7 +106,7 @@ class DynamicTree(_Strict):
     """Maximum-likelihood expansion: grow the `width` most likely leaves per step for `depth`
     steps, then verify the `nodes` most likely nodes by cumulative log-probability."""
 
-    shape: Literal["dynamic"] = "dynamic"
+    shape: Literal["dynamic"] = Field("dynamic", description="this tree's kind")
     width: PositiveInt = Field(4, description="leaves expanded per step, and children per expanded leaf")
     depth: PositiveInt = Field(4, description="expansion steps (maximum tree depth)")
     nodes: PositiveInt = Field(16, description="draft nodes verified per step (the root not counted)")
@@ -163,21 +163,24 @@ class GrowSpec(_Strict):
 class StageSpec(_Strict):
     """A node of the graph: one model on one device partition."""
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, description="the stage's name, which `verifies` and reports use")
     model: str = Field(description="key into `models`")
     devices: list[str] = Field(["auto"], min_length=1, description="cpu, cuda:N or auto; TP over the list")
     tree: TreeSpec | None = Field(None, description="draft-tree shape, for a stage that others verify")
     grow: GrowSpec | None = Field(None, description="execution: disaggregated: how this drafter grows its tree "
                                   "while the target verifies")
     verifies: str | None = Field(None, description="name of the stage whose drafts this stage verifies")
-    verify: VerifySpec = VerifySpec()
+    verify: VerifySpec = Field(VerifySpec(), description="how this stage accepts the drafts of the one it verifies")
 
 
 class SamplingSpec(_Strict):
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: NonNegativeInt = Field(0, description="0 = no top-k filter")
-    seed: int = 0
+    """How tokens are drawn, for draft and target alike: at temperature 0, greedily; a request of
+    the server may give its own."""
+
+    temperature: float = Field(0.0, ge=0, description="0: greedy (the argmax); above 0: sampled at this temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="keep the most likely tokens until their mass reaches top_p")
+    top_k: NonNegativeInt = Field(0, description="keep the k most likely tokens; 0 = no top-k filter")
+    seed: int = Field(0, description="the seed of each request's random stream (sampled output is reproducible)")
 
 
 KernelKind = Literal["auto", "reference", "triton"]
@@ -244,18 +247,22 @@ class Recipe(_Strict):
     """A decoding topology (docs/design.md). `name` is required in a dict or Python recipe; a YAML
     file's defaults to the file's stem."""
 
-    name: str = Field(min_length=1)
-    models: dict[str, ModelSpec] = Field(min_length=1)
+    name: str = Field(min_length=1, description="the recipe's name (the model id `specgraph serve` answers to)")
+    models: dict[str, ModelSpec] = Field(min_length=1, description="the checkpoints, by the names stages give them")
     stages: list[StageSpec] = Field(min_length=1, description="smallest model first")
-    execution: Literal["serial", "disaggregated", "pipeline"] = "serial"
-    sampling: SamplingSpec = SamplingSpec()
-    max_new_tokens: PositiveInt = 256
+    execution: Literal["serial", "disaggregated", "pipeline"] = Field(
+        "serial", description="serial: draft, then verify, many requests at once (the engine); disaggregated "
+        "(SwiftSpec): drafter and target in processes of their own, at the same time; pipeline (PipeSpec): each "
+        "stage verifying the one below, all at once")
+    sampling: SamplingSpec = Field(SamplingSpec(), description="how tokens are drawn")
+    max_new_tokens: PositiveInt = Field(256, description="new tokens per prompt at most, unless a command or "
+                                        "request gives another budget")
     max_seq_len: int = Field(2048, ge=2, description="prompt + generated tokens that the caches hold: at least 2 (a "
                              "one-token prompt and one new token)")
     prompt: str | None = Field(None, description="prompt used when the command line gives none")
-    lowering: LoweringSpec = LoweringSpec()
-    pipeline: PipelineSpec = PipelineSpec()
-    serving: ServingSpec = ServingSpec()
+    lowering: LoweringSpec = Field(LoweringSpec(), description="kernels, compilation and CUDA graphs")
+    pipeline: PipelineSpec = Field(PipelineSpec(), description="execution: pipeline: how its stages run together")
+    serving: ServingSpec = Field(ServingSpec(), description="the engine: requests at once, the KV pool, prefill")
     timeout: float = Field(120.0, gt=0, description="multi-process runs: seconds a process may wait on another stage, "
                            "or spend in one step, before the run stops with an error naming the stage and rank "
                            "(ten times this during the first request, where compilation and graph capture happen)")
