@@ -509,7 +509,8 @@ def _served_recipe(args: argparse.Namespace):
             raise SpecgraphError(f"--draft: {source} is a recipe, which names its own drafter; give a MODEL to serve "
                                  "with --draft, or put the drafter in the recipe")
         return Recipe.from_yaml(source, _overrides(args))
-    for given, flag in ((source, "MODEL"), *(((Path(args.draft), "--draft"),) if args.draft is not None else ())):
+    models = [(source, "MODEL")] + ([(Path(args.draft), "--draft")] if args.draft is not None else [])
+    for given, flag in models:
         if not given.exists() and not (is_hub_id(given.as_posix()) and cached_snapshot(given.as_posix())):
             raise SpecgraphError(f"{flag}: {given} is neither a recipe file, a checkpoint folder nor a model in the "
                                  f"Hugging Face cache ({cache_folder()}); give one of them (download a model there "
