@@ -109,7 +109,7 @@ def _check_pool_memory(graph: SpecGraph) -> None:
             need[device] = need.get(device, 0) + pool // len(devices)
     for device, bytes_needed in need.items():
         has, what = device_memory(device)
-        if bytes_needed <= has:
+        if has is None or bytes_needed <= has:
             continue
         serving, gb = graph.recipe.serving, f"{bytes_needed / 1e9:.1f} GB"
         where = f"on {device}, which has {has / 1e9:.1f} GB {what}"
@@ -123,9 +123,12 @@ def _check_pool_memory(graph: SpecGraph) -> None:
                           f"{where}; give a smaller max_seq_len")
 
 
-def device_memory(device: torch.device) -> tuple[int, str]:
-    """The bytes a pool may take on `device` and what they are: a CPU's available memory, a GPU's total."""
+def device_memory(device: torch.device) -> tuple[int | None, str]:
+    """The bytes a pool may take on `device` and what they are: a CPU's available memory, a GPU's
+    total; None where this process cannot see the GPU (a plan made for another machine)."""
     if device.type == "cuda":
+        if (device.index or 0) >= torch.cuda.device_count():
+            return None, "unknown"
         return torch.cuda.get_device_properties(device).total_memory, "in all"
     return psutil.virtual_memory().available, "available"
 
