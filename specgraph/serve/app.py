@@ -20,8 +20,8 @@ import secrets
 import time
 import uuid
 
-from starlette.applications import Starlette
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -123,7 +123,8 @@ class _Decoding:
             self.api.metrics.first_token(self.first - self.arrival)
         gen = event.generation
         self.in_engine = gen is None
-        piece = self.text.add(event.ids, last=gen is not None, stop_token=gen is not None and gen.finish_reason == "stop")
+        ended_by_token = gen is not None and gen.finish_reason == "stop"  # (a stop token: Output's "stop")
+        piece = self.text.add(event.ids, last=gen is not None, stop_token=ended_by_token)
         if self.text.stopped:
             self.finish = "stop"
         elif gen is not None:
