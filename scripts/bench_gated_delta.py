@@ -37,7 +37,7 @@ import sys
 import torch
 
 from specgraph.bench.timing import graph_time_us, peak_bytes
-from specgraph.bench.widen import QWEN35_REAL
+from specgraph.models.widen import QWEN35_REAL
 from specgraph.kernels.gated_delta import gated_delta_step_reference
 from specgraph.kernels.gated_delta.invariant import gated_delta_step_invariant
 from specgraph.kernels.gated_delta.reference import gated_delta_gates

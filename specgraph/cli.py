@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
@@ -16,8 +17,9 @@ TUNE_NEW_TOKENS, BOLE_EPSILON = 64, 0.1  # tune's defaults: new tokens per promp
 DEFAULT_BASELINES = "hf,hf-assisted,ar"  # bench's (with --batch: ar,hf)
 
 
-def _recipe_args(parser: argparse.ArgumentParser, optional: bool = False) -> None:
-    parser.add_argument("recipe", type=Path, help="recipe YAML file", nargs="?" if optional else None)
+def _recipe_args(parser: argparse.ArgumentParser, optional: bool = False, help: str = "recipe YAML file",
+                 metavar: str = "RECIPE") -> None:
+    parser.add_argument("recipe", type=Path, help=help, metavar=metavar, nargs="?" if optional else None)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a recipe field by dotted path, e.g. stages.0.devices=[cpu] (repeatable)")
 
@@ -107,9 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="candidate node counts, each cut to what the width and depth grow (default 4,8,16,32,64)")
     tune.add_argument("--widen", **WIDEN)
 
-    serve = sub.add_parser("serve", help="serve the recipe over HTTP with the OpenAI API (completions, chat, "
-                                         "streaming), until Ctrl-C or SIGTERM")
-    _recipe_args(serve)
+    serve = sub.add_parser("serve", help="serve a recipe, or a model (with a drafter: --draft), over HTTP with the "
+                                         "OpenAI API (completions, chat, streaming), until Ctrl-C or SIGTERM")
+    _recipe_args(serve, help="a recipe YAML file, or a model to serve: a checkpoint folder or a Hugging Face hub id "
+                 "(org/name) in the local cache", metavar="RECIPE|MODEL")
+    serve.add_argument("--draft", "--speculative-model", dest="draft", metavar="MODEL", help="with a MODEL: a "
+                       "drafter for it (a checkpoint folder or hub id), drafting the default tree (a chain of 4)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                        "only; 0.0.0.0: every interface)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one, "
@@ -181,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch", type=int, default=8, help="windows per step (default 8)")
     train.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
     train.add_argument("--ttt", type=int, default=4, help="rounds of the training-time test (default 4)")
-    train.add_argument("--draft-vocab", type=int, default=32000, help="the head's vocabulary: the data's most "
-                       "frequent tokens (default 32000, at most the target's)")
+    train.add_argument("--draft-vocab", type=int, help="the head's vocabulary: the data's most frequent tokens, at "
+                       "most the target's vocabulary (default: 32000 or the target's, whichever is fewer)")
     train.add_argument("--intermediate-size", type=int, help="the head's MLP width (default: the target's)")
     train.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                        help="of the weights written (default float32)")
@@ -193,12 +198,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_prompts(args: argparse.Namespace, default: str | None) -> list[dict]:
     if args.prompt is not None:
-        return [{"id": "000", "prompt": args.prompt}]
+        return [{"id": "000", "prompt": _text_argument(args.prompt, "--prompt")}]
     if args.prompts is None:
         if default is None:
             raise SpecgraphError("no prompt: give --prompt TEXT or --prompts FILE.jsonl, or set 'prompt' in the recipe")
         return [{"id": "000", "prompt": default}]
     return read_prompt_file(args.prompts, "--prompts")
+
+
+def _text_argument(text: str, flag: str) -> str:
+    """A command-line argument as text; Python hands over bytes that are not UTF-8 as lone
+    surrogates (U+DC80-U+DCFF), which no tokenizer takes: refused in one line."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        byte = ord(text[exc.start]) - 0xDC00 if 0xDC80 <= ord(text[exc.start]) <= 0xDCFF else None
+        shown = f"byte 0x{byte:02x}" if byte is not None else f"U+{ord(text[exc.start]):04X}"
+        raise SpecgraphError(f"{flag}: not UTF-8 text ({shown} at character {exc.start}); give UTF-8 text") from None
+    return text
 
 
 def read_prompt_file(path: Path, flag: str) -> list[dict]:
@@ -216,7 +233,11 @@ def read_prompt_file(path: Path, flag: str) -> list[dict]:
             raise SpecgraphError(f"{flag}: {path} line {n} is not JSON ({exc.msg})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise SpecgraphError(f"{flag}: {path} line {n} needs a 'prompt' string")
-        prompt_id = str(row.get("id", f"{len(prompts):03d}"))
+        given = row.get("id")
+        if given is not None and not isinstance(given, (str, int)) or isinstance(given, bool):
+            raise SpecgraphError(f"{flag}: {path} line {n}: 'id' must be a string or a whole number (got "
+                                 f"{json.dumps(given)}); leave it out to number the prompt")
+        prompt_id = f"{len(prompts):03d}" if given is None else str(given)
         if prompt_id in lines:
             raise SpecgraphError(f"{flag}: {path} line {n}: id {prompt_id!r} is line {lines[prompt_id]}'s "
                                  "too; give every prompt its own id (or none: its number)")
@@ -363,14 +384,15 @@ def _report_run(args: argparse.Namespace, name: str, prompts: list[dict], result
     if pipeline is not None:
         summary["pipeline"] = pipeline
     if len(prompts) == 1 and results:
-        print(prompts[0]["prompt"] + results[0]["text"])
+        print(prompts[0]["prompt"] + results[0]["text"])  # (under --json -, to standard error: files.data_on_stdout)
     if results:
         done = "" if len(results) == len(prompts) else f" ({len(results)} of {len(prompts)} prompts)"
-        first = f"{firsts[0]:.2f} s to the first token" if len(firsts) == 1 else (
-            f"{sum(firsts) / len(firsts):.2f} s to a request's first token, on average")
-        print(f"{summary['new_tokens']} new tokens in {summary['wall_seconds']:.2f} s{done} ({first}, including "
-              f"prefill and any compilation): "
-              f"{summary['tokens_per_second']:.1f} tokens/s, mean accepted length {summary['mean_accepted_length']:.2f}")
+        first = (f"{firsts[0]:.2f} s to the first token, prefill and any compilation included" if len(firsts) == 1
+                 else f"on average {sum(firsts) / len(firsts):.2f} s from the start to a request's first token, its "
+                 "wait behind earlier prompts, prefill and any compilation included")
+        print(f"specgraph: {summary['new_tokens']} new tokens in {summary['wall_seconds']:.2f} s{done} ({first}): "
+              f"{summary['tokens_per_second']:.1f} tokens/s, mean accepted length {summary['mean_accepted_length']:.2f}",
+              file=sys.stderr)
     if args.json is not None:
         report = {"recipe": name, "results": results, "summary": summary} | ({"errors": errors} if errors else {}) | stop
         write_output(args.json, json.dumps(report, indent=1))
@@ -469,11 +491,32 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise SpecgraphError(f"--port: must be 0 to 65535 (got {args.port})")
     if args.grace is not None and not args.grace >= 0:
         raise SpecgraphError(f"--grace: must be 0 seconds or more (got {args.grace})")
-    recipe = Recipe.from_yaml(args.recipe, _overrides(args))
+    recipe = _served_recipe(args)
     if args.batch is not None and args.batch > 1 and recipe.execution != "serial":
         raise SpecgraphError(f"--batch: execution {recipe.execution!r} decodes one request at a time; give --batch 1, "
                              "or a serial recipe")
     serve(recipe, args.host, args.port, args.chat_template, args.api_key, args.widen, args.grace)
+
+
+def _served_recipe(args: argparse.Namespace):
+    """serve's RECIPE (a YAML file), or the recipe of a MODEL (a checkpoint folder, or a hub id
+    in the local cache) served alone or over its --draft."""
+    from specgraph.hub import cache_folder, cached_snapshot, is_hub_id
+    from specgraph.recipe import Recipe
+
+    source = args.recipe
+    if source.is_file() or (source.suffix in (".yaml", ".yml") and not source.is_dir()):
+        if args.draft is not None:
+            raise SpecgraphError(f"--draft: {source} is a recipe, which names its own drafter; give a MODEL to serve "
+                                 "with --draft, or put the drafter in the recipe")
+        return Recipe.from_yaml(source, _overrides(args))
+    models = [(source, "MODEL")] + ([(Path(args.draft), "--draft")] if args.draft is not None else [])
+    for given, flag in models:
+        if not given.exists() and not (is_hub_id(given.as_posix()) and cached_snapshot(given.as_posix())):
+            raise SpecgraphError(f"{flag}: {given} is neither a recipe file, a checkpoint folder nor a model in the "
+                                 f"Hugging Face cache ({cache_folder()}); give one of them (download a model there "
+                                 "with `hf download ORG/NAME`)")
+    return Recipe.of_models(source.as_posix(), args.draft, _overrides(args))
 
 
 def cmd_loadgen(args: argparse.Namespace) -> None:
@@ -554,7 +597,7 @@ def cmd_train_draft(args: argparse.Namespace) -> None:
             raise SpecgraphError(f"--layers: three layer indices, as 2,4,5 (got {args.layers!r})") from None
     for flag, value in (("--steps", args.steps), ("--batch", args.batch), ("--ttt", args.ttt),
                         ("--draft-vocab", args.draft_vocab), ("--seq-len", args.seq_len - 2)):
-        if value < 1:
+        if value is not None and value < 1:
             raise SpecgraphError(f"{flag}: must be at least {3 if flag == '--seq-len' else 1}")
     if not args.lr > 0:
         raise SpecgraphError(f"--lr: must be above 0 (got {args.lr})")
@@ -683,18 +726,29 @@ def main(argv: list[str] | None = None) -> int:
                     "inspect": cmd_inspect, "tune": cmd_tune, "report": cmd_report, "serve": cmd_serve,
                     "loadgen": cmd_loadgen, "train-draft": cmd_train_draft,
                     "quantize": cmd_quantize}
-        with warnings.catch_warnings():
+        from transformers.utils import logging as transformers_logging
+
+        from specgraph.files import STDOUT, data_on_stdout
+
+        verbosity = transformers_logging.get_verbosity()
+        with warnings.catch_warnings(), (data_on_stdout() if str(getattr(args, "json", None)) == STDOUT else
+                                         contextlib.nullcontext()):
             warnings.simplefilter("default", RecipeWarning)  # each once
             python_warning = warnings.showwarning
 
-            def one_line(message, category, *rest) -> None:  # ours as one line, others as Python prints them
+            def one_line(message, category, *rest) -> None:  # ours as one line; the libraries' with --debug only
                 if issubclass(category, RecipeWarning):
                     print(f"specgraph: warning: {message}", file=sys.stderr)
-                else:
+                elif debug:
                     python_warning(message, category, *rest)
 
             warnings.showwarning = one_line
-            return commands[args.command](args) or 0
+            if not debug:  # (transformers' advice to its own users, not to ours)
+                transformers_logging.set_verbosity_error()
+            try:
+                return commands[args.command](args) or 0
+            finally:
+                transformers_logging.set_verbosity(verbosity)
     except SpecgraphError as exc:
         if debug:
             traceback.print_exc()

@@ -40,7 +40,7 @@ import torch
 from specgraph.draws import Draws
 from specgraph.recipe import DynamicTree
 from specgraph.runtime.stage import Stage
-from specgraph.sampling import SamplingRows, draw_without_replacement, probs_from_logits
+from specgraph.sampling import SamplingRows, draw_without_replacement, forbid_stops, probs_from_logits
 from specgraph.tree import CATCH_UP, Tree, TreeStructure, TreeTopology
 
 
@@ -219,8 +219,12 @@ class Drafter:
               draws: Draws | None, budget: int | None, live: torch.Tensor | None) -> Draft:
         """The trees grown from the roots' logits [R, V]; `feed(tokens, depths, lineage, sources,
         new)` feeds the last `new` of the F nodes fed so far (tokens, depths, sources [R, F]: each
-        one's parent's feed offset, -1 the root; lineage [R, F, F]) -> their logits [R, new, V]."""
+        one's parent's feed offset, -1 the root; lineage [R, F, F]) -> their logits [R, new, V]. No
+        stop token is proposed where the target may not choose it (sampling.forbid_stops)."""
         roots = requests.last(1)[1]  # [R, 1]
+        if sampling is not None and sampling.forbids:  # (a node at depth d proposes the token at sequence index L + d)
+            root_logits = forbid_stops(root_logits, sampling, requests.lengths)
+            feed = _forbidding(feed, sampling, requests.lengths)
         if self.static is not None:
             return Draft(self._grow_static(roots, root_logits, requests, feed, sampling, draws),
                          self.static.fed_at.expand(requests.size, -1), requests.feeds)
@@ -359,6 +363,15 @@ class Drafter:
             leaf[:, kids].fill_(True)
             lineage[:, kids] |= lineage[rows, parent]
         return _Grown(tokens, parents, depths, scores, lineage, fed_at)
+
+
+def _forbidding(feed, sampling: SamplingRows, lengths: torch.Tensor):
+    """`feed` (Drafter._grow's), its nodes' logits without the stop tokens their children may not be."""
+
+    def fed(tokens, depths, lineage, sources, new):
+        return forbid_stops(feed(tokens, depths, lineage, sources, new), sampling, lengths[:, None] + depths[:, -new:])
+
+    return fed
 
 
 def select(grown: _Grown, nodes: int, depth: int, width: int, budget: int | None, feeds: torch.Tensor,

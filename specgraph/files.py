@@ -3,10 +3,12 @@ them, inputs read with a one-line error naming the file and what is wrong."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import stat
+import sys
 from pathlib import Path
 from typing import BinaryIO, Callable
 
@@ -34,12 +36,32 @@ def _create_beside(target: Path) -> tuple[int, Path]:
     return os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), temporary
 
 
+STDOUT = "-"  # an output path that means standard output
+_data_out = None  # where write_output(STDOUT) writes while data_on_stdout() holds; else sys.stdout
+
+
+@contextlib.contextmanager
+def data_on_stdout():
+    """Within it, what a command prints goes to standard error and only what write_output(STDOUT)
+    writes goes to standard output: `--json -` gives a pipe the JSON alone."""
+    global _data_out
+    _data_out = sys.stdout
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _data_out = None
+
+
 def check_output(path: Path, flag: str) -> None:
     """Refuse in one line, before any work, an output path that `write_output` cannot write. Tried,
     not guessed from the name: for a file (new or not) a temporary file is created and removed
     where the output will be renamed into place, so that the OS gives its reason (a missing folder,
     a parent that is a file, a read-only folder or filesystem, /proc); a FIFO or character device
-    is only checked for write permission, as opening a FIFO to write blocks until a reader comes."""
+    is only checked for write permission, as opening a FIFO to write blocks until a reader comes.
+    `-` is standard output."""
+    if str(path) == STDOUT:
+        return
     path = Path(path)
     try:
         mode = _mode(path)
@@ -65,9 +87,16 @@ def write_output(path: Path, content: str | Callable[[BinaryIO], None]) -> None:
     `path` names: a FIFO or character device is opened and written in place (a rename would
     replace it); a file, through any symlinks, is written atomically: a temporary file beside it is
     renamed onto it, so a failed write leaves no half file and the old one whole. A new file gets
-    the mode the umask gives, a replaced one keeps its mode. A failed write is one line."""
-    path = Path(path)
+    the mode the umask gives, a replaced one keeps its mode. A failed write is one line. `-` is
+    standard output."""
     fill = content if callable(content) else lambda f: f.write(content.encode("utf-8"))
+    if str(path) == STDOUT:
+        out = _data_out or sys.stdout
+        out.flush()
+        fill(out.buffer)
+        out.buffer.flush()
+        return
+    path = Path(path)
     try:
         mode = _mode(path)
         if mode is not None and not stat.S_ISREG(mode):
@@ -92,6 +121,8 @@ def write_output(path: Path, content: str | Callable[[BinaryIO], None]) -> None:
 def read_text(path: Path, what: str) -> str:
     """The file's text (UTF-8), or a one-line error naming it."""
     path = Path(path)
+    if path.is_dir():
+        raise SpecgraphError(f"{what}: {path} is a folder; give a file")
     if not path.is_file():
         raise SpecgraphError(f"{what}: {path} does not exist")
     try:

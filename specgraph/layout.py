@@ -68,10 +68,8 @@ class Layout:
         cu = torch.cat([counts.new_zeros(1), counts]).cumsum(0)  # [R + 1] (not counts.cumsum(0): where counts
         # is a `full` (a static tree's sizes), torch 2.11's Inductor rewrites full().cumsum() and fails on a symbolic fill)
         index = torch.arange(t, device=device)
-        segment = (index[:, None] >= cu[None, 1:]).sum(1)  # [T]: the segment of each token (Inductor fails on
-        # a searchsorted of a slice)
         live = index < cu[-1]
-        segment = segment.clamp(max=rows.numel() - 1)
+        segment = _segments(cu, t)
         virtual = torch.where(live, starts.index_select(0, segment) + offsets, 0)  # [T]
         slots = physical(table, block_size, rows.index_select(0, segment), virtual)
         grid = cu[:-1, None] + torch.arange(g, device=device)  # [R, G]
@@ -103,10 +101,21 @@ class Layout:
                               device=self.rows.device)
         return self.table, self.rows, self.cu, self.starts, self.visible, self.grid, tickets, self.block_size, self.padded
 
+    def token_segments(self) -> torch.Tensor:
+        """[T] the segment of each packed token (padding: the last's)."""
+        return _segments(self.cu, self.tokens)
+
     def tree(self) -> torch.Tensor:
         """[R, G, G] bool: within each segment, token i sees token j (a hybrid forward: see the module doc)."""
         g = self.region
         return self.visible.index_select(0, self.grid.clamp(min=0).flatten()).view(-1, g, g) & (self.grid >= 0)[..., None]
+
+
+def _segments(cu: torch.Tensor, tokens: int) -> torch.Tensor:
+    """[tokens] the segment of each packed token of segments cu [R + 1] (padding: the last)."""
+    index = torch.arange(tokens, device=cu.device)
+    # (Inductor fails on a searchsorted of a slice)
+    return (index[:, None] >= cu[None, 1:]).sum(1).clamp(max=cu.numel() - 2)
 
 
 def physical(table: torch.Tensor, block_size: int, rows: torch.Tensor, virtual: torch.Tensor) -> torch.Tensor:

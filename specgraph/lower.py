@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specgraph.bench.widen import draft_shape_for, widen, widened_shape
+from specgraph.models.widen import draft_shape_for, widen, widened_shape
 from specgraph.draft import Drafter
 from specgraph.engine.budget import Budget, batch_sizes
 from specgraph.engine.calibrate import budget_table, step_costs
@@ -176,7 +176,7 @@ def build_drafter(graph: SpecGraph, stages: dict[str, Stage], name: str | None =
 
 def widened_models(graph: SpecGraph, names: list[str], shape: str | None, ranks: Ranks = Ranks()) -> dict[str, nn.Module]:
     """Stages `names` widened to a real model's shape (the target to `shape`, drafters to the small
-    shape with their head dim, an EAGLE-3 head to a head of `shape`: bench/widen.py), as this rank's shard where a stage is split; {}
+    shape with their head dim, an EAGLE-3 head to a head of `shape`: models/widen.py), as this rank's shard where a stage is split; {}
     when `shape` is None. `shape` may name a scheme of `specgraph quantize` after a colon
     (llama-3-8b:w4a16): the target's and drafters' projections are then quantized so (a head's are not)."""
     if not shape:

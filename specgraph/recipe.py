@@ -26,6 +26,7 @@ from pydantic import (
 
 from specgraph.errors import RecipeError
 from specgraph.files import read_text
+from specgraph.hub import cached_snapshot, is_hub_id
 
 
 class _Strict(BaseModel):
@@ -33,9 +34,10 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    """A Hugging Face checkpoint folder (config.json + *.safetensors)."""
+    """A Hugging Face checkpoint folder (config.json + *.safetensors), or a hub id in the local cache."""
 
-    path: Path = Field(description="checkpoint folder; relative paths resolve against the recipe's folder")
+    path: Path = Field(description="checkpoint folder (relative paths resolve against the recipe's folder), or a "
+                       "Hugging Face hub id (org/name) found in the local cache (HF_HOME), offline")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weight and activation dtype; auto = float32 on cpu, bfloat16 on cuda"
     )
@@ -43,21 +45,40 @@ class ModelSpec(_Strict):
     @field_validator("path")
     @classmethod
     def _resolve(cls, path: Path, info: ValidationInfo) -> Path:
+        """Against the recipe's folder; where no folder is there and the path reads as a hub id, the
+        cache's snapshot of it (else a NotFound that says what was looked for)."""
         base = (info.context or {}).get("base_dir")
-        return path if path.is_absolute() or base is None else Path(base) / path
+        resolved = path if path.is_absolute() or base is None else Path(base) / path
+        if resolved.exists() or not is_hub_id(path.as_posix()):
+            return resolved
+        snapshot = cached_snapshot(path.as_posix())
+        return snapshot if snapshot is not None else NotFound.of(resolved, path.as_posix())
+
+
+class NotFound(type(Path())):
+    """A model path that names no folder, given as a hub id that the local cache lacks too (the
+    validate pass says both); equal to the plain path."""
+
+    hub_id: str
+
+    @classmethod
+    def of(cls, path: Path, hub_id: str) -> NotFound:
+        missing = cls(path)
+        missing.hub_id = hub_id
+        return missing
 
 
 class ChainTree(_Strict):
     """A single sequence of `length` draft tokens."""
 
-    shape: Literal["chain"] = "chain"
+    shape: Literal["chain"] = Field("chain", description="this tree's kind")
     length: PositiveInt = Field(4, description="draft tokens per step")
 
 
 class StaticTree(_Strict):
     """A fixed tree: `branching` (children per depth) or explicit `paths` of child ranks."""
 
-    shape: Literal["static"] = "static"
+    shape: Literal["static"] = Field("static", description="this tree's kind")
     branching: list[PositiveInt] | None = Field(None, description="children of every node at each depth")
     paths: list[list[NonNegativeInt]] | None = Field(
         None, description="each path a sequence of child ranks from the root (Medusa-style)"
@@ -85,7 +106,7 @@ class DynamicTree(_Strict):
     """Maximum-likelihood expansion: grow the `width` most likely leaves per step for `depth`
     steps, then verify the `nodes` most likely nodes by cumulative log-probability."""
 
-    shape: Literal["dynamic"] = "dynamic"
+    shape: Literal["dynamic"] = Field("dynamic", description="this tree's kind")
     width: PositiveInt = Field(4, description="leaves expanded per step, and children per expanded leaf")
     depth: PositiveInt = Field(4, description="expansion steps (maximum tree depth)")
     nodes: PositiveInt = Field(16, description="draft nodes verified per step (the root not counted)")
@@ -142,21 +163,24 @@ class GrowSpec(_Strict):
 class StageSpec(_Strict):
     """A node of the graph: one model on one device partition."""
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, description="the stage's name, which `verifies` and reports use")
     model: str = Field(description="key into `models`")
     devices: list[str] = Field(["auto"], min_length=1, description="cpu, cuda:N or auto; TP over the list")
     tree: TreeSpec | None = Field(None, description="draft-tree shape, for a stage that others verify")
     grow: GrowSpec | None = Field(None, description="execution: disaggregated: how this drafter grows its tree "
                                   "while the target verifies")
     verifies: str | None = Field(None, description="name of the stage whose drafts this stage verifies")
-    verify: VerifySpec = VerifySpec()
+    verify: VerifySpec = Field(VerifySpec(), description="how this stage accepts the drafts of the one it verifies")
 
 
 class SamplingSpec(_Strict):
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: NonNegativeInt = Field(0, description="0 = no top-k filter")
-    seed: int = 0
+    """How tokens are drawn, for draft and target alike: at temperature 0, greedily; a request of
+    the server may give its own."""
+
+    temperature: float = Field(0.0, ge=0, description="0: greedy (the argmax); above 0: sampled at this temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="keep the most likely tokens until their mass reaches top_p")
+    top_k: NonNegativeInt = Field(0, description="keep the k most likely tokens; 0 = no top-k filter")
+    seed: int = Field(0, description="the seed of each request's random stream (sampled output is reproducible)")
 
 
 KernelKind = Literal["auto", "reference", "triton"]
@@ -212,14 +236,15 @@ class ServingSpec(_Strict):
         "depths, whichever is expected to give the batch the most tokens per second (step times measured when the "
         "program loads, acceptance as the requests go); always: every step speculates with the recipe's tree. An "
         "EAGLE-3 head, fed by every target step, always speculates")
-    max_waiting: NonNegativeInt = Field(64, description="specgraph serve: requests waiting for a place in the batch "
-                                        "at most; more are refused (503, Retry-After) until some finish")
+    max_waiting: NonNegativeInt | None = Field(None, description="specgraph serve: requests waiting for a place in "
+                                               "the batch at most, more refused (503, Retry-After) until some finish; "
+                                               "default: every request waits its turn (its prompt in host memory)")
 
     @field_validator("block_size")
     @classmethod
     def _power_of_two(cls, size: int) -> int:
         if size < 16 or size & (size - 1):
-            raise ValueError(f"must be a power of two of at least 16, e.g. 64 (got {size})")
+            raise ValueError("must be a power of two of at least 16, e.g. 64")
         return size
 
 
@@ -227,17 +252,22 @@ class Recipe(_Strict):
     """A decoding topology (docs/design.md). `name` is required in a dict or Python recipe; a YAML
     file's defaults to the file's stem."""
 
-    name: str = Field(min_length=1)
-    models: dict[str, ModelSpec] = Field(min_length=1)
+    name: str = Field(min_length=1, description="the recipe's name (the model id `specgraph serve` answers to)")
+    models: dict[str, ModelSpec] = Field(min_length=1, description="the checkpoints, by the names stages give them")
     stages: list[StageSpec] = Field(min_length=1, description="smallest model first")
-    execution: Literal["serial", "disaggregated", "pipeline"] = "serial"
-    sampling: SamplingSpec = SamplingSpec()
-    max_new_tokens: PositiveInt = 256
-    max_seq_len: PositiveInt = Field(2048, description="prompt + generated tokens that the caches hold")
+    execution: Literal["serial", "disaggregated", "pipeline"] = Field(
+        "serial", description="serial: draft, then verify, many requests at once (the engine); disaggregated "
+        "(SwiftSpec): drafter and target in processes of their own, at the same time; pipeline (PipeSpec): each "
+        "stage verifying the one below, all at once")
+    sampling: SamplingSpec = Field(SamplingSpec(), description="how tokens are drawn")
+    max_new_tokens: PositiveInt = Field(256, description="new tokens per prompt at most, unless a command or "
+                                        "request gives another budget")
+    max_seq_len: int = Field(2048, ge=2, description="prompt + generated tokens that the caches hold: at least 2 (a "
+                             "one-token prompt and one new token)")
     prompt: str | None = Field(None, description="prompt used when the command line gives none")
-    lowering: LoweringSpec = LoweringSpec()
-    pipeline: PipelineSpec = PipelineSpec()
-    serving: ServingSpec = ServingSpec()
+    lowering: LoweringSpec = Field(LoweringSpec(), description="kernels, compilation and CUDA graphs")
+    pipeline: PipelineSpec = Field(PipelineSpec(), description="execution: pipeline: how its stages run together")
+    serving: ServingSpec = Field(ServingSpec(), description="the engine: requests at once, the KV pool, prefill")
     timeout: float = Field(120.0, gt=0, description="multi-process runs: seconds a process may wait on another stage, "
                            "or spend in one step, before the run stops with an error naming the stage and rank "
                            "(ten times this during the first request, where compilation and graph capture happen)")
@@ -252,6 +282,8 @@ class Recipe(_Strict):
     @classmethod
     def from_yaml(cls, path: Path | str, overrides: list[str] = ()) -> Recipe:
         path = Path(path)
+        if path.is_dir():
+            raise RecipeError(f"recipe: {path} is a folder; a recipe is a YAML file")
         if not path.is_file():
             raise RecipeError(f"recipe file {path} does not exist")
         try:
@@ -264,6 +296,20 @@ class Recipe(_Strict):
         for override in overrides:
             apply_override(data, override)
         return cls.from_dict(data, base_dir=path.parent)
+
+    @classmethod
+    def of_models(cls, target: str, draft: str | None = None, overrides: list[str] = ()) -> Recipe:
+        """The recipe of `specgraph serve MODEL [--draft MODEL]`: the target alone (plain decoding),
+        or verifying `draft`'s default tree; named after the target as given, paths (or hub ids)
+        as given (relative ones from the working folder)."""
+        models = {"target": {"path": target}} | ({"draft": {"path": draft}} if draft is not None else {})
+        stages = [{"name": "target", "model": "target"}]
+        if draft is not None:
+            stages = [{"name": "draft", "model": "draft"}, stages[0] | {"verifies": "draft"}]
+        data = {"name": target, "models": models, "stages": stages}
+        for override in overrides:
+            apply_override(data, override)
+        return cls.from_dict(data)
 
     def with_tree(self, stage: int, tree: TreeSpec) -> Recipe:
         """This recipe with stage number `stage` drafting `tree`."""

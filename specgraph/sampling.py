@@ -2,7 +2,10 @@
 
 Draft and target go through the same function, so temperature, top-k and top-p shape both
 identically (a requirement of lossless speculative sampling). Each request of a batch has its own
-settings (`SamplingRows`): a row at temperature 0 gets the one-hot argmax.
+settings (`SamplingRows`): a row at temperature 0 gets the one-hot argmax. A request's stop tokens
+are kept from being drawn until it has `min_tokens` new tokens (`forbid_stops`), in the drafter's
+proposals and the target's verdicts alike, so speculation still decodes what the target alone would
+under that rule.
 """
 
 from __future__ import annotations
@@ -15,26 +18,56 @@ from specgraph.draws import Draws
 from specgraph.recipe import SamplingSpec
 
 
+STOP_IDS = 16  # stop tokens a request may have (its end-of-sequence tokens and stop_token_ids)
+
+
 @dataclass
 class SamplingRows:
-    """Sampling settings of R requests on the device; `filters`: whether any row filters by top-k or top-p."""
+    """Sampling settings of R requests on the device; `filters`: whether any row filters by top-k or
+    top-p; `forbids`: whether any row keeps its stop tokens from being drawn for a while (min_tokens):
+    host flags, so that a step without either does none of that work."""
 
     temperature: torch.Tensor  # [R] float32, 0: greedy
     top_p: torch.Tensor  # [R] float32
     top_k: torch.Tensor  # [R] long, 0: no top-k filter
     filters: bool
+    min_length: torch.Tensor  # [R] long: committed tokens (prompt and new) below which `stops` are not drawn
+    stops: torch.Tensor  # [R, STOP_IDS] long: the row's stop tokens, the first repeated to fill the row
+    forbids: bool = False
 
     @classmethod
     def of(cls, specs: list[SamplingSpec], device: torch.device | str) -> SamplingRows:
+        """Rows of these settings, every stop token allowed (see `stopping`)."""
         return cls(torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=device),
                    torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=device),
                    torch.tensor([s.top_k for s in specs], dtype=torch.long, device=device),
-                   any(s.top_k > 0 or s.top_p < 1 for s in specs))
+                   any(s.top_k > 0 or s.top_p < 1 for s in specs),
+                   torch.zeros(len(specs), dtype=torch.long, device=device),
+                   torch.zeros(len(specs), STOP_IDS, dtype=torch.long, device=device))
 
     def take(self, index: torch.Tensor) -> SamplingRows:
         """The settings of rows `index` [R'] (a batch's requests from a table of them)."""
         return SamplingRows(self.temperature.index_select(0, index), self.top_p.index_select(0, index),
-                            self.top_k.index_select(0, index), self.filters)
+                            self.top_k.index_select(0, index), self.filters, self.min_length.index_select(0, index),
+                            self.stops.index_select(0, index), self.forbids)
+
+
+def stopping(stops: tuple[int, ...], min_length: int) -> tuple[int, list[int]]:
+    """A request's `min_length` and `stops` rows: its stop tokens (at most STOP_IDS, the first
+    repeated to fill the row), kept from being drawn below `min_length` committed tokens; with no
+    stop tokens, nothing is kept (min_length 0)."""
+    if not stops:
+        return 0, [0] * STOP_IDS
+    return min_length, [*stops, *stops[:1] * (STOP_IDS - len(stops))]
+
+
+def forbid_stops(logits: torch.Tensor, sampling: SamplingRows, at: torch.Tensor) -> torch.Tensor:
+    """logits [R, ..., V] of the tokens that rows would commit at sequence index `at` [R, ...] ->
+    the same with each row's stop tokens at -inf where `at` is below its min_length (out of place)."""
+    extra = (1,) * (at.dim() - 1)
+    banned = (at < sampling.min_length.view(-1, *extra))[..., None]  # [R, ..., 1]
+    stops = sampling.stops.view(-1, *extra, STOP_IDS).expand(*at.shape, STOP_IDS)  # [R, ..., S]
+    return logits.scatter(-1, stops, torch.where(banned, float("-inf"), logits.gather(-1, stops)))
 
 
 def probs_from_logits(logits: torch.Tensor, sampling: SamplingRows) -> torch.Tensor:

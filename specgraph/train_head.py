@@ -37,6 +37,7 @@ from specgraph.runtime.stage import Stage
 from specgraph.text import Tokenizer
 
 DECAY = 0.8  # round j of the training-time test weighs DECAY ** j (EAGLE-3)
+DRAFT_VOCAB = 32000  # a head's vocabulary where none is given (at most the target's)
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class TrainSpec:
     batch: int = 8
     seq_len: int = 256
     ttt: int = 4  # rounds of the training-time test
-    draft_vocab: int = 32000  # at most the target's vocabulary
+    draft_vocab: int | None = None  # at most the target's vocabulary (None: DRAFT_VOCAB or the target's, fewer)
     intermediate_size: int | None = None  # the head's MLP width (None: the target's)
     dtype: str = "float32"  # of the weights written to OUT/model.safetensors
     seed: int = 0
@@ -84,11 +85,18 @@ def read_texts(path: Path) -> list[str]:
     return texts
 
 
-def check_target(path: Path) -> None:
+def check_target(path: Path, draft_vocab: int | None) -> int:
+    """A target train-draft can train a head for -> the head's vocabulary (`draft_vocab`, at most the target's)."""
     config = read_config(path)
     if is_head(config) or is_hybrid(config):
         raise CheckpointError(f"{path}: train-draft trains heads for Llama-family targets, not "
                               f"{config.architectures[0]}")
+    if draft_vocab is None:
+        return min(DRAFT_VOCAB, config.vocab_size)
+    if draft_vocab > config.vocab_size:
+        raise SpecgraphError(f"--draft-vocab: {draft_vocab} is more than the target's vocabulary of "
+                             f"{config.vocab_size}; give at most {config.vocab_size}")
+    return draft_vocab
 
 
 def head_config(target: Path, spec: TrainSpec, layers: tuple[int, ...], draft_vocab: int) -> dict:
@@ -152,7 +160,7 @@ def rounds(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, ttt: 
 class Trainer:
     def __init__(self, spec: TrainSpec):
         self.spec, device = spec, torch.device(spec.device)
-        check_target(spec.target)
+        draft_vocab = check_target(spec.target, spec.draft_vocab)
         target = load_model(spec.target, torch.float32, device)
         layers = spec.layers or eagle.default_features(target.shape.num_layers)
         if len(layers) != 3 or not all(0 <= i < target.shape.num_layers for i in layers):
@@ -167,7 +175,7 @@ class Trainer:
         resumed = self._resumed()
         vocab = target.shape.vocab_size
         ids = resumed["d2t"].to(device) + torch.arange(resumed["d2t"].numel(), device=device) if resumed else (
-            torch.bincount(self.stream, minlength=vocab).argsort(descending=True, stable=True)[: min(spec.draft_vocab, vocab)]
+            torch.bincount(self.stream, minlength=vocab).argsort(descending=True, stable=True)[:draft_vocab]
             .sort().values)  # [Vd] the target ids the head covers
         spec.out.mkdir(parents=True, exist_ok=True)
         write_output(spec.out / "config.json", json.dumps(head_config(spec.target, spec, layers, ids.numel()), indent=2))

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specgraph.bench.widen import widen
+from specgraph.models.widen import widen
 from specgraph.cache import KVCache
 from specgraph.draft import Drafter
 from specgraph.engine.engine import Engine
@@ -58,6 +58,7 @@ class MarkovModel(nn.Module):
     def __init__(self, table: torch.Tensor):  # [V, V], rows sum to 1
         super().__init__()
         self.register_buffer("log_table", table.log())
+        self.served_vocab = table.shape[0]
 
     def new_cache(self, blocks: int, block_size: int, requests: int = 1, kernels=None) -> KVCache:
         return KVCache(0, 1, 1, blocks, block_size, torch.float32, "cpu")
@@ -408,7 +409,7 @@ def gated_delta_layer(trees: list[tuple[int, int]], h: int, hk: int, dk: int, dv
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
     from bench_gated_delta import layer_inputs
 
-    from specgraph.bench.widen import QWEN35_REAL
+    from specgraph.models.widen import QWEN35_REAL
     shape = replace(QWEN35_REAL["qwen3.5-9b"], linear_key_heads=hk, linear_value_heads=h, linear_key_dim=dk,
                     linear_value_dim=dv)
     gen = torch.Generator().manual_seed(seed)

@@ -9,7 +9,7 @@ from conftest import EMBEDDED, REPO, shared_models
 from helpers import REDUCED, chain_logits, two_stage
 
 from specgraph.bench.systems import HFSystem, SpecgraphSystem, hf_mirror
-from specgraph.bench.widen import SHAPES, draft_shape_for, widen, widened_shape
+from specgraph.models.widen import SHAPES, draft_shape_for, widen, widened_shape
 from specgraph.cli import main
 from specgraph.errors import SpecgraphError
 from specgraph.models.hybrid import FULL, LINEAR, HybridShape

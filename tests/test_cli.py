@@ -35,13 +35,32 @@ def test_run_writes_the_documented_json(tmp_path, capsys):
     assert 0 < summary["wall_seconds"] < measured and summary["tokens_per_second"] > new_tokens / measured
     steps = sum(r["target_steps"] for r in data["results"])
     assert summary["mean_accepted_length"] == pytest.approx(new_tokens / steps, abs=1e-3)
-    assert "tokens/s, mean accepted length" in capsys.readouterr().out
+    assert "tokens/s, mean accepted length" in capsys.readouterr().err
 
 
-def test_run_prints_the_completion_of_one_prompt(capsys):
-    assert main(["run", str(DEMO), "--prompt", "import numpy as np\n", "--max-new-tokens", "8"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("import numpy as np\n") and "mean accepted length" in out
+def test_run_prints_the_completion_of_one_prompt_and_its_summary_apart(tmp_path, capsys):
+    """Standard output holds the prompt and its completion alone; the summary goes to standard error."""
+    out = tmp_path / "out.json"
+    assert main(["run", str(DEMO), "--prompt", "import numpy as np\n", "--max-new-tokens", "8", "--json", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert printed.out == "import numpy as np\n" + json.loads(out.read_text())["results"][0]["text"] + "\n"
+    assert "mean accepted length" in printed.err and "s to the first token" in printed.err
+
+
+def test_json_dash_is_standard_output(tmp_path, monkeypatch, capsys):
+    """`--json -` writes the JSON to standard output, alone there (no file named '-'); several
+    prompts' first-token time says that it counts the wait behind earlier prompts."""
+    monkeypatch.chdir(tmp_path)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": null, "prompt": "import os\\n"}\n{"id": 7, "prompt": "def main():\\n"}\n')
+    assert main(["run", str(DEMO), "--prompts", str(prompts), "--max-new-tokens", "4", "--json", "-"]) == 0
+    printed = capsys.readouterr()
+    report = json.loads(printed.out)
+    assert [r["id"] for r in report["results"]] == ["000", "7"]  # (a null id: the prompt's number, not "None")
+    assert not (tmp_path / "-").exists()
+    assert "its wait behind earlier prompts" in printed.err
+    assert main(["run", str(DEMO), "--prompt", "import os\n", "--max-new-tokens", "4", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["id"] == "000"  # (the completion went to stderr)
 
 
 def test_seeded_sampling_is_reproducible(tmp_path):
@@ -87,11 +106,81 @@ def test_a_drafter_larger_than_its_target_is_warned_of_in_one_line(capsys):
     (["run", str(DEMO), "--max-new-tokens", "0"], "--max-new-tokens: must be at least 1"),
     (["run", str(DEMO), "--set", "max_seq_len=8", "--prompt", "x = 1 + 2 + 3 + 4 + 5 + 6 + 7 + 8"],
      "does not fit: prompts need 1 to 7 tokens (max_seq_len 8)"),
+    (["run", str(DEMO), "--prompt", "caf\udce9"], "--prompt: not UTF-8 text (byte 0xe9 at character 3)"),
+    (["bench", str(DEMO), "--prompt", "\udcff"], "--prompt: not UTF-8 text (byte 0xff at character 0)"),
+    (["run", str(DEMO), "--set", "serving.kv_blocks=1"], "serving.kv_blocks: 1 blocks of 64 slots cannot hold one "
+     "request of max_seq_len 2048 tokens and a step's 7 more (and block 0, the trash); give at least 34"),  # 1 + 2055 / 64
+    (["run", str(DEMO), "--set", "serving.kv_blocks=3"], "give at least 34"),
+    (["run", str(DEMO), "--set", "stages.0.tree={shape: chain, length: 5000}"],
+     "stages.0.tree: a chain of 5000 draft tokens cannot fit max_seq_len 2048"),
+    (["run", str(DEMO), "--set", "stages.0.tree={shape: static, branching: [8, 8, 8, 8, 8, 8, 8, 8, 8, 8]}"],
+     "stages.0.tree: branching [8, 8, 8, 8, 8, 8, 8, 8, 8, 8] (4680+ nodes) cannot fit max_seq_len 2048"),
+    (["run", str(DEMO), "--set", "stages.0.tree={shape: dynamic, width: 1, depth: 3000, nodes: 30}"],
+     "stages.0.tree: depth 3000 x width 1 (2999 nodes fed per step) cannot fit max_seq_len 2048"),
+    (["run", str(DEMO), "--set", "stages.0.tree={shape: dynamic, width: 64, depth: 2, nodes: 2048}"],
+     "stages.0.tree: 2048 verified nodes cannot fit max_seq_len 2048"),
+    (["run", str(DEMO), "--set", "max_seq_len=1"], "max_seq_len: Input should be greater than or equal to 2 (got 1)"),
+    (["run", str(DEMO), "--set", "serving.block_size=17"],
+     "serving.block_size: must be a power of two of at least 16, e.g. 64 (got 17)"),
 ])
 def test_bad_input_exits_with_one_line(args, expected, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("specgraph: error: ") and expected in err[-1]
+    assert err[-1].count("(got") <= 1 and not any("Traceback" in line for line in err)
+
+
+def test_a_batch_whose_pool_outgrows_memory_is_refused_before_loading(monkeypatch, capsys):
+    """The demo pool per slot: 2 (K, V) x layers x KV heads x head dim x 4 bytes, the target's
+    (8 x 1 x 128) and the drafter's (2 x 1 x 64), over 1 + batch x ceil(2055 / 64) blocks of 64."""
+    import psutil
+
+    from specgraph.models import loader
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 8 * 10 ** 9}))
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    need = (1 + 100000 * 33) * 64 * 2 * (8 * 128 + 2 * 64) * 4
+    assert main(["run", str(DEMO), "--batch", "100000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"specgraph: error: serving.max_batch (--batch): 100000 requests at once need a KV pool of "
+                       f"{need / 1e9:.1f} GB on cpu, which has 8.0 GB available; at most {100000 * 8 * 10 ** 9 // need} fit")
+
+
+def test_the_libraries_warnings_show_with_debug_only(monkeypatch, recwarn, capsys):
+    """A command's own warnings are one line; torch's and transformers' (a FutureWarning, a logger's
+    advice) are for their developers: passed on with --debug only (warnings to pytest's recorder,
+    which stands in for standard error here)."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
+    from specgraph import cli
+    from specgraph.errors import RecipeWarning
+
+    advice = []  # whether transformers' logger would print its advice, per command
+
+    def noisy(args):
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning)
+        advice.append(transformers_logging.get_logger("transformers.generation").isEnabledFor(logging.WARNING))
+        warnings.warn(RecipeWarning("a drafter no smaller than its target"))
+
+    monkeypatch.setattr(cli, "cmd_inspect", noisy)
+    assert main(["inspect", str(DEMO)]) == 0
+    assert capsys.readouterr().err.splitlines() == ["specgraph: warning: a drafter no smaller than its target"]
+    assert not [w for w in recwarn if w.category is FutureWarning]
+    assert main(["inspect", str(DEMO), "--debug"]) == 0
+    assert [w for w in recwarn if w.category is FutureWarning] and advice == [False, True]
+
+
+def test_train_draft_refuses_a_vocabulary_larger_than_the_targets(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "def f(x):\\n    return x\\n"}\n')
+    assert main(["train-draft", str(REPO / "recipes" / "models" / "target"), "--data", str(data), "-o",
+                 str(tmp_path / "head"), "--draft-vocab", "99999"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "specgraph: error: --draft-vocab: 99999 is more than the target's vocabulary of 4096; give at most 4096")
+    assert not (tmp_path / "head").exists()
 
 
 def test_bad_prompt_files(tmp_path, capsys):
@@ -102,6 +191,9 @@ def test_bad_prompt_files(tmp_path, capsys):
     bad.write_text('{"text": "no prompt key"}\n')
     assert main(["run", str(DEMO), "--prompts", str(bad)]) == 2
     assert "line 1 needs a 'prompt' string" in capsys.readouterr().err
+    bad.write_text('{"prompt": "x", "id": ["a"]}\n')
+    assert main(["run", str(DEMO), "--prompts", str(bad)]) == 2
+    assert "line 1: 'id' must be a string or a whole number (got [\"a\"])" in capsys.readouterr().err
 
 
 def test_user_errors_print_no_traceback():

@@ -15,7 +15,7 @@ from conftest import EMBEDDED, REPO
 from helpers import BUDGETS, REDUCED, decode_together, sampled_law, total_variation, two_stage, two_token_law
 from safetensors.torch import load_file, save_file
 
-from specgraph.bench.widen import HEAD_DRAFT_VOCAB, widen
+from specgraph.models.widen import HEAD_DRAFT_VOCAB, widen
 from specgraph.cli import main
 from specgraph.errors import SpecgraphError
 from specgraph.passes import plan
@@ -320,7 +320,7 @@ def test_sampling_through_the_head_follows_the_target_distribution():
 
 
 def test_a_widened_head_drafts_as_the_small_one():
-    """`--widen` takes a head to a head of the target's shape (bench/widen.py): at an 8B-like layout
+    """`--widen` takes a head to a head of the target's shape (models/widen.py): at an 8B-like layout
     (REDUCED) its drafts, so its accepted lengths, are the small head's, step for step."""
     graph = plan(two_stage(TARGET, SHIPPED, TREES["dynamic"], max_new_tokens=40))
     small = Program(graph)

@@ -57,12 +57,12 @@ def test_output_keeps_the_budget_and_the_first_end_of_sequence_token():
     from specgraph.runtime.executor import Generation, Output
 
     gen = Generation(output_ids=[])
-    output = Output(gen, prompt_tokens=3, max_new_tokens=10, max_seq_len=8, eos_ids=(9,))  # room for 5
+    output = Output(gen, prompt_tokens=3, max_new_tokens=10, max_seq_len=8, stops=(9,))  # room for 5
     assert output.budget == 5 and not output.take([1, 2]) and output.room == 3
     assert output.take([3, 9, 4]) and gen.output_ids == [1, 2, 3, 9] and gen.finish_reason == "stop"
     assert gen.accepted_lengths == [2, 2]
     gen = Generation(output_ids=[])
-    output = Output(gen, prompt_tokens=3, max_new_tokens=10, max_seq_len=8, eos_ids=(9,))
+    output = Output(gen, prompt_tokens=3, max_new_tokens=10, max_seq_len=8, stops=(9,))
     assert output.take([1, 2, 3, 4, 5, 9]) and gen.output_ids == [1, 2, 3, 4, 5] and gen.clipped
 
 

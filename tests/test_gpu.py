@@ -228,7 +228,7 @@ def test_gated_delta_kernel_gives_every_node_the_recurrence_along_its_path(dtype
     sys.path.insert(0, str(REPO / "scripts"))
     from bench_gated_delta import branch_by_branch, layer_inputs, tree_levels
 
-    from specgraph.bench.widen import QWEN35_REAL
+    from specgraph.models.widen import QWEN35_REAL
     from specgraph.kernels.gated_delta.triton import gated_delta_step
     from specgraph.tree import Tree
 
@@ -319,7 +319,7 @@ def test_row_invariant_kernels_give_a_token_the_same_bits_in_any_step_in_bf16():
     sys.path.insert(0, str(REPO / "scripts"))
     from bench_gated_delta import layer_inputs
 
-    from specgraph.bench.widen import QWEN35_REAL
+    from specgraph.models.widen import QWEN35_REAL
     from specgraph.tree import Tree
     cpu = torch.Generator().manual_seed(2)
     for shape in QWEN35_REAL.values():

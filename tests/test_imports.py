@@ -1,5 +1,6 @@
 """Imports run one way (docs/design.md): recipe -> graph -> passes -> runtime -> engine -> lowering
--> ranks and programs -> benchmarks, CLI, server; no module imports, even inside a function, one
+-> ranks and programs -> benchmarks, CLI, server (model widening lives with the models: loading
+a program reaches nothing in bench/); no module imports, even inside a function, one
 that imports it back."""
 
 import ast
@@ -50,3 +51,15 @@ def test_the_runtime_and_the_passes_import_nothing_above_them():
         if module.startswith("specgraph.passes"):
             drafting = ("specgraph.draft", "specgraph.growing", "specgraph.runtime", *above_runtime)
             assert not [m for m in reached if m.startswith(drafting)], module
+
+
+def test_loading_a_program_imports_nothing_from_the_benchmarks():
+    """bench/ measures programs; building one (recipe to Program, and the server over it) needs
+    nothing of it: only the command line and the load generator reach specgraph.bench."""
+    graph = import_graph()
+    loading = {"specgraph.program", "specgraph.serve.server", "specgraph.worker"}
+    reached = set().union(*(nx.descendants(graph, m) | {m} for m in loading))
+    assert not sorted(m for m in reached if m.startswith("specgraph.bench"))
+    importers = {m for m in graph if not m.startswith("specgraph.bench")
+                 and any(t.startswith("specgraph.bench") for t in graph.successors(m))}
+    assert importers <= {"specgraph.cli", "specgraph.loadgen"}, importers

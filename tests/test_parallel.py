@@ -12,7 +12,7 @@ import torch
 from conftest import EMBEDDED, shared_models
 from helpers import PROMPT, save_checkpoint, splittable_recipe, two_stage
 
-from specgraph.bench.widen import widen
+from specgraph.models.widen import widen
 from specgraph.cli import main
 from specgraph.errors import RecipeError, SpecgraphError
 from specgraph.models.loader import load_model

@@ -19,7 +19,7 @@ from helpers import (REDUCED, as_vision_language, hf_greedy, sampled_law, simula
                      two_stage, two_token_law)
 from safetensors.torch import load_file, save_file
 
-from specgraph.bench.widen import widen
+from specgraph.models.widen import widen
 from specgraph.cli import main
 from specgraph.errors import CheckpointError, RecipeError, SpecgraphError
 from specgraph.models.loader import load_model, safetensor_files
@@ -613,7 +613,7 @@ def test_quantizing_in_memory_stores_what_the_written_checkpoint_loads_as(tmp_pa
 
 
 def test_widening_to_a_quantized_shape_quantizes_each_layer_and_speculation_stays_exact(capsys):
-    """`--widen SHAPE:SCHEME` (bench/widen.py): an 8B-like layout (REDUCED) built layer by layer with
+    """`--widen SHAPE:SCHEME` (models/widen.py): an 8B-like layout (REDUCED) built layer by layer with
     int4 projections; speculation over it decodes what its own autoregressive decoding does."""
     graph = plan(two_stage(TARGET, DRAFT, DYNAMIC, max_new_tokens=40))
     small = Program(graph)

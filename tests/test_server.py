@@ -3,6 +3,7 @@ by the official `openai` client (and raw HTTP where a client would not send such
 answers are checked against a Program in this process decoding the same prompts; usage against
 the tokenizer; batching, aborts and token counts against the server's /metrics."""
 
+import asyncio
 import json
 import os
 import queue
@@ -33,7 +34,8 @@ from specgraph.serve.textstream import TextStream
 
 DEMO = REPO / "recipes" / "demo.yaml"
 NEW = 8  # tokens per request where a test does not need more (the server's max_new_tokens)
-BATCH, WAITING = 4, 4  # the greedy server's requests decoded at once, and waiting at most
+BATCH = 4  # the greedy server's requests decoded at once (the others wait their turn, however many)
+WAITING = 2  # the sampling server's requests waiting at most (its batch: 2)
 # a chat template of our own (the fixture tokenizer has none): each message on a line, then the assistant's turn
 TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}### assistant:{% endif %}")
@@ -100,20 +102,20 @@ def serving(args: list[str], log: Path):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """The demo recipe, greedy, BATCH requests at once and WAITING more at most, with TEMPLATE."""
+    """The demo recipe, greedy, BATCH requests at once (the others wait), with TEMPLATE."""
     folder = tmp_path_factory.mktemp("server")
     (folder / "chat.jinja").write_text(TEMPLATE)
     yield from serving([str(DEMO), "--batch", str(BATCH), "--chat-template", str(folder / "chat.jinja"),
-                        "--set", f"max_new_tokens={NEW}", "--set", f"serving.max_waiting={WAITING}"],
-                       folder / "server.log")
+                        "--set", f"max_new_tokens={NEW}"], folder / "server.log")
 
 
 @pytest.fixture(scope="module")
 def sampler(tmp_path_factory):
-    """The demo recipe at temperature 0.8, two requests at once, behind an API key, without a chat template."""
+    """The demo recipe at temperature 0.8, two requests at once and WAITING more at most, behind an
+    API key, without a chat template."""
     folder = tmp_path_factory.mktemp("sampler")
     yield from serving([str(DEMO), "--batch", "2", "--api-key", "sesame", "--set", "stages.1.verify.rule=sampling",
-                        "--set", "sampling.temperature=0.8",
+                        "--set", "sampling.temperature=0.8", "--set", f"serving.max_waiting={WAITING}",
                         "--set", f"max_new_tokens={NEW}"], folder / "sampler.log")
 
 
@@ -211,6 +213,91 @@ def test_stop_strings_cut_the_text_streamed_or_not(server, program):
     assert (text, finish) == (cut, "stop") and usage.completion_tokens < 24
 
 
+ENDING = "if __name__ == '__main__':\n    main()\n"  # a file's end: the demo target's next token is EOS
+EOS, NEWLINE = 0, 199  # the fixture tokenizer's end of sequence, and "\n"
+
+
+def engine_ids(program: Program, prompt: str, new: int, **stopping) -> list[int]:
+    """The new ids of `prompt` through the program's engine with a request's own stops and min_tokens."""
+    request = program.executor.add_request(program.encode(prompt), new, stops=stopping.get("stops"),
+                                           min_tokens=stopping.get("min_tokens", 0))
+    while not request.finished:
+        program.executor.step()
+    return request.generation.output_ids
+
+
+def test_vllms_stop_extensions_are_served_streamed_and_whole(server, program):
+    """ignore_eos decodes max_tokens tokens past the EOS that ends the plain answer; min_tokens
+    keeps EOS out of the first ones; stop_token_ids end the request (their text kept only with
+    include_stop_str_in_output); skip_special_tokens false shows EOS's text; the usage comes in
+    the last streamed chunk. Token ids against the engine in this process under the same rule."""
+    client = server.client()
+    assert engine_ids(program, ENDING, NEW) == [EOS]
+    plain = client.completions.create(model="demo", prompt=ENDING, max_tokens=NEW)
+    assert (plain.choices[0].text, plain.choices[0].finish_reason, plain.usage.completion_tokens) == ("", "stop", 1)
+
+    def ask(**extra):
+        return streamed(client.completions.create(model="demo", prompt=ENDING, max_tokens=NEW, stream=True,
+                                                  stream_options={"include_usage": True}, extra_body=extra))
+
+    ignored = engine_ids(program, ENDING, NEW, stops=())
+    assert ignored[0] == EOS and len(ignored) == NEW
+    text, finish, usage = ask(ignore_eos=True)
+    assert (text, finish, usage.completion_tokens) == (program.decode(ignored), "length", NEW)
+    text, _, _ = ask(ignore_eos=True, skip_special_tokens=False)
+    assert text == program.tokenizer.decode(ignored, skip_special_tokens=False) and text != program.decode(ignored)
+    at_least = engine_ids(program, ENDING, NEW, min_tokens=4)
+    assert EOS not in at_least[:4] and len(at_least) > 4
+    text, finish, usage = ask(min_tokens=4)
+    assert (text, usage.completion_tokens) == (program.decode(at_least), len(at_least))
+    second = at_least[1]  # a token it draws second: as a stop token, it ends the request there
+    cut = engine_ids(program, ENDING, NEW, stops=(EOS, second), min_tokens=1)
+    assert cut == at_least[:2] and program.decode(cut) != program.decode(cut[:1])
+    text, finish, usage = ask(min_tokens=1, stop_token_ids=[second])
+    assert (text, finish, usage.completion_tokens) == (program.decode(cut[:1]), "stop", 2)
+    text, _, _ = ask(min_tokens=1, stop_token_ids=[second], include_stop_str_in_output=True)
+    assert text == program.decode(cut)
+
+
+def test_stop_strings_can_stay_in_the_text(server, program):
+    full, _ = expected(program, PROMPT, 24)
+    stop = full[9:12]
+    whole = server.client().completions.create(model="demo", prompt=PROMPT, max_tokens=24, stop=[stop],
+                                               extra_body={"include_stop_str_in_output": True})
+    assert whole.choices[0].text == full[: full.find(stop) + len(stop)]
+
+
+def test_models_are_listed_and_retrieved_and_metrics_are_prometheus(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client = server.client()
+    assert client.models.retrieve("demo").id == "demo"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+    client.completions.create(model="demo", prompt=PROMPT, max_tokens=2)
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+    assert families["specgraph_accepted_length"].type == "histogram"
+    assert {s.labels["reason"] for s in families["specgraph_requests_finished"].samples} == {
+        "stop", "length", "aborted", "failed"}
+    running = families["specgraph_requests_running"].samples
+    assert [s.value for s in running] == [0]  # idle now: the last step's request is done (it read 1 before)
+
+
+def test_a_body_too_large_or_left_half_sent_is_no_fault(server):
+    """A 20 MB body: a 413 in OpenAI's shape; a client that hangs up mid-body: nothing to answer.
+    Neither is logged as a server error."""
+    response = httpx.post(f"{server.url}/v1/completions", timeout=WAIT, headers={"Content-Type": "application/json"},
+                          content=b'{"model": "demo", "prompt": "' + b"x" * (20 << 20) + b'"}')
+    assert response.status_code == 413 and error_of(response)["code"] == "request_too_large"
+    where = urlsplit(server.url)
+    with socket.create_connection((where.hostname, where.port), timeout=WAIT) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 1000\r\n\r\n{\"model\": \"demo\", ")
+    assert server.client().completions.create(model="demo", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+    log = server.log.read_text()
+    assert "Traceback" not in log and "ERROR" not in log, log
+
+
 def test_text_is_handed_out_whole_characters_and_never_a_stop_strings_start():
     """Byte 'tokens' decoded as UTF-8: a character's bytes split over steps, a stop string split
     over steps; the pieces never show a partial character or text the stop then takes back."""
@@ -266,6 +353,18 @@ BAD_REQUESTS = [  # (path, body: bytes or a JSON object, status, the param named
      "messages", "prompts need 1 to 2047 tokens"),
     ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
                               "stream_options": {"include_usage": 1}}, 400, "stream_options.include_usage", "boolean"),
+    ("/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens",
+     "at most the token budget, max_tokens 2"),
+    ("/v1/completions", {"model": "demo", "prompt": "x", "min_tokens": NEW + 1}, 400, "min_tokens", "max_tokens 8"),
+    ("/v1/completions", {"model": "demo", "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids.0",
+     "greater than or equal to 0"),
+    ("/v1/completions", {"model": "demo", "prompt": "x", "stop_token_ids": [4096]}, 400, "stop_token_ids",
+     "ids 0 to 4095"),
+    ("/v1/completions", {"model": "demo", "prompt": "x", "stop_token_ids": list(range(1, 17))}, 400, "stop_token_ids",
+     "at most 16 stop tokens"),
+    ("/v1/completions", {"model": "demo", "prompt": "x", "ignore_eos": "yes"}, 400, "ignore_eos", "valid boolean"),
+    ("/v1/completions", {"model": "demo", "prompt": "x", "repetition_penalty": 1.1}, 400, "repetition_penalty",
+     "unknown field"),
     ("/v1/nothing", {}, 404, None, "no such endpoint"),
 ]
 
@@ -344,29 +443,47 @@ def test_seeds_reproduce_and_keys_guard(sampler):
     assert httpx.get(f"{sampler.url}/health", timeout=WAIT).status_code == 200  # probes need no key
 
 
-def test_a_full_queue_is_refused_until_places_come_back(server):
-    """BATCH decoding and WAITING waiting fill it: the next request is refused, with when to retry."""
-    long = {"model": "demo", "prompt": PROMPT, "max_tokens": 2000, "stream": True}  # (greedy: no early end)
-    with httpx.Client(timeout=WAIT) as http, ExitStack() as streams:
-        for _ in range(BATCH + WAITING):
-            stream = streams.enter_context(http.stream("POST", f"{server.url}/v1/completions", json=long))
+def test_a_full_queue_is_refused_until_places_come_back(sampler):
+    """serving.max_waiting caps the queue: two decoding and WAITING waiting fill it, and the next
+    request is refused, with when to retry."""
+    long = {"model": "demo", "prompt": PROMPT, "max_tokens": 2000, "stream": True, "ignore_eos": True}  # (no early end)
+    key = {"Authorization": "Bearer sesame"}
+    with httpx.Client(timeout=WAIT, headers=key) as http, ExitStack() as streams:
+        for _ in range(2 + WAITING):
+            stream = streams.enter_context(http.stream("POST", f"{sampler.url}/v1/completions", json=long))
             assert stream.status_code == 200
-        refused = http.post(f"{server.url}/v1/completions", json={"model": "demo", "prompt": PROMPT})
+        refused = http.post(f"{sampler.url}/v1/completions", json={"model": "demo", "prompt": PROMPT})
         assert refused.status_code == 503 and refused.headers["Retry-After"] == "1", refused.text
-        assert "full" in error_of(refused)["message"]
+        assert "full" in error_of(refused)["message"] and "serving.max_waiting 2" in error_of(refused)["message"]
     deadline = time.monotonic() + WAIT
     while True:  # their places come back as the server sees them leave
         try:
-            server.client().completions.create(model="demo", prompt=PROMPT, max_tokens=NEW)
+            sampler.client("sesame").completions.create(model="demo", prompt=PROMPT, max_tokens=NEW)
             break
         except openai.APIStatusError as exc:
             assert exc.status_code == 503 and time.monotonic() < deadline
             time.sleep(0.1)
 
 
+def test_two_hundred_concurrent_requests_all_complete(server):
+    """At the default settings requests queue: 200 at once through the openai client (no retries),
+    a batch of BATCH decoding at a time, every one answered in full."""
+    async def all_at_once() -> list:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                                      timeout=10 * WAIT) as client:
+            return await asyncio.gather(*(client.completions.create(model="demo", prompt=PROMPTS[i % len(PROMPTS)],
+                                                                     max_tokens=2, extra_body={"ignore_eos": True})
+                                          for i in range(200)))
+
+    answers = asyncio.run(all_at_once())
+    assert len(answers) == 200 and all(a.usage.completion_tokens == 2 for a in answers)
+    assert server.metrics()["specgraph_requests_running"] == 0
+
+
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
           "stop", "stream", "stream_options", "n", "user", "presence_penalty", "logit_bias", "logprobs", "echo",
-          "suffix", "best_of", "frequency_penalty", "nonsense"]
+          "suffix", "best_of", "frequency_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
+          "include_stop_str_in_output", "skip_special_tokens", "nonsense"]
 
 
 PLAUSIBLE = {  # values the greedy server serves, per field (fuzzed bodies take one more often than not)
@@ -374,7 +491,9 @@ PLAUSIBLE = {  # values the greedy server serves, per field (fuzzed bodies take 
     "stop": ["\n", ["(", ":"], [], None], "stream": [True, False, None], "n": [1, None], "user": ["me", None],
     "stream_options": [{"include_usage": True}, {}, None], "presence_penalty": [0, None], "frequency_penalty": [0],
     "logit_bias": [{}, None], "logprobs": [None, False], "echo": [False, None], "suffix": [None], "best_of": [1, None],
-    "max_tokens": [1, 2, 3, None], "max_completion_tokens": [1, 2, None]}
+    "max_tokens": [1, 2, 3, None], "max_completion_tokens": [1, 2, None], "ignore_eos": [True, False],
+    "min_tokens": [0, 1, 2], "stop_token_ids": [[], [199], [0, 13]], "include_stop_str_in_output": [True, False],
+    "skip_special_tokens": [True, False]}
 
 
 def random_value(rng: random.Random, depth: int = 0):

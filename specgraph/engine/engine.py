@@ -28,6 +28,7 @@ from specgraph.engine.runner import Launched, Mode, Runner
 from specgraph.engine.scheduler import Scheduler
 from specgraph.errors import PromptError
 from specgraph.recipe import SamplingSpec
+from specgraph.sampling import STOP_IDS
 from specgraph.runtime.executor import Generation, Output
 
 
@@ -84,9 +85,12 @@ class Engine:
         return min(len(request.prompt) + request.max_new_tokens, self.max_seq_len) + self.region
 
     def add_request(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingSpec | None = None,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, stops: tuple[int, ...] | None = None,
+                    min_tokens: int = 0) -> Request:
         """Queue a request (its settings: the recipe's where not given) -> its handle; a prompt that
-        cannot be decoded is refused here (PromptError), before it takes any place."""
+        cannot be decoded is refused here (PromptError), before it takes any place. `stops`: the
+        tokens that end it (None: the model's end-of-sequence tokens); `min_tokens`: new tokens it
+        has before any of them may be drawn."""
         if not 0 < len(prompt_ids) < self.max_seq_len:
             raise PromptError(f"a prompt of {len(prompt_ids)} tokens does not fit: prompts need 1 to "
                               f"{self.max_seq_len - 1} tokens (max_seq_len {self.max_seq_len})", "prompt")
@@ -99,12 +103,19 @@ class Engine:
                               f"{'by sampling' if self.sampling.temperature > 0 else 'greedily'}; give a temperature "
                               f"{'above 0' if self.sampling.temperature > 0 else 'of 0'}, or a recipe that does",
                               "temperature")
+        stops = self.eos_ids if stops is None else tuple(dict.fromkeys(stops))
+        vocab = self.runner.verifier.stage.logits_width
+        if len(stops) > STOP_IDS or not all(0 <= t < vocab for t in stops):
+            raise PromptError(f"stop_token_ids: a request has at most {STOP_IDS} stop tokens (the end-of-sequence "
+                              f"tokens {list(self.eos_ids)} among them unless it ignores them), ids 0 to {vocab - 1} "
+                              f"(got {list(stops)})", "stop_token_ids")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise PromptError(f"request id {request_id!r} is in use")
         generation = Generation(output_ids=[])
-        output = Output(generation, len(prompt_ids), max_new_tokens, self.max_seq_len, self.eos_ids)
-        request = Request(request_id, list(prompt_ids), max_new_tokens, sampling, output)
+        output = Output(generation, len(prompt_ids), max_new_tokens, self.max_seq_len, stops)
+        request = Request(request_id, list(prompt_ids), max_new_tokens, sampling, output, stops=stops,
+                          min_tokens=min_tokens)
         self.scheduler.add(request)
         self.requests[request_id] = request
         return request
@@ -135,7 +146,8 @@ class Engine:
         for request in self.scheduler.admit():
             request.generation.queued_seconds = time.perf_counter() - request.arrival
             end = len(request.prompt) + request.output.budget
-            self.runner.start(request.slot, request.blocks, request.prompt, request.sampling, end)
+            self.runner.start(request.slot, request.blocks, request.prompt, request.sampling, end, request.stops,
+                              request.min_tokens)
             if self.policy is not None:
                 request.acceptance = Acceptance(self.policy.depth)
         prefilled = self._prefill()

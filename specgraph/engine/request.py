@@ -19,6 +19,8 @@ class Request:
     max_new_tokens: int
     sampling: SamplingSpec  # its settings and seed
     output: Output  # where its tokens go (and its Generation: output.generation)
+    stops: tuple[int, ...] = ()  # the tokens that end it
+    min_tokens: int = 0  # new tokens before any of `stops` may be drawn
     arrival: float = field(default_factory=time.perf_counter)
     status: str = WAITING
     slot: int | None = None  # its row of every stage's block table, while admitted

@@ -40,7 +40,7 @@ from specgraph.runtime.clock import Clock
 from specgraph.runtime.graphs import Replays
 from specgraph.runtime.stage import Stage
 from specgraph.runtime.verifier import Verifier
-from specgraph.sampling import SamplingRows
+from specgraph.sampling import SamplingRows, stopping
 from specgraph.tree import CATCH_UP, Tree, TreeStructure
 
 
@@ -136,10 +136,12 @@ class Runner:
             self._settle = torch.compile(self._settle, fullgraph=True)
 
     # -- a request's slot
-    def start(self, slot: int, blocks: list[int], prompt: list[int], sampling: SamplingSpec, end: int) -> None:
+    def start(self, slot: int, blocks: list[int], prompt: list[int], sampling: SamplingSpec, end: int,
+              stops: tuple[int, ...] = (), min_tokens: int = 0) -> None:
         """A request takes `slot`: its blocks in every stage's table, its prompt committed, its
-        settings and stream (seeded by sampling.seed), its recurrent state (hybrid) zeroed; no step
-        decodes it once it has `end` committed tokens."""
+        settings and stream (seeded by sampling.seed), its stop tokens kept from being drawn before
+        `min_tokens` new tokens, its recurrent state (hybrid) zeroed; no step decodes it once it has
+        `end` committed tokens."""
         rows = to_device([slot], self.device)
         blocks = to_device(blocks, self.device)
         for stage in self.stages:
@@ -154,6 +156,10 @@ class Runner:
         for name in ("temperature", "top_p", "top_k"):
             getattr(self.sampling, name)[slot] = getattr(sampling, name)
         self.sampling.filters = self.sampling.filters or sampling.top_k > 0 or sampling.top_p < 1
+        min_length, row = stopping(stops, len(prompt) + min_tokens)
+        self.sampling.min_length[slot] = min_length
+        self.sampling.stops[slot] = to_device(row, self.device)
+        self.sampling.forbids = self.sampling.forbids or (min_tokens > 0 and bool(stops))
         self.draws.seeds[slot], self.draws.counters[slot] = sampling.seed, 0
         if self.pending is not None:
             self.pending[slot] = 0
@@ -300,7 +306,7 @@ class Runner:
         marks()
         size = rows.numel()
         drafter = mode.drafter
-        shape = (mode.name, size, budget, self.sampling.filters)  # (a graph holds whether any row filters its draws)
+        shape = (mode.name, size, budget, self.sampling.filters, self.sampling.forbids)  # (what a graph holds of them)
         drafted = () if drafter is None else self._replays.run(
             ("draft", *shape), lambda rows: self._draft(drafter, self._alive(rows), longest,
                                                                          budget).tensors(), rows)

@@ -38,6 +38,8 @@ def read_config(path: Path) -> PretrainedConfig:
     """The checkpoint's config, after checking that it describes a model we can run (its weights are
     checked when they are loaded: a compiled program's folder holds configs without them)."""
     path = Path(path)
+    if path.is_file():
+        raise CheckpointError(f"{path} is a file; a checkpoint is a folder (config.json + *.safetensors)")
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint folder does not exist")
     if not (path / "config.json").is_file():

@@ -8,18 +8,23 @@ After:  + `step_tokens`: the most tokens one step writes past the committed pref
         committed tokens may pass the last stage's by what the stages may run ahead of each other
         and overshoot in one step); `kv_bytes`; `parameters` (the model's, counted from its
         config, whatever bytes each takes: a drafter no smaller than its target is warned of); `block_size`, `kv_blocks` and `requests`: the pool's blocks and the rows
-        of its block table (_plan_pool).
+        of its block table (_plan_pool). A pool too small for one request of max_seq_len tokens,
+        or larger than its devices' memory, is refused here, before any weight is loaded.
 """
 
 from __future__ import annotations
 
 import warnings
 
+import psutil
+import torch
+
 from specgraph.errors import RecipeError, RecipeWarning
 from specgraph.graph import SpecGraph
 from specgraph.models.hybrid import STEP_TOKENS, HybridShape
 from specgraph.models.loader import model_shape
 from specgraph.passes.base import graph_pass
+from specgraph.passes.place import resolve_device
 from specgraph.recipe import DynamicTree
 from specgraph.tree import CATCH_UP, Growth
 
@@ -64,6 +69,7 @@ def plan_memory(graph: SpecGraph) -> SpecGraph:
         tied = bool(node["config"].tie_word_embeddings)
         node["parameters"] = shape.parameter_count(tied)
     _plan_pool(graph)
+    _check_pool_memory(graph)
     _warn_of_large_drafters(graph)
     return graph
 
@@ -79,10 +85,52 @@ def _plan_pool(graph: SpecGraph) -> None:
         node = graph.node(name)
         node["block_size"] = size
         if graph.recipe.execution == "serial":
+            least = 1 + -(-longest // size)  # the trash and one request of max_seq_len tokens and a step's region
+            if serving.kv_blocks is not None and serving.kv_blocks < least:
+                raise RecipeError(f"serving.kv_blocks: {serving.kv_blocks} blocks of {size} slots cannot hold one "
+                                  f"request of max_seq_len {graph.recipe.max_seq_len} tokens and a step's "
+                                  f"{longest - graph.recipe.max_seq_len} more (and block 0, the trash); give at least "
+                                  f"{least}, or null for enough for max_batch requests")
             node["requests"] = serving.max_batch + 1
-            node["kv_blocks"] = serving.kv_blocks or 1 + serving.max_batch * -(-longest // size)
+            node["kv_blocks"] = serving.kv_blocks or 1 + serving.max_batch * (least - 1)
         else:
             node["requests"], node["kv_blocks"] = 1, 1 + -(-node["cache_slots"] // size)
+
+
+def _check_pool_memory(graph: SpecGraph) -> None:
+    """Refuse KV pools that the memory of their devices cannot hold (the CPU's available memory, a
+    GPU's total): the pool grows with serving.max_batch (`--batch`), or serving.kv_blocks where given."""
+    need: dict[torch.device, int] = {}
+    for name in graph.stages():
+        node = graph.node(name)
+        pool = model_shape(node["config"]).cache_bytes(node["kv_blocks"] * node["block_size"], node["dtype"].itemsize)
+        devices = [resolve_device(d, f"stages.{node['index']}.devices") for d in node["spec"].devices]
+        for device in devices:  # (a split stage's heads, and so its pool, are shared out among its devices)
+            need[device] = need.get(device, 0) + pool // len(devices)
+    for device, bytes_needed in need.items():
+        has, what = device_memory(device)
+        if has is None or bytes_needed <= has:
+            continue
+        serving, gb = graph.recipe.serving, f"{bytes_needed / 1e9:.1f} GB"
+        where = f"on {device}, which has {has / 1e9:.1f} GB {what}"
+        if serving.kv_blocks is not None:
+            raise RecipeError(f"serving.kv_blocks: a pool of {serving.kv_blocks} blocks needs {gb} {where}; give "
+                              f"at most {serving.kv_blocks * has // bytes_needed}")
+        if graph.recipe.execution == "serial" and serving.max_batch > 1:
+            raise RecipeError(f"serving.max_batch (--batch): {serving.max_batch} requests at once need a KV pool of "
+                              f"{gb} {where}; at most {serving.max_batch * has // bytes_needed} fit")
+        raise RecipeError(f"max_seq_len: a request of {graph.recipe.max_seq_len} tokens needs a KV cache of {gb} "
+                          f"{where}; give a smaller max_seq_len")
+
+
+def device_memory(device: torch.device) -> tuple[int | None, str]:
+    """The bytes a pool may take on `device` and what they are: a CPU's available memory, a GPU's
+    total; None where this process cannot see the GPU (a plan made for another machine)."""
+    if device.type == "cuda":
+        if (device.index or 0) >= torch.cuda.device_count():
+            return None, "unknown"
+        return torch.cuda.get_device_properties(device).total_memory, "in all"
+    return psutil.virtual_memory().available, "available"
 
 
 def _warn_of_large_drafters(graph: SpecGraph) -> None:

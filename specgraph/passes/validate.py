@@ -16,6 +16,7 @@ import json
 
 from specgraph.errors import CheckpointError, RecipeError
 from specgraph.graph import SpecGraph
+from specgraph.hub import cache_folder
 from specgraph.models.eagle import default_features
 from specgraph.models.loader import head_shape, is_head, is_hybrid, read_config, read_tokenizer
 from specgraph.passes.base import graph_pass
@@ -46,6 +47,11 @@ def validate(graph: SpecGraph) -> SpecGraph:
         try:
             node["config"] = read_config(node["model"].path)
         except CheckpointError as exc:
+            hub_id = getattr(node["model"].path, "hub_id", None)
+            if hub_id is not None:  # (neither a folder nor in the cache: recipe.NotFound)
+                raise CheckpointError(f"models.{spec.model}.path: {hub_id} is neither a folder ({node['model'].path}) "
+                                      f"nor a model in the Hugging Face cache ({cache_folder()}); download it there "
+                                      f"(hf download {hub_id}), or give a checkpoint folder") from None
             raise CheckpointError(f"models.{spec.model}.path: {exc}") from None
         node["tokenizer"] = read_tokenizer(node["model"].path)
         node["eos_ids"] = _eos_ids(node)
@@ -58,6 +64,8 @@ def validate(graph: SpecGraph) -> SpecGraph:
                               "put the tree on the stage it verifies")
         if isinstance(spec.tree, DynamicTree):
             _check_dynamic(spec.tree, index)
+        if spec.tree is not None:
+            _check_tree_fits(spec.tree, index, recipe.max_seq_len)
         if spec.verify.budget is not None:
             _check_budget(graph, name)
         if getattr(node["config"], "quantization_config", None) is not None and len(spec.devices) > 1:
@@ -195,6 +203,32 @@ def _check_dynamic(tree: DynamicTree, index: int) -> None:
     if tree.nodes > grown:
         raise RecipeError(f"stages.{index}.tree.nodes: {tree.nodes} exceeds the {grown} nodes that width "
                           f"{tree.width} and depth {tree.depth} grow; valid: 1..{grown}")
+
+
+def _check_tree_fits(tree: ChainTree | StaticTreeSpec | DynamicTree, index: int, max_seq_len: int) -> None:
+    """A step writes its tree and root (a dynamic drafter: every node it feeds) past the committed
+    tokens, all of them at most max_seq_len: a larger tree could never be accepted whole, and
+    planning it would take time and memory that grow with the square of its size. Counted from
+    the spec, before any tree is built."""
+    if isinstance(tree, ChainTree):
+        what, tokens = f"a chain of {tree.length} draft tokens", tree.length + 1
+    elif isinstance(tree, DynamicTree):
+        fed = (tree.depth - 1) * tree.width
+        what, tokens = (f"{tree.nodes} verified nodes", tree.nodes + 1) if tree.nodes + 1 > fed else (
+            f"depth {tree.depth} x width {tree.width} ({fed} nodes fed per step)", fed)
+    elif tree.branching is not None:
+        tokens, level = 1, 1
+        for children in tree.branching:
+            level *= children
+            tokens += level
+            if tokens > max_seq_len:
+                break
+        what = f"branching {tree.branching} ({tokens - 1}{'+' if tokens > max_seq_len else ''} nodes)"
+    else:
+        what, tokens = f"{len(tree.paths)} paths", len({tuple(p) for p in tree.paths}) + 1
+    if tokens > max_seq_len:
+        raise RecipeError(f"stages.{index}.tree: {what} cannot fit max_seq_len {max_seq_len}: a step writes at most "
+                          f"max_seq_len tokens, the tree's and its root's; give a smaller tree, or a larger max_seq_len")
 
 
 def _plan_vocabularies(graph: SpecGraph, target: str) -> None:

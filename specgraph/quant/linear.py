@@ -78,13 +78,18 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, format: str, group: int,
-               k: int) -> torch.Tensor:
-    """QuantLinear's stored weight -> the weight [N, K] it stands for, in the scales' dtype."""
+               k: int, dtype: torch.dtype) -> torch.Tensor:
+    """QuantLinear's stored weight -> the weight [N, K] it stands for, computed in `dtype` (the
+    projection's compute dtype) or the scales' where they are more precise: an fp32 model's bf16
+    scales are widened exactly and multiplied in fp32, as transformers does; a bf16 model's fp32
+    scales are not rounded first, as the Triton kernel does."""
+    dtype = torch.promote_types(dtype, scales.dtype)
+    scales = scales.to(dtype)
     if format == "fp8":
-        return weight.view(torch.float8_e4m3fn).to(scales.dtype) * scales
+        return weight.view(torch.float8_e4m3fn).to(dtype) * scales
     n = weight.shape[0]
-    q = unpack(weight, FORMATS[format], k).view(n, -1, group).to(scales.dtype)  # [N, K/G, G]: integers, exact
-    return ((q - zeros[..., None].to(scales.dtype)) * scales[..., None]).view(n, k)
+    q = unpack(weight, FORMATS[format], k).view(n, -1, group).to(dtype)  # [N, K/G, G]: integers, exact
+    return ((q - zeros[..., None].to(dtype)) * scales[..., None]).view(n, k)
 
 
 def weights_of(model: nn.Module) -> str:

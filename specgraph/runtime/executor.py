@@ -19,7 +19,7 @@ class Generation:
     target_steps: int = 0
     accepted_lengths: list[int] = field(default_factory=list)  # per target step: the tokens it added to the output
     # (accepted drafts + the bonus, fewer where the budget or an end-of-sequence token cut the step)
-    finish_reason: str = ""  # "stop" (an end-of-sequence token), "length" (max_new_tokens), "clipped" (max_seq_len)
+    finish_reason: str = ""  # "stop" (a stop token: end of sequence), "length" (max_new_tokens), "clipped" (max_seq_len)
     seconds: float = 0.0
     first_token_seconds: float = 0.0  # prompt in, first step's tokens out
     queued_seconds: float = 0.0  # of those, waiting for a place (many requests at once)
@@ -35,15 +35,16 @@ class Generation:
 
 class Output:
     """A request's output as its steps bring tokens: kept up to its budget (max_new_tokens, or
-    fewer where max_seq_len leaves less room after the prompt) and through its first
-    end-of-sequence token. Every executor keeps its output through one of these."""
+    fewer where max_seq_len leaves less room after the prompt) and through its first stop token
+    (`stops`: the end-of-sequence tokens, or the request's own). Every executor keeps its output
+    through one of these."""
 
     def __init__(self, generation: Generation, prompt_tokens: int, max_new_tokens: int, max_seq_len: int,
-                 eos_ids: tuple[int, ...]):
+                 stops: tuple[int, ...]):
         self.generation = generation
         self.max_new_tokens = max_new_tokens
         self.budget = min(max_new_tokens, max_seq_len - prompt_tokens)
-        self.eos_ids = frozenset(eos_ids)
+        self.stops = frozenset(stops)
 
     @property
     def room(self) -> int:
@@ -54,7 +55,7 @@ class Output:
         """Add one step's new tokens (as many as fit, through an end-of-sequence token) -> whether the output is done."""
         gen = self.generation
         new = new[: self.room]
-        ended = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
+        ended = next((i for i, t in enumerate(new) if t in self.stops), None)
         if ended is not None:
             new = new[: ended + 1]
         gen.output_ids.extend(new)

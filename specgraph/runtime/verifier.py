@@ -9,7 +9,7 @@ from specgraph.kernels import Kernels
 from specgraph.layout import Layout
 from specgraph.recipe import VerifySpec
 from specgraph.runtime.stage import Stage
-from specgraph.sampling import SamplingRows
+from specgraph.sampling import SamplingRows, forbid_stops
 from specgraph.tree import Tree
 from specgraph.verify import Verdict, verify
 
@@ -69,6 +69,10 @@ class Verifier:
 
     def verdict(self, tree: Tree, logits: torch.Tensor, layout: Layout, sampling: SamplingRows | None,
                 draws: Draws | None) -> Verdict:
+        """The verdict on the trees from their logits [T, V]; where `sampling` is given, no request's
+        stop token is chosen before its min_length (the token a node's logits choose sits one past it)."""
+        if sampling is not None and sampling.forbids:
+            logits = forbid_stops(logits, sampling.take(layout.token_segments()), layout.positions + 1)
         return verify(tree, logits, layout.grid[:, : tree.size], self.spec, sampling, draws, self.kernels)
 
     def commit(self, paths: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> None:

@@ -1,9 +1,12 @@
 """The HTTP side: an ASGI app (Starlette) speaking the OpenAI API over an EngineLoop.
 
 Handlers run on the event loop's thread, which alone uses the tokenizer. A request's body is
-checked whole (protocol.py), its prompt tokenized (through the chat template for chat), and its
-Job handed to the engine's thread; its events come back on an asyncio queue. Streamed or not,
-its text is a TextStream's pieces; a client that leaves (mid-stream, or while a whole answer is
+read (at most MAX_BODY bytes) and checked whole (protocol.py), its prompt tokenized (through the
+chat template for chat), and its Job handed to the engine's thread; its events come back on an
+asyncio queue. Requests wait their turn in the engine however many come, up to QUEUED_TOKENS
+prompt tokens in flight (what their waiting costs is host memory), or serving.max_waiting
+requests where the recipe sets it; past that a 503 with Retry-After. Streamed or not, a request's
+text is a TextStream's pieces; a client that leaves (mid-stream, or while a whole answer is
 decoded) has its job aborted, which frees its place in the batch at the engine's next message.
 """
 
@@ -17,10 +20,11 @@ import secrets
 import time
 import uuid
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from specgraph.errors import PromptError
@@ -33,6 +37,7 @@ from specgraph.text import Tokenizer
 
 log = logging.getLogger("specgraph.serve")
 MAX_BODY = 16 << 20  # bytes of a request body at most (a 413 past it)
+QUEUED_TOKENS = 1 << 22  # prompt tokens of the requests in flight at most (some 150 MB of the host's memory)
 RETRY_AFTER = 1  # seconds a client refused for a full queue is told to wait
 
 
@@ -73,7 +78,8 @@ class _Decoding:
         self.api, self.prompt, self.shape = api, prompt, shape
         self.id = uuid.uuid4().hex
         self.events: asyncio.Queue = asyncio.Queue()
-        self.text = TextStream(api.tokenizer.decode, body.stop)
+        skip = body.skip_special_tokens
+        self.text = TextStream(lambda ids: api.tokenizer.decode(ids, skip), body.stop, body.include_stop_str_in_output)
         self.arrival, self.first = time.perf_counter(), None
         self.finish: str | None = None  # "stop" | "length" once the text is done
         self.in_engine = False  # accepted and not yet finished there
@@ -87,7 +93,9 @@ class _Decoding:
                 pass
 
         api.in_flight += 1
-        api.engine.submit(Job(self.id, prompt, max_tokens, sampling, send))
+        api.queued_tokens += len(prompt)
+        api.engine.submit(Job(self.id, prompt, max_tokens, sampling, send, body.ignore_eos,
+                              tuple(body.stop_token_ids), body.min_tokens))
 
     async def start(self) -> None:
         """Wait for the engine to take the job; an ApiError where it refuses it."""
@@ -115,7 +123,8 @@ class _Decoding:
             self.api.metrics.first_token(self.first - self.arrival)
         gen = event.generation
         self.in_engine = gen is None
-        piece = self.text.add(event.ids, last=gen is not None)
+        ended_by_token = gen is not None and gen.finish_reason == "stop"  # (a stop token: Output's "stop")
+        piece = self.text.add(event.ids, last=gen is not None, stop_token=ended_by_token)
         if self.text.stopped:
             self.finish = "stop"
         elif gen is not None:
@@ -136,6 +145,7 @@ class _Decoding:
             return
         self.closed = True
         self.api.in_flight -= 1
+        self.api.queued_tokens -= len(self.prompt)
         if self.in_engine:  # the client left, a stop string came, or the server stops
             self.api.engine.abort(self.id)
             if self.finish is None:
@@ -168,18 +178,20 @@ class Api:
         key /v1 requires, None: none."""
         self.engine, self.tokenizer, self.recipe, self.metrics = engine, tokenizer, recipe, metrics
         self.chat_template, self.api_key = chat_template, api_key
-        # requests accepted and not yet answered at most: a full batch and serving.max_waiting more
-        self.capacity = engine.backend.limit + recipe.serving.max_waiting
-        self.in_flight = 0
+        # requests accepted and not yet answered at most: a full batch and serving.max_waiting more (None: any)
+        waiting = recipe.serving.max_waiting
+        self.capacity = None if waiting is None else engine.backend.limit + waiting
+        self.in_flight = self.queued_tokens = 0  # requests accepted and not yet answered, their prompt tokens
         self.created = int(time.time())
 
     def app(self) -> Starlette:
         routes = [Route("/v1/models", self._endpoint(self.models, private=True), methods=["GET"]),
+                  Route("/v1/models/{model:path}", self._endpoint(self.model, private=True), methods=["GET"]),
                   Route("/v1/completions", self._endpoint(self.completions, private=True), methods=["POST"]),
                   Route("/v1/chat/completions", self._endpoint(self.chat, private=True), methods=["POST"]),
                   Route("/health", self._endpoint(self.health), methods=["GET"]),
                   Route("/metrics", self._endpoint(self.metrics_text), methods=["GET"])]
-        return Starlette(routes=routes, exception_handlers={HTTPException: _http_error}, max_body_size=MAX_BODY)
+        return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
 
     def _endpoint(self, handler, private: bool = False):
         """`handler` answering ApiErrors in OpenAI's error shape, and any other exception (a fault of
@@ -192,6 +204,8 @@ class Api:
                 return await handler(http)
             except ApiError as exc:
                 return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+            except ClientDisconnect:  # the client left before its request was whole: nobody to answer, no fault
+                return Response(status_code=499)
             except Exception:  # noqa: BLE001 - a fault of ours: logged, and the server goes on
                 log.exception("%s %s failed", http.method, http.url.path)
                 return JSONResponse(ApiError(500, "the server failed on this request (its log has the traceback)",
@@ -222,10 +236,16 @@ class Api:
             sampling = sampling.model_copy(update={"seed": secrets.randbits(63)})
         return sampling
 
+    def _card(self) -> dict:
+        return {"id": self.recipe.name, "object": "model", "created": self.created, "owned_by": "specgraph",
+                "max_model_len": self.recipe.max_seq_len}
+
     async def models(self, http: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.recipe.name, "object": "model", "created": self.created, "owned_by": "specgraph",
-             "max_model_len": self.recipe.max_seq_len}]})
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, http: Request) -> Response:
+        self._check_model(http.path_params["model"])
+        return JSONResponse(self._card())
 
     async def health(self, http: Request) -> Response:
         if not self.engine.thread.is_alive():
@@ -233,15 +253,15 @@ class Api:
         return JSONResponse({"status": "ok"})
 
     async def metrics_text(self, http: Request) -> Response:
-        return PlainTextResponse(self.metrics.text(), media_type="text/plain; version=0.0.4")
+        return Response(self.metrics.text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def completions(self, http: Request) -> Response:
-        body = parse(await http.body(), CompletionRequest)
+        body = parse(await _body(http), CompletionRequest)
         self._check_model(body.model)
         return await self._answer(http, body, self.tokenizer.encode(body.prompt), _Completion)
 
     async def chat(self, http: Request) -> Response:
-        body = parse(await http.body(), ChatRequest)
+        body = parse(await _body(http), ChatRequest)
         self._check_model(body.model)
         try:
             text = self.tokenizer.chat([m.as_template_input() for m in body.messages], self.chat_template)
@@ -250,12 +270,17 @@ class Api:
         return await self._answer(http, body, self.tokenizer.encode(text), _Chat)
 
     async def _answer(self, http: Request, body, prompt: list[int], shape) -> Response:
-        if self.in_flight >= self.capacity:
-            raise ApiError(503, f"the server is full: {self.in_flight} requests are in flight (a batch of "
-                           f"{self.engine.backend.limit} and {self.recipe.serving.max_waiting} waiting); retry later",
-                           kind="server_error", code="overloaded", headers={"Retry-After": str(RETRY_AFTER)})
-        budget = body.token_budget if isinstance(body, ChatRequest) else body.max_tokens
-        decoding = _Decoding(self, prompt, budget or self.recipe.max_new_tokens, body, shape)
+        if self.capacity is not None and self.in_flight >= self.capacity:
+            self._full(f"{self.in_flight} requests are in flight (a batch of {self.engine.backend.limit} and "
+                       f"serving.max_waiting {self.recipe.serving.max_waiting} waiting)")
+        if self.queued_tokens + len(prompt) > QUEUED_TOKENS:
+            self._full(f"{self.in_flight} requests of {self.queued_tokens} prompt tokens in all are in flight, and "
+                       f"{QUEUED_TOKENS} may be")
+        budget = body.token_budget or self.recipe.max_new_tokens
+        if body.min_tokens > budget:
+            raise ApiError(400, f"min_tokens: at most the token budget, max_tokens {budget} (got {body.min_tokens})",
+                           "min_tokens")
+        decoding = _Decoding(self, prompt, budget, body, shape)
         try:
             await decoding.start()
         except BaseException:
@@ -269,6 +294,11 @@ class Api:
             return await self._whole(http, decoding, head, shape)
         finally:
             decoding.close()
+
+    @staticmethod
+    def _full(why: str) -> None:
+        raise ApiError(503, f"the server is full: {why}; retry later", kind="server_error", code="overloaded",
+                       headers={"Retry-After": str(RETRY_AFTER)})
 
     async def _events(self, decoding: _Decoding, head: dict, shape, usage: bool):
         """The server-sent events of a streamed answer: its pieces of text, the finish reason, the
@@ -314,10 +344,24 @@ class Api:
                                     "usage": decoding.usage()})
 
 
+async def _body(http: Request) -> bytes:
+    """The request's body, refused (413) past MAX_BODY bytes before more is read."""
+    declared = http.headers.get("content-length", "")
+    too_large = ApiError(413, f"the request body is larger than {MAX_BODY >> 20} MiB", code="request_too_large")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _http_error(http: Request, exc: HTTPException) -> Response:
     """Starlette's own refusals (no such route, a method it does not take, a body too large) in OpenAI's shape."""
-    kind = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     message = {404: f"no such endpoint: {http.url.path}; the API is under /v1 (GET /v1/models)",
-               405: f"{http.method} is not served at {http.url.path}",
-               413: f"the request body is larger than {MAX_BODY >> 20} MiB"}.get(exc.status_code, str(exc.detail))
+               405: f"{http.method} is not served at {http.url.path}"}.get(exc.status_code, str(exc.detail))
     return JSONResponse(ApiError(exc.status_code, message, code=kind).body(), exc.status_code, headers=exc.headers)

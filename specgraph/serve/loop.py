@@ -59,6 +59,14 @@ class Job:
     max_tokens: int
     sampling: SamplingSpec
     send: Callable[[Event], None]  # called from the engine's thread
+    ignore_eos: bool = False  # the end-of-sequence tokens do not end it
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that do
+    min_tokens: int = 0  # new tokens before any of those may be drawn
+
+    @property
+    def own_stops(self) -> bool:
+        """Whether it asks for a stopping rule of its own."""
+        return self.ignore_eos or bool(self.stop_token_ids) or self.min_tokens > 0
 
 
 class Batched:
@@ -69,7 +77,8 @@ class Batched:
         self.limit = engine.limit
 
     def add(self, job: Job) -> None:
-        self.engine.add_request(job.prompt, job.max_tokens, job.sampling, job.id)
+        stops = None if not job.own_stops else (*(() if job.ignore_eos else self.engine.eos_ids), *job.stop_token_ids)
+        self.engine.add_request(job.prompt, job.max_tokens, job.sampling, job.id, stops, job.min_tokens)
 
     def abort(self, job_id: str) -> None:
         self.engine.abort(job_id)
@@ -112,6 +121,10 @@ class OneAtATime:
                 raise PromptError(f"{name} {getattr(job.sampling, name)}: a multi-process program decodes with its "
                                   f"recipe's sampling ({name} {getattr(recipe, name)}); give that, or leave it out",
                                   name)
+        if job.own_stops:
+            field = "ignore_eos" if job.ignore_eos else "stop_token_ids" if job.stop_token_ids else "min_tokens"
+            raise PromptError(f"{field}: a multi-process program ends a request at its end-of-sequence tokens only; "
+                              "leave out ignore_eos, min_tokens and stop_token_ids, or serve a serial recipe", field)
         self.waiting.append(job)
 
     def abort(self, job_id: str) -> None:
@@ -181,7 +194,6 @@ class EngineLoop:
                     self._fail_all(Failed("the server is shutting down", 503))
                     return
                 (self._add if kind == "add" else self._abort)(value)
-            self.metrics.queue(*self.backend.counts())
             if self.backend.busy:
                 self._step()
 

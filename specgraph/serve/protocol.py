@@ -2,13 +2,15 @@
 
 A body is checked whole before any work: wrong types (strictly: "5" is not a number), values out
 of range, unknown fields and settings this server does not serve (n > 1, logprobs, penalties) are
-an ApiError that names the field and what would be valid.
+an ApiError that names the field and what would be valid. vLLM's sampling extensions that
+benchmark clients send (ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output,
+skip_special_tokens) are served; others are unknown fields.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -56,6 +58,12 @@ class _Sampled(_Strict):
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
+    # vLLM's extensions
+    ignore_eos: bool = Field(False, description="the end-of-sequence tokens do not end the request")
+    min_tokens: int = Field(0, ge=0, description="new tokens before a stop token may come (they are not drawn before)")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field([], description="more tokens that end the request")
+    include_stop_str_in_output: bool = Field(False, description="the text keeps the stop string or token that ended it")
+    skip_special_tokens: bool = Field(True, description="special tokens are left out of the text")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -108,6 +116,11 @@ class _Sampled(_Strict):
 
 class CompletionRequest(_Sampled):
     prompt: str  # (a list of one string: that string)
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.max_tokens
+
     echo: bool | None = False
     best_of: int | None = 1
     suffix: str | None = None

@@ -108,7 +108,7 @@ def serve(recipe: Recipe, host: str, port: int, chat_template: Path | None, api_
     shutdown = None
     try:
         backend = OneAtATime(program) if program.cluster is not None else Batched(program.executor)
-        engine = EngineLoop(backend, Metrics(backend.limit))
+        engine = EngineLoop(backend, Metrics(backend.limit, backend.counts))
         engine.start()
         shutdown = _Shutdown(engine, program)
         api = Api(engine, program.tokenizer, recipe, engine.metrics, template, api_key)
@@ -118,8 +118,10 @@ def serve(recipe: Recipe, host: str, port: int, chat_template: Path | None, api_
                          shutdown, grace)
         where = listener.getsockname()
         shown = f"[{where[0]}]" if listener.family == socket.AF_INET6 else where[0]
+        waiting = recipe.serving.max_waiting
         print(f"specgraph: serving {recipe.name} at http://{shown}:{where[1]}/v1 (batch {backend.limit}, "
-              f"{recipe.serving.max_waiting} waiting at most); Ctrl-C or SIGTERM stops", flush=True)
+              f"{'the others wait their turn' if waiting is None else f'{waiting} waiting at most'}); Ctrl-C or "
+              "SIGTERM stops", flush=True)
         # uvicorn handles SIGINT and SIGTERM while it serves, then raises the one it got again for
         # the handlers it found: here these, so that a stop it has handled ends as a normal exit
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -3,7 +3,9 @@
 The text is always the decoding of all its tokens so far (what `specgraph run` prints for them),
 handed out in pieces that never take back what they gave: a trailing partial character (U+FFFD,
 the rest of its bytes in the next token) waits, and so does text that may be the start of a stop
-string. Streamed or not, a request's text is the pieces joined.
+string. Streamed or not, a request's text is the pieces joined. What ended it, a stop string or
+the stop token its last step brought, is left out of the text unless `keep_stop` (vLLM's
+include_stop_str_in_output).
 """
 
 from __future__ import annotations
@@ -14,20 +16,22 @@ PARTIAL = "\ufffd"  # what a byte-level tokenizer decodes an incomplete UTF-8 se
 
 
 class TextStream:
-    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
-        self.decode, self.stops = decode, stops
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str], keep_stop: bool = False):
+        self.decode, self.stops, self.keep_stop = decode, stops, keep_stop
         self.ids: list[int] = []
         self.text = ""  # handed out so far
         self.stopped = False  # a stop string came: the text ends before it
 
-    def add(self, ids: list[int], last: bool) -> str:
-        """Take a step's tokens (`last`: the request's final ones) -> the text that may be handed out now."""
+    def add(self, ids: list[int], last: bool, stop_token: bool = False) -> str:
+        """Take a step's tokens (`last`: the request's final ones; `stop_token`: the last of them is
+        the stop token that ended it) -> the text that may be handed out now."""
         self.ids.extend(ids)
-        text = self.decode(self.ids)
-        found = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
+        text = self.decode(self.ids[:-1] if stop_token and not self.keep_stop else self.ids)
+        found = [(at, stop) for at, stop in ((text.find(stop), stop) for stop in self.stops) if at >= 0]
         if found:
             self.stopped = True
-            text = text[: min(found)]
+            at, stop = min(found)
+            text = text[: at + len(stop) if self.keep_stop else at]
         elif not last:
             text = text[: len(text) - self._held(text)]
         piece = text[len(self.text):] if text.startswith(self.text) else ""

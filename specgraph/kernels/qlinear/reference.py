@@ -12,4 +12,4 @@ def qlinear_reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
                       bias: torch.Tensor | None, format: str, group: int) -> torch.Tensor:
     """x [..., K]; a QuantLinear's weight, scales, zeros (None for fp8), bias, format and group ->
     [..., N] in x's dtype."""
-    return F.linear(x, dequantize(weight, scales, zeros, format, group, x.shape[-1]).to(x.dtype), bias)
+    return F.linear(x, dequantize(weight, scales, zeros, format, group, x.shape[-1], x.dtype).to(x.dtype), bias)
