@@ -281,6 +281,9 @@ def test_models_are_listed_and_retrieved_and_metrics_are_prometheus(server):
         "stop", "length", "aborted", "failed"}
     running = families["specgraph_requests_running"].samples
     assert [s.value for s in running] == [0]  # idle now: the last step's request is done (it read 1 before)
+    steps = {s.labels["mode"]: s.value for s in families["specgraph_steps"].samples}  # the policy's choices
+    occupancy = next(s.value for s in families["specgraph_batch_occupancy"].samples if s.name.endswith("_count"))
+    assert all(re.fullmatch(r"ar|depth \d+", mode) for mode in steps) and sum(steps.values()) >= occupancy >= 1
 
 
 def test_a_body_too_large_or_left_half_sent_is_no_fault(server):

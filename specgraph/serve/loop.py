@@ -92,6 +92,10 @@ class Batched:
         scheduler = self.engine.scheduler
         return len(scheduler.admitted), len(scheduler.waiting)
 
+    def modes(self) -> dict[str, int]:
+        """The engine's steps so far by mode (its policy's choices)."""
+        return dict(self.engine.totals.modes)
+
     def step(self) -> list[tuple[str, list[int], Generation | None]]:
         """One engine step -> (job id, its new tokens, its Generation if finished) per job it decoded."""
         out = []
@@ -136,6 +140,10 @@ class OneAtATime:
 
     def counts(self) -> tuple[int, int]:
         return self.running, len(self.waiting)
+
+    def modes(self) -> dict[str, int]:
+        """(its ranks' steps are not counted here)"""
+        return {}
 
     def step(self) -> list[tuple[str, list[int], Generation | None]]:
         job = self.waiting.popleft()

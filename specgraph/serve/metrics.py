@@ -1,6 +1,6 @@
 """What the server has done, in Prometheus' text format (GET /metrics), through prometheus_client:
-requests running and waiting (read from the engine when scraped), tokens in and out, requests
-finished by reason, and histograms of the accepted length (a request's tokens per step), time to
+requests running and waiting and the engine's steps by mode (the speculation policy's choices;
+read from the engine when scraped), tokens in and out, requests finished by reason, and histograms of the accepted length (a request's tokens per step), time to
 first token, time per output token and batch occupancy (the share of the batch limit a step
 decodes). Written from the engine's thread and the event loop's."""
 
@@ -10,6 +10,7 @@ from typing import Callable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)  # seconds
 PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)  # seconds
@@ -20,10 +21,26 @@ REASONS = ("stop", "length", "aborted", "failed")  # how a request ended: as Ope
 prometheus_client.disable_created_metrics()  # (no *_created series: the names stay those above)
 
 
+class _Steps:
+    """specgraph_steps_total{mode}: the engine's steps so far by mode, read when scraped."""
+
+    def __init__(self, modes: Callable[[], dict[str, int]]):
+        self.modes = modes
+
+    def collect(self):
+        family = CounterMetricFamily("specgraph_steps", "engine steps by mode: ar (plain decoding), depth D "
+                                     "(speculation with the drafter's tree cut to depth D)", labels=["mode"])
+        for mode, steps in self.modes().items():
+            family.add_metric([mode], steps)
+        yield family
+
+
 class Metrics:
-    def __init__(self, limit: int, counts: Callable[[], tuple[int, int]]):
-        """`limit`: requests decoded at once at most; `counts()`: the engine's (running, waiting) requests now."""
+    def __init__(self, limit: int, counts: Callable[[], tuple[int, int]], modes: Callable[[], dict[str, int]] = dict):
+        """`limit`: requests decoded at once at most; `counts()`: the engine's (running, waiting) requests now;
+        `modes()`: its steps so far by mode."""
         self.registry = CollectorRegistry()
+        self.registry.register(_Steps(modes))
         registered = {"registry": self.registry}
         Gauge("specgraph_requests_running", "requests being decoded", **registered).set_function(lambda: counts()[0])
         Gauge("specgraph_requests_waiting", "requests waiting for a place in the batch",

@@ -108,7 +108,7 @@ def serve(recipe: Recipe, host: str, port: int, chat_template: Path | None, api_
     shutdown = None
     try:
         backend = OneAtATime(program) if program.cluster is not None else Batched(program.executor)
-        engine = EngineLoop(backend, Metrics(backend.limit, backend.counts))
+        engine = EngineLoop(backend, Metrics(backend.limit, backend.counts, backend.modes))
         engine.start()
         shutdown = _Shutdown(engine, program)
         api = Api(engine, program.tokenizer, recipe, engine.metrics, template, api_key)
