@@ -100,7 +100,7 @@ def build_executor(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks = Ra
     program, or its peer of a pipeline."""
     recipe = graph.recipe
     if recipe.execution == "serial":
-        return build_engine(graph, build_verifier(graph, stages), build_drafter(graph, stages))
+        return build_engine(graph, build_verifier(graph, stages), build_drafter(graph, stages), ranks=ranks)
     if recipe.execution == "disaggregated":
         return _disaggregated_side(graph, stages, ranks)
     if recipe.execution == "pipeline":
@@ -109,13 +109,14 @@ def build_executor(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks = Ra
 
 
 def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None, speculation: str | None = None,
-                 epsilon: float | None = None) -> Engine:
+                 epsilon: float | None = None, ranks: Ranks = Ranks()) -> Engine:
     """The engine of a serial program over its loaded verifier and drafter (None: the target alone).
     Where the recipe asks for a verification budget and gives no table, it is calibrated here; where
     a policy chooses each step's mode (`serving.speculation: adaptive`, a drafter that is not a
     head), the drafter's shallower trees are its other speculative modes and every mode's step is
     timed here at batch sizes 1, 2, 4, ... up to serving.max_batch. `speculation` and `epsilon`
-    stand for the recipe's serving.speculation and its budget's epsilon (then calibrated) where given."""
+    stand for the recipe's serving.speculation and its budget's epsilon (then calibrated) where given.
+    Every one of the `ranks` running the engine takes the same decisions: on the slowest rank's times."""
     recipe, serving = graph.recipe, graph.recipe.serving
     speculation = speculation or serving.speculation
     target = graph.node(graph.target)
@@ -127,12 +128,13 @@ def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None, 
     pool = BlockPool(target["kv_blocks"], target["block_size"])
     sizes, context = batch_sizes(serving.max_batch), min(CALIBRATION_CONTEXT, recipe.max_seq_len // 2)
     spec, budget = target["spec"].verify.budget, None
+    agree = ranks.slowest(graph.target, runner.device)
     if spec is not None and drafter is not None:
         table = spec.nodes if epsilon is None else None
         budget = Budget(table or budget_table(runner, runner.modes[1], sizes, spec.epsilon if epsilon is None else epsilon,
-                                              context), drafter.nodes)
-    costs = StepCosts(step_costs(runner, runner.modes, sizes, budget, context)) if adaptive else None
-    policy = Policy(runner.modes, costs, budget=budget) if adaptive else None
+                                              context, agree), drafter.nodes)
+    costs = StepCosts(step_costs(runner, runner.modes, sizes, budget, context, agree)) if adaptive else None
+    policy = Policy(runner.modes, costs, budget=budget, timed=len(ranks.stage_ranks.get(graph.target, ())) < 2) if adaptive else None
     return Engine(runner, target["eos_ids"], recipe.max_seq_len, serving.max_batch, pool, region,
                   serving.prefill_chunk, recipe.sampling, budget, policy)
 

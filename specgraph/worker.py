@@ -95,7 +95,7 @@ class Worker:
         models = widened_models(graph, drafters, self.spec.widen, ranks)
         stages = ({target: stage_over(graph, target, self.stages[target].model)}
                   | {n: load_stage(graph, n, models.get(n), ranks) for n in drafters})
-        return build_executor(graph, stages)
+        return build_executor(graph, stages, ranks)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

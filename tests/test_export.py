@@ -16,7 +16,7 @@ from specgraph.program import Program
 from specgraph.recipe import Recipe
 
 DEMO = REPO / "recipes" / "demo.yaml"
-SMALL = ["--set", "max_seq_len=400"]
+SMALL = ["--set", "max_seq_len=400", "--set", "serving.speculation=always"]  # (always: the same steps in every process)
 
 
 
@@ -40,7 +40,7 @@ def test_exported_program_reloads_in_a_fresh_process_with_the_same_tokens(compil
                           cwd=tmp_path)  # another working folder: the program folder holds what it needs
     assert proc.returncode == 0, proc.stderr
     exported = json.loads(result.read_text())["results"][0]
-    eager = Program.from_recipe(Recipe.from_yaml(DEMO, ["max_seq_len=400"]))
+    eager = Program.from_recipe(Recipe.from_yaml(DEMO, SMALL[1::2]))
     expected = eager.generate(eager.encode(LONG_PROMPT), 40)
     assert exported["output_ids"] == expected.output_ids
     assert exported["accepted_lengths"] == expected.accepted_lengths

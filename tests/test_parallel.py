@@ -5,6 +5,8 @@ Most tests widen draft and target (same function) to 6 query heads over 2 KV hea
 evenly; the fixtures themselves (3 query heads over 1 KV head) split unevenly over two and three."""
 
 import json
+import socket
+import time
 from dataclasses import replace
 
 import pytest
@@ -19,6 +21,7 @@ from specgraph.models.loader import load_model
 from specgraph.parallel import split_heads
 from specgraph.program import Program
 from specgraph.recipe import Recipe
+from specgraph.runtime.ranks import Ranks
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +30,7 @@ def splittable(tmp_path_factory):
 
 
 def test_a_target_split_over_two_processes_decodes_the_single_device_tokens(splittable, tmp_path):
+    """Under the adaptive policy, whose ranks must choose each step's mode alike (on agreed times)."""
     single = Program.from_recipe(Recipe.from_yaml(splittable))
     expected = single.generate(single.encode(PROMPT))
     fixture = Program.from_recipe(Recipe.from_yaml(splittable, [f"models.target.path={EMBEDDED / 'target'}"]))
@@ -36,8 +40,7 @@ def test_a_target_split_over_two_processes_decodes_the_single_device_tokens(spli
                    "--prompt", PROMPT, "--json", str(out)])
     assert status == 0
     result = json.loads(out.read_text())["results"][0]
-    assert result["output_ids"] == expected.output_ids
-    assert result["accepted_lengths"] == expected.accepted_lengths
+    assert result["output_ids"] == expected.output_ids  # (the steps are the policy's: each program times its own)
 
 
 def test_bench_runs_split_and_says_why_transformers_cannot(splittable, tmp_path):
@@ -116,12 +119,13 @@ def test_stages_split_unevenly_decode_the_single_device_tokens(world, tmp_path):
     """The demo's fixtures (3 query heads reading 1 KV head; MLPs of 512 and 1024 units) over 2 ranks
     (2 + 1 heads, the KV head on both) and over 3 (a head each; 342 + 341 + 341 units)."""
     demo = EMBEDDED.parent / "demo.yaml"
-    single = Program.from_recipe(Recipe.from_yaml(demo))
+    always = "serving.speculation=always"  # (the adaptive policy's steps follow each program's measured times)
+    single = Program.from_recipe(Recipe.from_yaml(demo, [always]))
     expected = single.generate(single.encode(PROMPT), 32)
     devices = "[" + ",".join(["cpu"] * world) + "]"
     out = tmp_path / "tp.json"
     assert main(["run", str(demo), "--set", f"stages.0.devices={devices}", "--set", f"stages.1.devices={devices}",
-                 "--prompt", PROMPT, "--max-new-tokens", "32", "--json", str(out)]) == 0
+                 "--set", always, "--prompt", PROMPT, "--max-new-tokens", "32", "--json", str(out)]) == 0
     result = json.loads(out.read_text())["results"][0]
     assert result["output_ids"] == expected.output_ids and result["accepted_lengths"] == expected.accepted_lengths
 
@@ -209,3 +213,36 @@ def test_a_gpu_shared_by_the_ranks_is_refused(splittable, monkeypatch):
     with pytest.raises(SpecgraphError, match=r"^stages.0.devices: cuda:0 would be shared by the 2 processes of the "
                                              r"tensor-parallel stages; list 2 GPUs here too, or cpu$"):
         plan(recipe)
+
+
+def _agree_on_times(rank: int, port: int, results) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        ranks = Ranks(rank, 2, groups={"target": torch.distributed.group.WORLD}, stage_ranks={"target": (0, 1)})
+        results.put((rank, ranks.slowest("target", torch.device("cpu"))((1.0 + rank, 5.0 - rank, 0.25))))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_the_ranks_of_an_engine_take_the_slowest_rank_s_times():
+    """A split engine's policy and budget decide on step times: each rank measures its own, and
+    every rank must take the same decision (or their collectives part: run 2-rank TP with the
+    Triton interpreter's slow, uneven steps). Each rank gets each time's largest over both ranks."""
+    context = torch.multiprocessing.get_context("spawn")
+    results = context.Queue()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    processes = torch.multiprocessing.start_processes(_agree_on_times, (port, results), nprocs=2, join=False,
+                                                      start_method="spawn")
+    try:
+        got = dict(results.get(timeout=120) for _ in range(2))
+        deadline = time.monotonic() + 60
+        while not processes.join(timeout=5):  # (True once every process has ended)
+            assert time.monotonic() < deadline, "the ranks did not end"
+    finally:
+        for process in processes.processes:
+            process.kill()
+    assert got == {0: (2.0, 5.0, 0.25), 1: (2.0, 5.0, 0.25)}
+    alone = Ranks(stage_ranks={"target": (0,)})
+    assert alone.slowest("target", torch.device("cpu"))((1.5, 0.5)) == (1.5, 0.5)

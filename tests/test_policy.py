@@ -157,3 +157,16 @@ def test_speculation_whose_budget_verifies_no_node_is_no_candidate():
                     budget=Budget({1: 3, 2: 0}, per_request=3))
     assert policy.choose([Acceptance(1)]).name == "depth 1"
     assert policy.choose([Acceptance(1), Acceptance(1)]) is PLAIN
+
+
+def test_an_untimed_policy_keeps_its_measured_costs():
+    """Ranks that run one engine take the same decisions only on the same times: where `timed` is off,
+    a step's own time (each rank's clock) leaves the costs as calibrated (agreed by every rank)."""
+    class Tree:
+        max_depth, nodes = 1, 3
+
+    deep = Mode("depth 1", Tree())
+    for timed, expected in ((True, 0.8 * 0.018 + 0.2 * 0.036), (False, 0.018)):
+        policy = Policy([PLAIN, deep], StepCosts({"ar": {1: 0.010}, "depth 1": {1: 0.018}}), timed=timed)
+        policy.observe(deep, [2], [Acceptance(1)], 1, 0.036)
+        assert policy.costs.seconds("depth 1", 1) == pytest.approx(expected)

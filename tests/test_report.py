@@ -21,8 +21,10 @@ def bench(tmp_path, name: str, prompts: list[str]) -> dict:
     file, out = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
     file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     assert main(["bench", str(REPO / "recipes" / "tree.yaml"), "--prompts", str(file), "--max-new-tokens", "12",
-                 "--repeats", "2", "--baselines", "ar", "--json", str(out),
-                 "--threads", "1"]) == 0  # (by default, threads follow the load: parts would name different devices)
+                 "--repeats", "2", "--baselines", "ar", "--json", str(out), "--set", "serving.speculation=always",
+                 "--threads", "1"]) == 0
+    # (threads follow the load by default: parts would name different devices; the adaptive policy's choices follow
+    # measured step times: parts would take different steps)
     return out
 
 

@@ -10,6 +10,7 @@ as it was: call this before any request is admitted.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -18,6 +19,12 @@ from specgraph.engine.runner import Mode, Runner
 from specgraph.tree import CATCH_UP
 
 WARMUP, TIMINGS = 1, 3  # untimed steps (the first captures), then timed ones: the fastest counts
+Agree = Callable[[tuple[float, ...]], tuple[float, ...]]  # measured times -> the times every rank takes
+
+
+def same(seconds: tuple[float, ...]) -> tuple[float, ...]:
+    """A process alone: its own times."""
+    return seconds
 
 
 @contextmanager
@@ -40,9 +47,11 @@ def borrowed(runner: Runner, size: int, context: int):
         runner.ends[:size] = 0
 
 
-def step_seconds(runner: Runner, mode: Mode, size: int, budget: int | None, context: int) -> tuple[float, float]:
+def step_seconds(runner: Runner, mode: Mode, size: int, budget: int | None, context: int,
+                 agree: Agree = same) -> tuple[float, float]:
     """(draft, verify) seconds of a step of `size` requests at `context` committed tokens in `mode`
-    (with `budget` nodes where given), by the runner's clock: the fastest of TIMINGS steps."""
+    (with `budget` nodes where given), by the runner's clock: the fastest of TIMINGS steps, as
+    `agree` makes it (the slowest rank's, where several run the step)."""
     best = None
     with borrowed(runner, size, context) as rows, torch.inference_mode():
         for attempt in range(WARMUP + TIMINGS):
@@ -54,29 +63,31 @@ def step_seconds(runner: Runner, mode: Mode, size: int, budget: int | None, cont
             seconds = tuple(clock.seconds())
             if attempt >= WARMUP and (best is None or sum(seconds) < sum(best)):
                 best = seconds
-    return best
+    return agree(best)
 
 
-def step_costs(runner: Runner, modes: list[Mode], sizes: list[int], budget, context: int) -> dict[str, dict[int, float]]:
+def step_costs(runner: Runner, modes: list[Mode], sizes: list[int], budget, context: int,
+               agree: Agree = same) -> dict[str, dict[int, float]]:
     """Seconds of a step of each mode at each batch size (`budget`: nodes by batch size for
     speculative modes, None: each request its tree's)."""
     def nodes(mode: Mode, c: int) -> int | None:
         return None if budget is None or mode.drafter is None else budget(c, mode.nodes)
 
-    return {mode.name: {c: sum(step_seconds(runner, mode, c, nodes(mode, c), context)) for c in sizes} for mode in modes}
+    return {mode.name: {c: sum(step_seconds(runner, mode, c, nodes(mode, c), context, agree)) for c in sizes} for mode in modes}
 
 
-def budget_table(runner: Runner, mode: Mode, sizes: list[int], epsilon: float, context: int) -> dict[int, int]:
+def budget_table(runner: Runner, mode: Mode, sizes: list[int], epsilon: float, context: int,
+                 agree: Agree = same) -> dict[int, int]:
     """B(c) for each batch size c of `sizes`: the most nodes (c times a whole number of nodes per
     request, up to `mode`'s tree) whose verification takes at most (1 + epsilon) times that of a
     plain step of c requests (its time grows with the nodes: a bisection)."""
     table = {}
     for c in sizes:
-        bound = (1 + epsilon) * step_seconds(runner, runner.modes[0], c, None, context)[1]
+        bound = (1 + epsilon) * step_seconds(runner, runner.modes[0], c, None, context, agree)[1]
         low, high = 0, mode.nodes  # low fits (none always does: it is a plain step's forward)
         while low < high:
             middle = (low + high + 1) // 2
-            if step_seconds(runner, mode, c, c * middle, context)[1] <= bound:
+            if step_seconds(runner, mode, c, c * middle, context, agree)[1] <= bound:
                 low = middle
             else:
                 high = middle - 1

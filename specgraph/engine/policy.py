@@ -88,10 +88,12 @@ class StepCosts:
 
 
 class Policy:
-    def __init__(self, modes: list[Mode], costs: StepCosts, prior: float = PRIOR, budget=None):
+    def __init__(self, modes: list[Mode], costs: StepCosts, prior: float = PRIOR, budget=None, timed: bool = True):
         """`modes`: plain decoding first, then speculation, deepest first; `budget`: the batch-wide
-        budget (budget.py) where one bounds the nodes (a mode whose step would verify none is no candidate)."""
-        self.modes, self.costs, self.budget = modes, costs, budget
+        budget (budget.py) where one bounds the nodes (a mode whose step would verify none is no candidate);
+        `timed`: each step's time refines `costs` (not where several ranks take the same decisions:
+        each rank's clock would part them)."""
+        self.modes, self.costs, self.budget, self.timed = modes, costs, budget, timed
         self.depth = max(m.depth for m in modes)
         self.prior = [prior] * (self.depth + 1)
         self.batchwide = Acceptance(self.depth)
@@ -136,7 +138,8 @@ class Policy:
     def observe(self, mode: Mode, counts: list[int], acceptances: list[Acceptance], size: int, seconds: float) -> None:
         """A collected step of `size` requests in `mode` and its seconds: the count of new tokens of
         each request still decoding (its acceptance counts alongside)."""
-        self.costs.observe(mode.name, size, seconds)
+        if self.timed:
+            self.costs.observe(mode.name, size, seconds)
         if mode.drafter is None:
             return
         self.batchwide.decay(DECAY)

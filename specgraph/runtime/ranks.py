@@ -9,8 +9,10 @@ default group (see runtime/channel.py), and a pipeline's over `mail` (gloo, ever
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from specgraph.graph import SpecGraph
@@ -45,6 +47,19 @@ class Ranks:
         mail = dist.new_group(backend="gloo") if graph.recipe.execution == "pipeline" else None
         return cls(dist.get_rank(), dist.get_world_size(), control, groups,
                    {name: graph.node(name)["ranks"] for name in graph.stages()}, mail)
+
+    def slowest(self, stage: str, device: torch.device) -> Callable[[tuple[float, ...]], tuple[float, ...]]:
+        """Times measured on each rank of `stage` (on `device`) -> each time the largest over them, the
+        same on every rank: decisions taken on times (a step's mode) then agree, where one rank's clock
+        alone would part them."""
+        if len(self.stage_ranks.get(stage, ())) < 2:
+            return lambda seconds: seconds
+
+        def agree(seconds: tuple[float, ...]) -> tuple[float, ...]:
+            values = torch.tensor(seconds, dtype=torch.float64, device=device)
+            dist.all_reduce(values, dist.ReduceOp.MAX, group=self.groups[stage])
+            return tuple(values.tolist())
+        return agree
 
     def runs(self, stage: str) -> bool:
         return self.rank in self.stage_ranks[stage]
