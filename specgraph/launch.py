@@ -156,17 +156,29 @@ def _serve_client(worker, conn) -> None:
             conn.send(("error", str(exc)))
 
 
-def _start_fork_server() -> None:
-    """Start the fork server unless it is running, with SIGINT blocked in this thread meanwhile: the
-    server inherits the mask and keeps it, and so do the ranks it forks. Its own main ignores SIGINT
-    only after it has imported its preload, so a Ctrl-C during that import would print its traceback.
-    (A Ctrl-C that reaches this process meanwhile is held, not lost.)"""
+def _start_ranks(processes: list[multiprocessing.Process]) -> None:
+    """Start the fork server unless it is running, then the ranks, with Ctrl-C held meanwhile (then
+    raised: not lost). SIGINT is blocked in this thread: the server inherits the mask and keeps it, and
+    so do the ranks it forks (its own main ignores SIGINT only after it has imported its preload, so a
+    Ctrl-C during that import would print its traceback). Where another thread of this process takes
+    the signal, it is recorded, not raised (in the main thread): a Ctrl-C between a rank's fork and its
+    pid's return would leave a rank that `stop` does not know, which fails to read its arguments once
+    this process has gone (a traceback)."""
     multiprocessing.resource_tracker.ensure_running()  # (its start, also part of the server's, unblocks SIGINT)
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    pressed = []
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.signal(signal.SIGINT, lambda *_: pressed.append(True)) if main else None
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         multiprocessing.forkserver.ensure_running()
+        for process in processes:
+            process.start()
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # (a Ctrl-C held by the mask is handled here)
+        if main:
+            signal.signal(signal.SIGINT, handler)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 class Cluster:
@@ -190,9 +202,7 @@ class Cluster:
         self._closed = False
         server = FORK_SERVER._forkserver_pid  # None until a first program starts the server
         try:
-            _start_fork_server()
-            for process in self.processes:
-                process.start()
+            _start_ranks(self.processes)
             theirs.close()  # rank 0 holds it now: if rank 0 dies, our end reads end-of-file
             client.close()  # the ranks hold it
             self._reply()  # rank 0 is ready once every rank has loaded its stages
