@@ -15,7 +15,7 @@ head -n "$PROMPTS" .fixtures/prompts_code.jsonl > "$OUT/prompts.jsonl"
 common=(--prompts "$OUT/prompts.jsonl" --max-new-tokens "$NEW_TOKENS" --repeats "$REPEATS" --widen "$SHAPE")
 mid=(--set models.draft.path=../.fixtures/mid)
 
-python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py || echo "GPU TESTS FAILED"
+python3 -m pytest -q -o addopts= -p no:cacheprovider tests/test_gpu.py || echo "GPU TESTS FAILED"
 python3 scripts/bench_attention.py --json "$OUT/attention.json"
 sg bench recipes/tree.yaml "${common[@]}" --baselines hf,hf-assisted,ar --json "$OUT/$SHAPE-tree-draft.json"
 sg bench recipes/chain.yaml "${common[@]}" --baselines ar --json "$OUT/$SHAPE-chain-draft.json"

@@ -41,10 +41,10 @@ step() {
       run_step probe-after-chain 150 python3 scripts/probe_batch.py two-programs
       run_step probe-fresh 120 python3 scripts/probe_batch.py two-programs fresh ;;
     fp32)  # the fp32 GPU tests whose oracles are ar and transformers
-      run_step fp32-tests 240 python3 -m pytest -q -p no:cacheprovider -rA tests/test_gpu.py \
+      run_step fp32-tests 240 python3 -m pytest -q -o addopts= -p no:cacheprovider -rA tests/test_gpu.py \
         -k "fp32_speculation or fp32_on_gpu" ;;
     gputests)
-      run_step gpu-tests 420 python3 -m pytest -q -p no:cacheprovider -rA --durations=10 tests/test_gpu.py ${GPU_TESTS:+-k "$GPU_TESTS"} ;;
+      run_step gpu-tests 420 python3 -m pytest -q -o addopts= -p no:cacheprovider -rA --durations=10 tests/test_gpu.py ${GPU_TESTS:+-k "$GPU_TESTS"} ;;
     profile8b)  # traces of steady steps at the Llama-3-8B shape
       run_step profile-8b 240 python3 scripts/profile_engine.py recipes/dynamic.yaml --systems ar,specgraph \
         --batches 1,8 --widen llama-3-8b --out "$OUT/files" ;;

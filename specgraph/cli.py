@@ -536,7 +536,7 @@ def cmd_loadgen(args: argparse.Namespace) -> None:
 
 
 def cmd_compile(args: argparse.Namespace) -> None:
-    from specgraph.export import check_program_folder, export_program
+    from specgraph.export import check_exportable, check_program_folder, export_program
     from specgraph.passes import plan
     from specgraph.program import Program
     from specgraph.recipe import Recipe
@@ -545,10 +545,7 @@ def cmd_compile(args: argparse.Namespace) -> None:
     recipe = Recipe.from_yaml(args.recipe, [*args.overrides, "lowering.compile=false"])
     graph = plan(recipe)
     _serial_in_one_process(graph, "compile", "cannot be exported yet")
-    heads = [name for name in graph.stages() if graph.node(name)["features"] is not None]
-    if heads:
-        raise SpecgraphError(f"compile: stage {heads[0]} drafts with an EAGLE-3 head, which cannot be exported yet; "
-                             "run the recipe itself (specgraph run RECIPE)")
+    check_exportable(graph)
     export_program(Program(graph), args.output)
 
 

@@ -163,15 +163,24 @@ def check_program_folder(out: Path) -> dict | None:
                          "give an empty or new folder")
 
 
+def check_exportable(graph) -> None:
+    """Refuse, in one line, a planned program that cannot be exported (before any model loads)."""
+    heads = [name for name in graph.stages() if graph.node(name)["features"] is not None]
+    if heads:
+        raise SpecgraphError(f"compile: stage {heads[0]} drafts with an EAGLE-3 head, which cannot be exported yet; "
+                             "run the recipe itself (specgraph run RECIPE)")
+    if graph.recipe.lowering.row_invariant:
+        raise SpecgraphError("lowering.row_invariant: an exported program runs AOTInductor's code for plain PyTorch "
+                             "ops, whose rows are not invariant; run the recipe itself (specgraph run RECIPE)")
+
+
 def export_program(program, out: Path) -> dict:
     """Write one package per stage of the lowered `program`, the configs and tokenizers its models
     need (models/NAME/), and the manifest with a hash of each file and of itself; reuse an
     up-to-date folder. The folder is then all `run --program` needs, from any working folder."""
     out = Path(out)
     recipe = program.recipe
-    if recipe.lowering.row_invariant:
-        raise SpecgraphError("lowering.row_invariant: an exported program runs AOTInductor's code for plain PyTorch "
-                             "ops, whose rows are not invariant; run the recipe itself (specgraph run RECIPE)")
+    check_exportable(program.graph)
     key = program_key(recipe)
     old = check_program_folder(out)
     if old is not None:

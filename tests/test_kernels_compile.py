@@ -11,8 +11,9 @@ from kernel_launches import launched_kernels
 
 
 def kernel_test_launches(path: Path) -> None:
-    """Write to `path` the launches of every kernel test: this session's, where it passed them all, else
-    those of a run of the kernel tests in a subprocess."""
+    """Write to `path` the launches of every kernel test: this process's, where it passed them all, else
+    those of a run of the kernel tests in a subprocess (one process: where the suite runs in several,
+    the kernel tests may have run in another)."""
     quiet = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # (one node id a line)
     listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", "-p",
                              "no:cacheprovider", *KERNEL_TESTS], cwd=REPO, env=quiet, capture_output=True, text=True,
@@ -23,7 +24,8 @@ def kernel_test_launches(path: Path) -> None:
         path.write_text("".join(f"{line}\n" for i in ids for line in KERNEL_LAUNCHES[i]))
         return
     env = {**os.environ, "TRITON_INTERPRET": "1", "SPECGRAPH_RECORD_LAUNCHES": str(path)}
-    tested = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
+    tested = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-o", "addopts=", "-p", "no:cacheprovider",
+                             *KERNEL_TESTS],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert tested.returncode == 0, tested.stdout[-3000:]
 
