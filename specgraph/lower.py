@@ -134,7 +134,7 @@ def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None, 
         budget = Budget(table or budget_table(runner, runner.modes[1], sizes, spec.epsilon if epsilon is None else epsilon,
                                               context, agree), drafter.nodes)
     costs = StepCosts(step_costs(runner, runner.modes, sizes, budget, context, agree)) if adaptive else None
-    policy = Policy(runner.modes, costs, budget=budget, timed=len(ranks.stage_ranks.get(graph.target, ())) < 2) if adaptive else None
+    policy = Policy(runner.modes, costs, budget=budget, timed=not ranks.split(graph.target)) if adaptive else None
     return Engine(runner, target["eos_ids"], recipe.max_seq_len, serving.max_batch, pool, region,
                   serving.prefill_chunk, recipe.sampling, budget, policy)
 

@@ -52,7 +52,7 @@ class Ranks:
         """Times measured on each rank of `stage` (on `device`) -> each time the largest over them, the
         same on every rank: decisions taken on times (a step's mode) then agree, where one rank's clock
         alone would part them."""
-        if len(self.stage_ranks.get(stage, ())) < 2:
+        if not self.split(stage):
             return lambda seconds: seconds
 
         def agree(seconds: tuple[float, ...]) -> tuple[float, ...]:
@@ -60,6 +60,10 @@ class Ranks:
             dist.all_reduce(values, dist.ReduceOp.MAX, group=self.groups[stage])
             return tuple(values.tolist())
         return agree
+
+    def split(self, stage: str) -> bool:
+        """Whether `stage` runs on several ranks."""
+        return len(self.stage_ranks.get(stage, ())) > 1
 
     def runs(self, stage: str) -> bool:
         return self.rank in self.stage_ranks[stage]
