@@ -7,6 +7,7 @@
 #   quarter smaller, for when the repository plus both pass the device's 64 MiB), extracted here
 # Installs from .whl/ whatever does not import, keeps NVLink multicast off, and prints the versions.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-150}
+export SPECGRAPH_PROGRESS=1  # the build's steps in the logs (cli.py's build_progress)
 if [ -f build/carry.tar.xz ] && [ ! -d .fixtures ]; then
   python3 -c "import tarfile; tarfile.open('build/carry.tar.xz').extractall(filter='data')"
 fi

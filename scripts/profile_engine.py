@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
+    from specgraph.cli import build_progress
     from specgraph.passes import plan
     from specgraph.program import Program
     from specgraph.recipe import Recipe
@@ -41,10 +42,11 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     prompts = [json.loads(line)["prompt"] for line in open(".fixtures/prompts_code.jsonl")]
     sets = [*args.set, f"serving.max_batch={max(batches)}"]
-    with Program(plan(Recipe.from_yaml(args.recipe, sets)), widen=args.widen) as program:
+    with build_progress(), Program(plan(Recipe.from_yaml(args.recipe, sets)), widen=args.widen) as program:
         for system in args.systems.split(","):
             engine = program.executor if system == "specgraph" else program.autoregressive()
             for batch in batches:
+                print(f"profiling {system} at batch {batch}", flush=True)
                 profile(program, engine, prompts[:batch], args.steps, args.out,
                         f"{Path(args.recipe).stem}-{system}-b{batch}")
 

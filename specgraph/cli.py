@@ -690,6 +690,27 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+@contextlib.contextmanager
+def build_progress():
+    """The build's long steps (lower.py's log: loading, widening, timing steps), a line each on
+    stderr as they start, where someone watches it (a terminal) or SPECGRAPH_PROGRESS=1 asks (logs)."""
+    import logging
+    import os
+
+    if not (sys.stderr.isatty() or os.environ.get("SPECGRAPH_PROGRESS") == "1"):
+        yield
+        return
+    log, handler = logging.getLogger("specgraph.build"), logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("specgraph: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+
+
 def default_threads() -> int:
     """CPU threads for this process: every core it may use, less those other processes keep busy
     (by the one-minute load average), at least one: on a busy CPU, threads that wait for a core
@@ -728,8 +749,8 @@ def main(argv: list[str] | None = None) -> int:
         from specgraph.files import STDOUT, data_on_stdout
 
         verbosity = transformers_logging.get_verbosity()
-        with warnings.catch_warnings(), (data_on_stdout() if str(getattr(args, "json", None)) == STDOUT else
-                                         contextlib.nullcontext()):
+        with warnings.catch_warnings(), build_progress(), (data_on_stdout() if str(getattr(args, "json", None)) ==
+                                                           STDOUT else contextlib.nullcontext()):
             warnings.simplefilter("default", RecipeWarning)  # each once
             python_warning = warnings.showwarning
 

@@ -4,6 +4,8 @@ peers. Below the programs, ranks and benchmarks that use it; above the runtime i
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -38,6 +40,7 @@ from specgraph.tree import Growth
 
 
 RECOMPILE_LIMIT = 64  # compiled entries of one function in a process (see compile_model)
+log = logging.getLogger("specgraph.build")  # the build's long steps, as they start (cli.py shows them)
 
 
 def compile_model(model: nn.Module) -> None:
@@ -74,7 +77,10 @@ def load_stage(graph: SpecGraph, name: str, model: nn.Module | None = None, rank
     if node["tp"] > 1 and ranks.world == 1:
         raise SpecgraphError(f"stage {name} is tensor-parallel over {node['tp']} devices, which needs one process "
                              f"per device: `specgraph run` and `specgraph bench` start them")
-    model = model or _load(name, node, ranks)
+    if model is None:
+        log.info("loading stage %s: %s (%s) on %s", name, node["model"].path, str(node["dtype"]).removeprefix("torch."),
+                 node["device"])
+        model = _load(name, node, ranks)
     if hasattr(model, "use_kernels"):  # (an exported package has its ops built in)
         model.use_kernels(Kernels.select(node["kernels"]))
     if node["compile"]:
@@ -129,10 +135,17 @@ def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None, 
     sizes, context = batch_sizes(serving.max_batch), min(CALIBRATION_CONTEXT, recipe.max_seq_len // 2)
     spec, budget = target["spec"].verify.budget, None
     agree = ranks.slowest(graph.target, runner.device)
+    first = "a size's first steps compile (and on a GPU capture) them: minutes at a real model's shape"
     if spec is not None and drafter is not None:
         table = spec.nodes if epsilon is None else None
+        if table is None:
+            log.info("timing verification at batch sizes %s for the budget (epsilon %g): %s", sizes,
+                     spec.epsilon if epsilon is None else epsilon, first)
         budget = Budget(table or budget_table(runner, runner.modes[1], sizes, spec.epsilon if epsilon is None else epsilon,
                                               context, agree), drafter.nodes)
+    if adaptive:
+        log.info("timing %d step modes (%s) at batch sizes %s for the speculation policy: %s", len(runner.modes),
+                 ", ".join(mode.name for mode in runner.modes), sizes, first)
     costs = StepCosts(step_costs(runner, runner.modes, sizes, budget, context, agree)) if adaptive else None
     policy = Policy(runner.modes, costs, budget=budget, timed=not ranks.split(graph.target)) if adaptive else None
     return Engine(runner, target["eos_ids"], recipe.max_seq_len, serving.max_batch, pool, region,
@@ -197,6 +210,7 @@ def widened_models(graph: SpecGraph, names: list[str], shape: str | None, ranks:
     models = {}
     for name, (small, big, what) in plans.items():
         node = graph.node(name)
+        log.info("widening stage %s to the %s shape%s on %s", name, big, f" ({scheme})" if scheme else "", node["device"])
         models[name] = widen(small, big, node["device"], node["dtype"], shard=ranks.shard(name, node["tp"]), what=what,
                              quantize=None if is_head(node["config"]) else scheme or None)
     return models

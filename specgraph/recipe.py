@@ -180,7 +180,10 @@ class SamplingSpec(_Strict):
     temperature: float = Field(0.0, ge=0, description="0: greedy (the argmax); above 0: sampled at this temperature")
     top_p: float = Field(1.0, gt=0, le=1, description="keep the most likely tokens until their mass reaches top_p")
     top_k: NonNegativeInt = Field(0, description="keep the k most likely tokens; 0 = no top-k filter")
-    seed: int = Field(0, description="the seed of each request's random stream (sampled output is reproducible)")
+    seed: int = Field(0, description="the seed of each request's random stream: sampled "
+                      "tokens are reproducible where every step's tree is fixed (`serving.speculation: always`, or "
+                      "no drafter); `adaptive` picks each step's tree from measured times, so its draws differ run "
+                      "to run, from the same distribution")
 
 
 KernelKind = Literal["auto", "reference", "triton"]
@@ -235,7 +238,8 @@ class ServingSpec(_Strict):
         "adaptive", description="adaptive: each step runs plain decoding or speculation at one of the drafter's tree "
         "depths, whichever is expected to give the batch the most tokens per second (step times measured when the "
         "program loads, acceptance as the requests go); always: every step speculates with the recipe's tree. An "
-        "EAGLE-3 head, fed by every target step, always speculates")
+        "EAGLE-3 head, fed by every target step, always speculates. Either way sampled output follows the target's "
+        "distribution; a seed reproduces its tokens only under always")
     max_waiting: NonNegativeInt | None = Field(None, description="specgraph serve: requests waiting for a place in "
                                                "the batch at most, more refused (503, Retry-After) until some finish; "
                                                "default: every request waits its turn (its prompt in host memory)")

@@ -45,6 +45,20 @@ def test_run_prints_the_completion_of_one_prompt_and_its_summary_apart(tmp_path,
     printed = capsys.readouterr()
     assert printed.out == "import numpy as np\n" + json.loads(out.read_text())["results"][0]["text"] + "\n"
     assert "mean accepted length" in printed.err and "s to the first token" in printed.err
+    assert "loading stage" not in printed.err  # (the build's steps: where someone watches, or asked)
+
+
+def test_the_build_s_long_steps_are_shown_where_asked(monkeypatch, capsys):
+    """SPECGRAPH_PROGRESS=1 (or a terminal) shows each stage's loading and the policy's timing of
+    steps as they start, a line each, on standard error."""
+    monkeypatch.setenv("SPECGRAPH_PROGRESS", "1")
+    assert main(["run", str(DEMO), "--prompt", "import os\n", "--max-new-tokens", "2"]) == 0
+    shown = capsys.readouterr().err.splitlines()
+    assert shown[:-1] == ["specgraph: loading demo (draft, target)"] + [
+        f"specgraph: loading stage {name}: {REPO / 'recipes' / 'models' / name} (float32) on cpu"
+        for name in ("draft", "target")] + [
+        "specgraph: timing 4 step modes (ar, depth 5, depth 3, depth 1) at batch sizes [1] for the speculation policy: "
+        "a size's first steps compile (and on a GPU capture) them: minutes at a real model's shape"]
 
 
 def test_json_dash_is_standard_output(tmp_path, monkeypatch, capsys):

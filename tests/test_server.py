@@ -112,10 +112,11 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sampler(tmp_path_factory):
     """The demo recipe at temperature 0.8, two requests at once and WAITING more at most, behind an
-    API key, without a chat template."""
+    API key, without a chat template; every step speculating (a seed reproduces tokens only then)."""
     folder = tmp_path_factory.mktemp("sampler")
     yield from serving([str(DEMO), "--batch", "2", "--api-key", "sesame", "--set", "stages.1.verify.rule=sampling",
                         "--set", "sampling.temperature=0.8", "--set", f"serving.max_waiting={WAITING}",
+                        "--set", "serving.speculation=always",
                         "--set", f"max_new_tokens={NEW}"], folder / "sampler.log")
 
 
