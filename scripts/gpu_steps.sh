@@ -45,8 +45,8 @@ step() {
         -k "fp32_speculation or fp32_on_gpu" ;;
     gputests)
       run_step gpu-tests 420 python3 -m pytest -q -o addopts= -p no:cacheprovider -rA --durations=10 tests/test_gpu.py ${GPU_TESTS:+-k "$GPU_TESTS"} ;;
-    profile8b)  # traces of steady steps at the Llama-3-8B shape
-      run_step profile-8b 240 python3 scripts/profile_engine.py recipes/dynamic.yaml --systems ar,specgraph \
+    profile8b)  # traces of steady steps at the Llama-3-8B shape (run 102: the build alone took over 240 s)
+      run_step profile-8b 450 python3 scripts/profile_engine.py recipes/dynamic.yaml --systems ar,specgraph \
         --batches 1,8 --widen llama-3-8b --out "$OUT/files" ;;
     sweep-dynamic)  # the policy (adaptive) against every step speculating, ar and transformers, every batch size
       run_step sweep-dynamic 540 python3 -m specgraph bench recipes/dynamic.yaml "${sweep[@]}" \
