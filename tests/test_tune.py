@@ -12,6 +12,7 @@ from helpers import hf_greedy
 from specgraph.bench.tune import Candidate, Measurement, bole_candidates, choose, grid
 from specgraph.errors import SpecgraphError
 from specgraph.cli import main
+from specgraph.program import Program
 from specgraph.recipe import DynamicTree, Recipe
 
 DEMO = REPO / "recipes" / "demo.yaml"
@@ -105,14 +106,17 @@ def test_a_tuned_recipe_keeps_its_other_fields_and_resolves_its_paths_from_its_o
 
 
 def tune_and_run(recipe, out, tmp_path, capsys, *flags, measured=("w1 d2 n2", "w2 d2 n2", "w2 d2 n4")
-                 ) -> tuple[dict, list[list[int]]]:
+                 ) -> tuple[dict, list[list[int]], dict[str, str]]:
     """`specgraph tune` with a tiny grid, then `specgraph run` of the tuned recipe on the first two
-    prompts: (the tuned recipe's drafting tree, the output ids of each prompt). `measured`: the
-    candidates whose drafting tune measures."""
+    prompts: (the tuned recipe's drafting tree, the output ids of each prompt, each candidate's mean
+    accepted length as tune printed it). `measured`: the candidates whose drafting tune measures."""
     assert main(["tune", str(recipe), "--prompts", str(PROMPTS), "-o", str(out), *TINY, *flags]) == 0
     captured = capsys.readouterr()
+    accepted = {}
     for number, candidate in enumerate(measured, start=1):
-        assert f"{number}/{len(measured)} {candidate}: " in captured.err  # progress, as each candidate is measured
+        line = re.search(rf"{number}/{len(measured)} {candidate}: ([\d.]+) accepted/step", captured.err)
+        assert line is not None  # progress, as each candidate is measured
+        accepted[candidate] = line[1]
     chosen = re.search(r"chosen \((\w+) rule\): w(\d+) d(\d+) n(\d+), measured epsilon (-?[\d.]+)", captured.out)
     assert chosen is not None and f"wrote {out}" in captured.out
     tree = Recipe.from_yaml(out).stages[0].tree
@@ -123,13 +127,19 @@ def tune_and_run(recipe, out, tmp_path, capsys, *flags, measured=("w1 d2 n2", "w
     prompts.write_text("".join(PROMPTS.read_text().splitlines(keepends=True)[:2]))
     result = tmp_path / "run.json"
     assert main(["run", str(out), "--prompts", str(prompts), "--max-new-tokens", "32", "--json", str(result)]) == 0
-    return tree, [r["output_ids"] for r in json.loads(result.read_text())["results"]]
+    return tree, [r["output_ids"] for r in json.loads(result.read_text())["results"]], accepted
 
 
 def test_tune_the_demo_pair_and_run_it_exactly(tmp_path, capsys, code_prompts):
     out = tmp_path / "elsewhere" / "tuned.yaml"  # in another folder than the recipe: its model paths are rewritten
     out.parent.mkdir()
-    tree, outputs = tune_and_run(DEMO, out, tmp_path, capsys)
+    tree, outputs, accepted = tune_and_run(DEMO, out, tmp_path, capsys)
+    demo = Recipe.from_yaml(DEMO, ["serving.speculation=always"])
+    for candidate, printed in accepted.items():  # each candidate's tree in every step: as a recipe of it decodes
+        w, d, n = map(int, re.findall(r"\d+", candidate))
+        program = Program.from_recipe(demo.with_tree(0, DynamicTree(width=w, depth=d, nodes=n)))
+        steps = [k for row in code_prompts[:2] for k in program.generate(program.encode(row["prompt"]), 16).accepted_lengths]
+        assert printed == f"{sum(steps) / len(steps):.2f}", candidate
     assert Candidate(tree.width, tree.depth, tree.nodes) in grid([1, 2], [2], [2, 4], 64)
     tuned, demo = Recipe.from_yaml(out), Recipe.from_yaml(DEMO)
     assert tuned.model_copy(update={"models": demo.models}) == demo.with_tree(0, tree)  # only the tree changed
@@ -142,7 +152,7 @@ def test_tune_a_hybrid_target_by_bole_rule_and_run_it_exactly(tmp_path, capsys, 
     # a budget every candidate meets: the largest tree of the grid, whatever this machine measures; on the CPU
     # (fp32, exact), which the tuned recipe keeps
     on_cpu = ["--set", "stages.0.devices=[cpu]", "--set", "stages.1.devices=[cpu]"]
-    tree, outputs = tune_and_run(REPO / "recipes" / "hybrid.yaml", out, tmp_path, capsys, "--rule", "bole",
+    tree, outputs, _ = tune_and_run(REPO / "recipes" / "hybrid.yaml", out, tmp_path, capsys, "--rule", "bole",
                                  "--epsilon", "100", *on_cpu, measured=("w2 d2 n4",))  # the largest within it
     assert tree == DynamicTree(width=2, depth=2, nodes=4)
     assert [s.devices for s in Recipe.from_yaml(out).stages] == [["cpu"], ["cpu"]]

@@ -42,7 +42,7 @@ from specgraph.bench.harness import (
 from specgraph.bench.systems import SpecgraphSystem
 from specgraph.errors import RecipeError, SpecgraphError
 from specgraph.graph import SpecGraph
-from specgraph.lower import build_executor, build_verifier, stage_over
+from specgraph.lower import build_drafter, build_engine, build_verifier, stage_over
 from specgraph.passes import plan
 from specgraph.program import Program
 from specgraph.recipe import DynamicTree
@@ -221,15 +221,17 @@ def run_tune(graph: SpecGraph, spec: TuneSpec) -> TuneReport:
 
 def measure_candidates(program: Program, plans: dict[Candidate, SpecGraph], spec: TuneSpec, encoded: list[list[int]],
                        verify: dict[int, float], console: Console) -> list[Measurement]:
-    """Each candidate's executor, over `program`'s lowered models, decoding the prompts."""
+    """Each candidate's engine, over `program`'s lowered models, decoding the prompts, every step with
+    the candidate's tree (where a policy would choose plain steps or shallower trees)."""
     bench = BenchSpec(program.recipe, spec.prompts, spec.max_new_tokens, repeats=1, baselines=())
     measurements = []
     with progress_bars(console, transient=True) as progress:
         for number, (candidate, candidate_plan) in enumerate(plans.items(), start=1):
             stages = {name: stage_over(candidate_plan, name, program.stages[name].model)
                       for name in candidate_plan.stages()}
-            system = SpecgraphSystem(str(candidate), build_executor(candidate_plan, stages), f"tree {candidate}",
-                                     program.recipe.sampling.seed)
+            engine = build_engine(candidate_plan, build_verifier(candidate_plan, stages),
+                                  build_drafter(candidate_plan, stages), speculation="always")
+            system = SpecgraphSystem(str(candidate), engine, f"tree {candidate}", program.recipe.sampling.seed)
             result = measure_system(system, bench, encoded, progress)
             progress.remove_task(progress.task_ids[-1])
             m = Measurement(candidate, result["mean_accepted_length"], result["draft_step_ms"] / 1e3,
