@@ -137,12 +137,11 @@ def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None, 
     agree = ranks.slowest(graph.target, runner.device)
     first = "a size's first steps compile (and on a GPU capture) them: minutes at a real model's shape"
     if spec is not None and drafter is not None:
-        table = spec.nodes if epsilon is None else None
-        if table is None:
-            log.info("timing verification at batch sizes %s for the budget (epsilon %g): %s", sizes,
-                     spec.epsilon if epsilon is None else epsilon, first)
-        budget = Budget(table or budget_table(runner, runner.modes[1], sizes, spec.epsilon if epsilon is None else epsilon,
-                                              context, agree), drafter.nodes)
+        table, epsilon = (spec.nodes, spec.epsilon) if epsilon is None else (None, epsilon)
+        if not table:
+            log.info("timing verification at batch sizes %s for the budget (epsilon %g): %s", sizes, epsilon, first)
+            table = budget_table(runner, runner.modes[1], sizes, epsilon, context, agree)
+        budget = Budget(table, drafter.nodes)
     if adaptive:
         log.info("timing %d step modes (%s) at batch sizes %s for the speculation policy: %s", len(runner.modes),
                  ", ".join(mode.name for mode in runner.modes), sizes, first)
