@@ -7,7 +7,8 @@
 # Runs the steps in order while time is left (a step is skipped once less than its own limit remains), each
 # under its own limit, its output in $OUT/steps.log (and on standard output); each step's exit status in
 # $OUT/steps.tsv; what the steps write under $OUT/files/ (reports, traces, summaries) packed into
-# $OUT/files.tar when the steps end, so that a call brings back few files. Steps: see `case` below
+# $OUT/files.tar when the steps end, so that a call brings back few files. Each line of a step's output is
+# stamped with the time it was printed. Steps: see `case` below
 # (GPU_TESTS: a pytest -k expression for the step gputests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,8 +31,8 @@ run_step() {  # NAME LIMIT COMMAND...
   fi
   echo "=== $name ($(date +%T), limit $limit s)"
   local began=$(date +%s)
-  timeout --kill-after=10 "$limit" "$@"
-  local rc=$?
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | while IFS= read -r line; do printf '%(%T)T %s\n' -1 "$line"; done
+  local rc=${PIPESTATUS[0]}
   printf '%s\trc %s\t%s s\n' "$name" "$rc" "$(( $(date +%s) - began ))" | tee -a "$OUT/steps.tsv"
 }
 
@@ -48,6 +49,12 @@ step() {
     profile8b)  # traces of steady steps at the Llama-3-8B shape (run 102: the build alone took over 240 s)
       run_step profile-8b 450 python3 scripts/profile_engine.py recipes/dynamic.yaml --systems ar,specgraph \
         --batches 1,8 --widen llama-3-8b --out "$OUT/files" ;;
+    engine)  # every step speculating (its `= ar` column) against ar, then the policy alone: reports apart, so
+      # that a policy whose build (its timing of steps) outlasts the limit leaves the first's figures
+      run_step engine-always 330 python3 -m specgraph bench recipes/dynamic.yaml "${sweep[@]}" \
+        --set serving.speculation=always --baselines ar --json "$OUT/files/llama-3-8b-always.json"
+      run_step engine-policy 225 python3 -m specgraph bench recipes/dynamic.yaml "${sweep[@]}" --baselines "" \
+        --json "$OUT/files/llama-3-8b-policy.json" ;;
     sweep-dynamic)  # the policy (adaptive) against every step speculating, ar and transformers, every batch size
       run_step sweep-dynamic 540 python3 -m specgraph bench recipes/dynamic.yaml "${sweep[@]}" \
         --baselines ar,always,hf --json "$OUT/files/llama-3-8b-dynamic-sweep.json" ;;

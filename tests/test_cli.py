@@ -54,11 +54,13 @@ def test_the_build_s_long_steps_are_shown_where_asked(monkeypatch, capsys):
     monkeypatch.setenv("SPECGRAPH_PROGRESS", "1")
     assert main(["run", str(DEMO), "--prompt", "import os\n", "--max-new-tokens", "2"]) == 0
     shown = capsys.readouterr().err.splitlines()
-    assert shown[:-1] == ["specgraph: loading demo (draft, target)"] + [
+    assert shown[:4] == ["specgraph: loading demo (draft, target)"] + [
         f"specgraph: loading stage {name}: {REPO / 'recipes' / 'models' / name} (float32) on cpu"
         for name in ("draft", "target")] + [
         "specgraph: timing 4 step modes (ar, depth 5, depth 3, depth 1) at batch sizes [1] for the speculation policy: "
         "a size's first steps compile (and on a GPU capture) them: minutes at a real model's shape"]
+    timed = [re.fullmatch(r"specgraph: a step of (.+): (\d+\.\d\d) ms at batch sizes \[1\]", line) for line in shown[4:-1]]
+    assert [m and m[1] for m in timed] == ["ar", "depth 5", "depth 3", "depth 1"]  # (each as its timing ends)
 
 
 def test_json_dash_is_standard_output(tmp_path, monkeypatch, capsys):

@@ -10,6 +10,7 @@ as it was: call this before any request is admitted.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -18,6 +19,7 @@ import torch
 from specgraph.engine.runner import Mode, Runner
 from specgraph.tree import CATCH_UP
 
+log = logging.getLogger("specgraph.build")  # (cli.py shows it where someone watches)
 WARMUP, TIMINGS = 1, 3  # untimed steps (the first captures), then timed ones: the fastest counts
 Agree = Callable[[tuple[float, ...]], tuple[float, ...]]  # measured times -> the times every rank takes
 
@@ -73,7 +75,12 @@ def step_costs(runner: Runner, modes: list[Mode], sizes: list[int], budget, cont
     def nodes(mode: Mode, c: int) -> int | None:
         return None if budget is None or mode.drafter is None else budget(c, mode.nodes)
 
-    return {mode.name: {c: sum(step_seconds(runner, mode, c, nodes(mode, c), context, agree)) for c in sizes} for mode in modes}
+    costs = {}
+    for mode in modes:
+        costs[mode.name] = {c: sum(step_seconds(runner, mode, c, nodes(mode, c), context, agree)) for c in sizes}
+        log.info("a step of %s: %s ms at batch sizes %s", mode.name,
+                 ", ".join(f"{1e3 * s:.2f}" for s in costs[mode.name].values()), sizes)
+    return costs
 
 
 def budget_table(runner: Runner, mode: Mode, sizes: list[int], epsilon: float, context: int,
@@ -92,5 +99,6 @@ def budget_table(runner: Runner, mode: Mode, sizes: list[int], epsilon: float, c
             else:
                 high = middle - 1
         table[c] = c * low
+        log.info("batch size %d verifies at most %d nodes", c, c * low)
     return table
 
