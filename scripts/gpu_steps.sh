@@ -55,6 +55,8 @@ step() {
         --set serving.speculation=always --baselines ar --json "$OUT/files/llama-3-8b-always.json"
       run_step engine-policy 225 python3 -m specgraph bench recipes/dynamic.yaml "${sweep[@]}" --baselines "" \
         --json "$OUT/files/llama-3-8b-policy.json" ;;
+    few-rows)  # the tiles against cuBLAS from 2 to 64 rows: where FEW_ROWS should be
+      run_step few-rows 150 python3 scripts/bench_few_rows.py --json "$OUT/files/few-rows.json" ;;
     sweep-dynamic)  # the policy (adaptive) against every step speculating, ar and transformers, every batch size
       run_step sweep-dynamic 540 python3 -m specgraph bench recipes/dynamic.yaml "${sweep[@]}" \
         --baselines ar,always,hf --json "$OUT/files/llama-3-8b-dynamic-sweep.json" ;;
