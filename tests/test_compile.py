@@ -55,3 +55,32 @@ def test_reference_attention_compiles_with_symbolic_grouped_heads():
     q, k, v = torch.randn(1, 8, layout.tokens, 16), torch.randn(1, 2, slots, 16), torch.randn(1, 2, slots, 16)
     inputs = (q, k, v, *layout.attention_inputs(8))
     assert torch.allclose(compiled(*inputs), attention_reference(*inputs), atol=1e-5)
+
+
+def test_a_compiled_engine_compiles_its_verification_once_for_every_batch_size():
+    """The verifier's compiled work (the target's forward and what follows it) keeps a step's sizes
+    symbolic: with forwards over the whole capacity (static shapes, as a GPU's captured steps run),
+    decoding at every batch size from 1 to 5 compiles it three times (the first size, then symbolic
+    sizes, then 1, which Dynamo specializes), not once a size. (It compiled once a size while
+    the stage's test for a captured size put the step's token count in a Python set: on a GPU each
+    compile of the Llama-3-8B shape's forward took tens of seconds, inside timed runs: GPU runs 103-107.)"""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from specgraph.engine.runner import Runner
+
+    recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "chain", "length": 3}, max_new_tokens=6,
+                       lowering={"compile": True}, serving={"max_batch": 5})
+    before = len(_debug_get_cache_entry_list(Runner._settle.__code__))
+    with Program.from_recipe(recipe) as program:
+        for stage in program.stages.values():
+            stage.static_shapes = True
+        engine = program.executor
+        prompts = [program.encode(text) for text in ("import os\n", "def f(x):\n", "class A:\n", "x = [1, 2]\n",
+                                                     "for i in range(3):\n")]
+        for batch in (5, 3):  # (each pass ends through every size below its own as its requests finish)
+            engine.limit = batch
+            for ids in prompts[:batch]:
+                engine.add_request(ids, 6)
+            while engine.busy:
+                engine.step()
+        assert len(_debug_get_cache_entry_list(Runner._settle.__code__)) - before == 3

@@ -75,8 +75,9 @@ class Stage:
 
         inputs = (tokens, layout.slots, layout.positions, layout.rows, layout.cu, layout.starts, layout.visible,
                   layout.grid)
-        if not (layout.table.shape[1] == self.table.shape[1] and layout.tokens in self.graph_buckets):
-            return run(*inputs)
+        if torch.compiler.is_compiling() or not (layout.table.shape[1] == self.table.shape[1]
+                                                  and layout.tokens in self.graph_buckets):
+            return run(*inputs)  # (compiled code that calls it: first, so that its sizes stay symbolic)
         key = (layout.tokens, layout.segments, layout.region)
         return self._replays.run(key, run, *inputs).clone()  # (the next replay overwrites it)
 
