@@ -23,7 +23,8 @@ import triton.language as tl
 from specgraph.kernels.linear.invariant import project_rows
 from specgraph.kernels.pdl import launch
 
-FEW_ROWS = 16  # the most tokens projected by tensor-core tiles rather than cuBLAS
+FEW_ROWS = 16  # the most tokens projected by tensor-core tiles rather than cuBLAS (past 16, the 1B drafter's
+# qkv and down lose more to cuBLAS than its head gains: scripts/bench_few_rows.py, run 105 on an H100)
 
 
 @triton.jit
