@@ -60,8 +60,8 @@ def test_reference_attention_compiles_with_symbolic_grouped_heads():
 def test_a_compiled_engine_compiles_its_verification_once_for_every_batch_size():
     """The verifier's compiled work (the target's forward and what follows it) keeps a step's sizes
     symbolic: with forwards over the whole capacity (static shapes, as a GPU's captured steps run),
-    decoding at every batch size from 1 to 5 compiles it three times (the first size, then symbolic
-    sizes, then 1, which Dynamo specializes), not once a size. (It compiled once a size while
+    decoding at every batch size from 1 to 5 compiles it at most three times (the first size, then
+    symbolic sizes, then 1, which Dynamo specializes), not once a size. (It compiled once a size while
     the stage's test for a captured size put the step's token count in a Python set: on a GPU each
     compile of the Llama-3-8B shape's forward took tens of seconds, inside timed runs: GPU runs 103-107.)"""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -83,4 +83,4 @@ def test_a_compiled_engine_compiles_its_verification_once_for_every_batch_size()
                 engine.add_request(ids, 6)
             while engine.busy:
                 engine.step()
-        assert len(_debug_get_cache_entry_list(Runner._settle.__code__)) - before == 3
+        assert len(_debug_get_cache_entry_list(Runner._settle.__code__)) - before <= 3  # (fewer after other programs)
