@@ -19,11 +19,9 @@ import torch.nn.functional as F
 
 from specgraph.bench.timing import graph_time_us
 from specgraph.kernels.linear.invariant import project_rows
+from specgraph.models.widen import SHAPES as WIDE
 
-SHAPES = {"1b": {"qkv_proj": (3072, 2048), "o_proj": (2048, 2048), "gate_up_proj": (16384, 2048),
-                 "down_proj": (2048, 8192), "lm_head": (128256, 2048)},
-          "8b": {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
-                 "down_proj": (4096, 14336), "lm_head": (128256, 4096)}}
+SHAPES = {model: WIDE[name][0].projections() for model, name in (("1b", "llama-3.2-1b"), ("8b", "llama-3-8b"))}
 ROWS = (2, 4, 8, 16, 24, 32, 48, 64)
 
 

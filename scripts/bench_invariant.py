@@ -27,11 +27,11 @@ from specgraph.kernels.attention.triton import attention
 from specgraph.kernels.linear.invariant import project_rows, tiling
 from specgraph.kernels.linear.triton import linear
 from specgraph.layout import Layout, physical
+from specgraph.models.widen import SHAPES as WIDE
 from specgraph.runtime.stage import BLOCK_SIZE
 from specgraph.tree import TreeStructure
 
-SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
-          "down_proj": (4096, 14336), "lm_head": (128256, 4096)}
+SHAPES = WIDE["llama-3-8b"][0].projections()
 ROWS = (1, 21, 64)
 
 

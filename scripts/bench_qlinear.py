@@ -12,9 +12,10 @@ from specgraph.bench.timing import graph_time_us
 from specgraph.kernels.linear.triton import linear
 from specgraph.kernels.qlinear import qlinear_reference
 from specgraph.kernels.qlinear.triton import qlinear
+from specgraph.models.widen import SHAPES as WIDE
 from specgraph.quant.quantize import quantize_linear
 
-SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
+SHAPES = {name: nk for name, nk in WIDE["llama-3-8b"][0].projections().items() if name != "lm_head"}
 ROWS = (1, 4, 16, 64)
 L2_BYTES = 256 << 20  # cycle through at least this many bytes of weights
 

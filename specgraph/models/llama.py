@@ -54,6 +54,13 @@ class LlamaShape:
         kernels, which the cache runs too."""
         return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, blocks, block_size, dtype, device, kernels)
 
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """(N, K) of each weight a layer projects a token through, and of the logits head."""
+        h, d = self.hidden_size, self.head_dim
+        return {"qkv_proj": (sum(qkv_sizes(self.num_heads, self.num_kv_heads, d)), h), "o_proj": (h, self.num_heads * d),
+                "gate_up_proj": (2 * self.intermediate_size, h), "down_proj": (h, self.intermediate_size),
+                "lm_head": (self.vocab_size, h)}
+
     def fused_sizes(self) -> dict[str, list[int]]:
         return {"self_attn.qkv_proj": qkv_sizes(self.num_heads, self.num_kv_heads, self.head_dim),
                 "mlp.gate_up_proj": [self.intermediate_size] * 2}
