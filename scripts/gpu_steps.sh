@@ -55,6 +55,9 @@ step() {
         --set serving.speculation=always --baselines ar --json "$OUT/files/llama-3-8b-always.json"
       run_step engine-policy 225 python3 -m specgraph bench recipes/dynamic.yaml "${sweep[@]}" --baselines "" \
         --json "$OUT/files/llama-3-8b-policy.json" ;;
+    policy)  # the policy alone (its timing of steps, then the batch sizes), for a call too short for `engine`
+      run_step policy 330 python3 -m specgraph bench recipes/dynamic.yaml "${sweep[@]}" --baselines "" \
+        --json "$OUT/files/llama-3-8b-policy.json" ;;
     few-rows)  # the tiles against cuBLAS from 2 to 64 rows: where FEW_ROWS should be
       run_step few-rows 150 python3 scripts/bench_few_rows.py --json "$OUT/files/few-rows.json" ;;
     sweep-dynamic)  # the policy (adaptive) against every step speculating, ar and transformers, every batch size

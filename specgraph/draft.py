@@ -392,6 +392,8 @@ def select(grown: _Grown, nodes: int, depth: int, width: int, budget: int | None
             candidates = torch.where(live[:, None], candidates, float("-inf"))
         flat = candidates.flatten().sort(descending=True, stable=True).indices[:budget]
         chosen = torch.zeros(r * nodes, dtype=torch.bool, device=device).index_fill_(0, flat, True).view(r, nodes)
+        if live is not None:  # (a budget past the live rows' candidates: the rest of its packed tokens are padding)
+            chosen &= live[:, None]
     sizes = 1 + chosen.sum(1)  # [R]
     order = torch.where(chosen, top, size + top).sort(dim=1).values  # [R, N]: chosen in pool order, the rest after
     keep = torch.cat([torch.zeros(r, 1, dtype=torch.long, device=device), order.clamp(max=size - 1)], 1)  # [R, N + 1]
@@ -406,6 +408,6 @@ def select(grown: _Grown, nodes: int, depth: int, width: int, budget: int | None
     lineage = lineage & live[:, None, :] & live[:, :, None] | torch.eye(nodes + 1, dtype=torch.bool, device=device)
     structure = TreeStructure.on_device(parents, torch.where(live, grown.depths.gather(1, keep), 1), lineage, depth,
                                         width, sizes)
-    packed = None if budget is None else r + min(budget, r * nodes)  # (sum(sizes), known on the host)
+    packed = None if budget is None else r + min(budget, r * nodes)  # (at least sum(sizes): a host bound)
     tree = Tree(grown.tokens.gather(1, keep), parents, None, structure, None if budget is None else sizes, packed)
     return Draft(tree, torch.where(live, grown.fed_at.gather(1, keep), -1), feeds)

@@ -132,7 +132,8 @@ def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None, 
     runner = Runner(verifier, drafter, serving.max_batch, recipe.max_seq_len + region, target["compile"], captured,
                     shallower(drafter) if adaptive else ())
     pool = BlockPool(target["kv_blocks"], target["block_size"])
-    sizes, context = batch_sizes(serving.max_batch), min(CALIBRATION_CONTEXT, recipe.max_seq_len // 2)
+    sizes = sorted({runner.step_rows(c) for c in batch_sizes(serving.max_batch)})  # (sizes a step runs as)
+    context = min(CALIBRATION_CONTEXT, recipe.max_seq_len // 2)
     spec, budget = target["spec"].verify.budget, None
     agree = ranks.slowest(graph.target, runner.device)
     first = "a size's first steps compile (and on a GPU capture) them: minutes at a real model's shape"

@@ -34,11 +34,13 @@ def absent(what: str) -> NoReturn:
     pytest.skip(f"{what} is not present")
 
 
-def shared_models() -> Path:
+def shared_model(name: str) -> Path:
+    """The fixture model `name` of ../shared/fixtures/models, or of .fixtures/ where a GPU machine got
+    only the checkout."""
     for folder in (SHARED / "models", LOCAL):
-        if folder.is_dir():
-            return folder
-    absent("../shared/fixtures")
+        if (folder / name).is_dir():
+            return folder / name
+    absent(f"../shared/fixtures/models/{name}")
 
 
 def shared_prompts() -> Path:
@@ -69,7 +71,7 @@ def hybrid_reference(code_prompts):
     """The same by the hybrid (Qwen3.5) fixture."""
     from helpers import hf_greedy
 
-    return hf_greedy(shared_models() / "hybrid", code_prompts[:PROMPTS], NEW_TOKENS)
+    return hf_greedy(shared_model("hybrid"), code_prompts[:PROMPTS], NEW_TOKENS)
 
 
 @pytest.fixture(scope="session")
@@ -77,7 +79,7 @@ def small_hybrid(tmp_path_factory) -> Path:
     """A small hybrid drafter for the hybrid fixture: its first four layers (helpers.shallow_hybrid)."""
     from helpers import shallow_hybrid
 
-    return shallow_hybrid(shared_models() / "hybrid", tmp_path_factory.mktemp("drafter"))
+    return shallow_hybrid(shared_model("hybrid"), tmp_path_factory.mktemp("drafter"))
 
 
 @pytest.fixture(autouse=True)

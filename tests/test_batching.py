@@ -54,11 +54,44 @@ def test_a_request_that_finished_while_its_next_step_ran_gets_nothing_more(targe
     assert pool.free == pool.blocks - 1  # every block back (the trash is never lent)
 
 
+@pytest.mark.parametrize("budget", [None, {1: 6, 4: 12, 8: 20}], ids=["trees", "budget"])
+def test_steps_padded_to_capture_sizes_keep_every_request_exact(target_reference, monkeypatch, budget):
+    """Steps padded as a GPU's captured steps are (here to 4 or 8 rows: runner.CAPTURE_SIZES patched),
+    run as they are: five requests at a time run 8 rows, then 4 as they finish; each request gets
+    transformers' greedy tokens, no padding row's tokens reach one, and under a budget (that of the
+    step's rows) the padding rows verify no node: a root alone each."""
+    from specgraph.engine import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "CAPTURE_SIZES", (4, 8))
+    verify = {} if budget is None else {"verify": {"budget": {"epsilon": 0.1, "nodes": budget}}}
+    recipe = Recipe.from_dict({
+        "name": "padded", "serving": {"max_batch": 5, "block_size": 16, "speculation": "always"},
+        "models": {"target": {"path": str(EMBEDDED / "target")}, "draft": {"path": str(EMBEDDED / "draft")}},
+        "stages": [{"name": "draft", "model": "draft", "devices": ["cpu"], "tree": TREES["dynamic"]},
+                   {"name": "target", "model": "target", "devices": ["cpu"], "verifies": "draft", **verify}]})
+    program = Program.from_recipe(recipe)
+    runner = program.executor.runner
+    runner.captured = True  # (here only the padding and the prompt buckets: a CPU captures nothing)
+    grow, steps = runner.drafter.draft, []
+
+    def recording(requests, width, sampling, draws, budget, live):
+        draft = grow(requests, width, sampling, draws, budget, live)
+        steps.append((requests.size, int(live.sum()), draft.tree.counts()[~live].tolist()))
+        return draft
+
+    runner.drafter.draft = recording
+    outputs = decode_together(program, target_reference)
+    assert outputs == [expected[:b] for (_, expected), b in zip(target_reference, BUDGETS)]
+    assert {rows for rows, _, _ in steps} == {4, 8} and any(live < rows for rows, live, _ in steps)
+    if budget is not None:
+        assert all(size == 1 for _, _, padding in steps for size in padding)
+
+
 def test_a_hybrid_target_five_at_a_time(hybrid_reference, small_hybrid):
     """The gated-DeltaNet state of each request in a slot of its own."""
-    from conftest import shared_models
+    from conftest import shared_model
 
-    program = Program.from_recipe(two_stage(shared_models() / "hybrid", small_hybrid, TREES["static"],
+    program = Program.from_recipe(two_stage(shared_model("hybrid"), small_hybrid, TREES["static"],
                                             serving={"max_batch": 5, "block_size": 16}))
     budgets = [b // 2 for b in BUDGETS]
     outputs = decode_together(program, hybrid_reference, budgets)
@@ -75,10 +108,10 @@ def test_short_prompts_go_in_together_and_each_decodes_exact(code_prompts, kind,
     tokens a request, each in its own state)."""
     import math
 
-    from conftest import shared_models
+    from conftest import shared_model
     from helpers import hf_greedy
 
-    target = shared_models() / "hybrid" if kind == "hybrid" else EMBEDDED / "target"
+    target = shared_model("hybrid") if kind == "hybrid" else EMBEDDED / "target"
     draft = EMBEDDED / ("eagle3" if kind == "head" else "draft")
     tree = {"shape": "dynamic", "width": 3, "depth": 3, "nodes": 8} if kind == "head" else TREES["static"]
     reference = hf_greedy(target, [{"prompt": row["prompt"][: chars + 23 * i]} for i, row in enumerate(code_prompts[:6])],
@@ -149,9 +182,9 @@ def test_the_budget_takes_the_most_likely_nodes_over_the_whole_batch():
 def test_a_budget_verifies_its_nodes_and_keeps_every_request_exact(target_reference):
     """Requests five at a time under a budget that grows with the batch (a fixed table: calibration
     on a busy CPU would make the trees vary from run to run), every step speculating: each still gets
-    the target's greedy tokens, drafts are accepted, and every step verifies its batch's budget of
+    the target's greedy tokens, drafts are accepted, and every step packs its batch's budget of
     nodes: by hand, shares per request 6, 4, 3 and 2.8 at 1, 2, 4 and 5 requests, so 6, 8, 9 (three
-    requests take four's share), 12 and 14 nodes."""
+    requests take four's share), 12 and 14 nodes, all verified but where too few live rows hold them."""
     table = {1: 6, 2: 8, 4: 12, 5: 14}
     recipe = Recipe.from_dict({
         "name": "budget", "serving": {"max_batch": 5, "block_size": 16, "speculation": "always"},
@@ -164,17 +197,20 @@ def test_a_budget_verifies_its_nodes_and_keeps_every_request_exact(target_refere
     drafter, verified = program.executor.runner.drafter, []
     grow = drafter.draft
 
-    def recording(requests, *args, **kwargs):
-        draft = grow(requests, *args, **kwargs)
-        verified.append((requests.size, int(draft.tree.sizes.sum()) - requests.size, draft.tree.packed))
+    def recording(requests, width, sampling, draws, budget, live):
+        draft = grow(requests, width, sampling, draws, budget, live)
+        verified.append((requests.size, int(live.sum()), int(draft.tree.sizes.sum()) - requests.size,
+                         draft.tree.packed))
         return draft
 
     drafter.draft = recording
     outputs = decode_together(program, target_reference)
     assert outputs == [expected[:budget] for (_, expected), budget in zip(target_reference, BUDGETS)]
     by_hand = {1: 6, 2: 8, 3: 9, 4: 12, 5: 14}
-    assert all(nodes == by_hand[batch] and packed == batch + nodes for batch, nodes, packed in verified)
-    assert {batch for batch, _, _ in verified} >= {5, 1}  # a full batch, and the last request alone
+    # (a request that finished while the step ran runs as a padding row: it takes no node, 8 at most each of the rest)
+    assert all(nodes == min(by_hand[batch], 8 * live) and packed == batch + by_hand[batch]
+               for batch, live, nodes, packed in verified)
+    assert {batch for batch, *_ in verified} >= {5, 1}  # a full batch, and the last request alone
 
 
 def test_the_budget_is_calibrated_from_measured_steps(monkeypatch):

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from conftest import EMBEDDED, REPO, shared_models
+from conftest import EMBEDDED, REPO, shared_model
 from helpers import REDUCED, chain_logits, two_stage
 
 from specgraph.bench.systems import HFSystem, SpecgraphSystem, hf_mirror
@@ -240,7 +240,7 @@ def test_a_shape_that_does_not_fit_names_the_stage_and_the_shapes_that_fit(capsy
                  "--baselines", "ar"]) == 2
     assert ("--widen llama-3.2-1b: stage target's model (models.target) does not fit it (head_dim 128 != 64); "
             "shapes that fit it: llama-3.2-3b, llama-3-8b, llama-3-70b") in capsys.readouterr().err
-    hybrid = load_model(shared_models() / "hybrid", torch.float32, "cpu").shape
+    hybrid = load_model(shared_model("hybrid"), torch.float32, "cpu").shape
     for name in ("qwen3.5-9b", "qwen3.5-27b"):
         assert widened_shape(hybrid, name)[0].rotary_dim == hybrid.rotary_dim
 
@@ -277,7 +277,7 @@ HYBRID_REDUCED = HybridShape(5000, 512, 1536, (LINEAR, LINEAR, LINEAR, FULL) * 3
 
 
 def test_widened_hybrid_computes_the_same_function():
-    hybrid = shared_models() / "hybrid"
+    hybrid = shared_model("hybrid")
     small = load_model(hybrid, torch.float32, "cpu")
     wide = widen(small, HYBRID_REDUCED, "cpu", torch.float32)
     assert len(wide.layers) == 12 and wide.layers[5].linear_attn.in_proj.weight.shape == (2 * 3 * 64 + 2 * 9 * 64 + 2 * 9, 512)  # q k v z b a

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import EMBEDDED, REPO, shared_models
+from conftest import EMBEDDED, REPO, shared_model
 from helpers import (PROMPT, children, descendants, fault_ends_the_run, gone, interruptible, sampled_law,
                      splittable_recipe, total_variation, two_stage, two_token_law)
 
@@ -34,8 +34,8 @@ def disaggregated(target, draft, tree, **fields) -> Recipe:
 ], ids=["dynamic-draft", "chain-mid", "hybrid-dynamic"])
 def test_greedy_output_equals_the_target_alone(target, drafter, tree, request):
     reference = request.getfixturevalue("hybrid_reference" if target == "hybrid" else "target_reference")
-    target_path = shared_models() / "hybrid" if target == "hybrid" else EMBEDDED / "target"
-    draft_path = EMBEDDED / "draft" if drafter == "draft" else shared_models() / "mid"
+    target_path = shared_model("hybrid") if target == "hybrid" else EMBEDDED / "target"
+    draft_path = EMBEDDED / "draft" if drafter == "draft" else shared_model("mid")
     accepted, survived, rounds = [], 0, 0
     with Program.from_recipe(disaggregated(target_path, draft_path, tree, max_new_tokens=128)) as program:
         for ids, expected in reference:
@@ -62,7 +62,7 @@ def test_static_trees_and_typical_acceptance_through_the_executor(target_referen
 def test_a_hybrid_drafter_drafts_static_trees_for_a_hybrid_target(small_hybrid, hybrid_reference):
     """A small hybrid drafter (drafting each static tree anew after the verdict, its recurrent state
     folded along the accepted path) in its own process: the hybrid target's own greedy output."""
-    recipe = disaggregated(shared_models() / "hybrid", small_hybrid, {"shape": "static", "branching": [3, 2, 1]},
+    recipe = disaggregated(shared_model("hybrid"), small_hybrid, {"shape": "static", "branching": [3, 2, 1]},
                            max_new_tokens=48)
     accepted = []
     with Program.from_recipe(recipe) as program:

@@ -6,7 +6,7 @@ import pytest
 from helpers import raised
 
 
-@pytest.mark.parametrize("find", [conftest.shared_models, conftest.shared_prompts], ids=["models", "prompts"])
+@pytest.mark.parametrize("find", [lambda: conftest.shared_model("mid"), conftest.shared_prompts], ids=["models", "prompts"])
 def test_a_missing_fixture_skips_the_test_but_fails_it_under_ci(find, tmp_path, monkeypatch):
     monkeypatch.setattr(conftest, "SHARED", tmp_path / "shared")
     monkeypatch.setattr(conftest, "LOCAL", tmp_path / "local")
@@ -19,4 +19,4 @@ def test_a_missing_fixture_skips_the_test_but_fails_it_under_ci(find, tmp_path, 
 
 
 def test_present_fixtures_are_found():
-    assert (conftest.shared_models() / "mid").is_dir() and conftest.shared_prompts().is_file()
+    assert (conftest.shared_model("mid")).is_dir() and conftest.shared_prompts().is_file()

@@ -8,7 +8,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import EMBEDDED, NEW_TOKENS, REPO, SHARED, absent
+from conftest import EMBEDDED, NEW_TOKENS, REPO, shared_model
 from conftest import PROMPTS as HELD_OUT
 from helpers import one_token_steps, path_alone, random_layout, sampled_law, total_variation, two_stage, two_token_law
 
@@ -72,7 +72,7 @@ def test_cuda_graphs_replay_the_eager_program(dtype, tree):
     for text in PROMPTS:
         ids = graphed.encode(text)
         assert graphed.generate(ids).output_ids == eager.generate(ids).output_ids
-    assert phases(graphed.executor) == {"draft", "verify"}  # whole steps captured, static or dynamic trees
+    assert phases(graphed.executor) == {"prefill", "draft", "verify"}  # prompt chunks and whole steps captured
     assert not phases(eager.executor) and not eager.stages["target"]._replays.graphs
 
 
@@ -190,7 +190,7 @@ def test_tensor_parallel_target_on_two_gpus_decodes_the_single_gpu_tokens(tmp_pa
 def test_tensor_parallel_hybrid_target_on_two_gpus_decodes_the_tokens_of_transformers(hybrid_reference):
     """fp32; the Qwen3.5 fixture split over cuda:0 and cuda:1 (Triton gated-DeltaNet kernels, NCCL
     all-reduces in captured steps), its drafter on the CPU."""
-    recipe = two_stage(shared_fixture("hybrid"), EMBEDDED / "draft", {"shape": "static", "branching": [3, 2, 1]},
+    recipe = two_stage(shared_model("hybrid"), EMBEDDED / "draft", {"shape": "static", "branching": [3, 2, 1]},
                        max_new_tokens=48).model_dump(mode="json")
     recipe["stages"][1]["devices"] = ["cuda:0", "cuda:1"]
     ids, expected = hybrid_reference[0]
@@ -198,20 +198,12 @@ def test_tensor_parallel_hybrid_target_on_two_gpus_decodes_the_tokens_of_transfo
         assert split.generate(ids).output_ids == expected[:48]
 
 
-def shared_fixture(name: str):
-    """A fixture model from ../shared, or from .fixtures/ where a GPU machine got only the checkout."""
-    found = [p for p in (SHARED / "models" / name, REPO / ".fixtures" / name) if p.is_dir()]
-    if not found:
-        absent(f"the {name} fixture")
-    return found[0]
-
-
 def test_hybrid_target_captured_and_compiled_gives_the_eager_tokens_and_never_waits():
     """fp32; the Qwen3.5 target's whole steps captured, its layers compiled, Triton kernels, against
     eager forwards of the reference kernels; then a captured step under sync debug mode."""
     tree = {"shape": "static", "branching": [3, 2, 1, 1]}
-    fast = on_gpu(tree, shared_fixture("hybrid"), max_new_tokens=64)
-    slow = on_gpu(tree, shared_fixture("hybrid"), max_new_tokens=64,
+    fast = on_gpu(tree, shared_model("hybrid"), max_new_tokens=64)
+    slow = on_gpu(tree, shared_model("hybrid"), max_new_tokens=64,
                   lowering={"compile": False, "cuda_graphs": False, "kernels": "reference"})
     for text in PROMPTS:
         ids = fast.encode(text)
@@ -252,7 +244,7 @@ def test_hybrid_with_the_fused_gated_delta_kernels_equals_transformers(hybrid_re
     from specgraph.kernels.gated_delta.invariant import gated_delta_step_invariant
     from specgraph.kernels.gated_delta.triton import gated_delta_step
     lowering = {"kernels": {"gated_delta_step": "triton"}} if closed_form else {}
-    program = on_gpu({"shape": "dynamic", "width": 4, "depth": 5, "nodes": 24}, shared_fixture("hybrid"),
+    program = on_gpu({"shape": "dynamic", "width": 4, "depth": 5, "nodes": 24}, shared_model("hybrid"),
                      max_new_tokens=128, dtype="float32", lowering=lowering)
     from specgraph.kernels.gated_delta.invariant import gated_delta_commit_invariant
     from specgraph.kernels.gated_delta.triton import gated_delta_commit
@@ -268,7 +260,7 @@ def test_a_hybrid_drafter_captured_on_the_gpu_equals_transformers(small_hybrid, 
     """fp32, Triton kernels, whole steps captured: a small hybrid (re-feeding its catch-up and fed
     nodes with each expansion) drafts dynamic trees for the hybrid fixture; its greedy tokens are
     transformers', and a step reads nothing on the host."""
-    recipe = two_stage(shared_fixture("hybrid"), small_hybrid, {"shape": "dynamic", "width": 4, "depth": 5, "nodes": 24},
+    recipe = two_stage(shared_model("hybrid"), small_hybrid, {"shape": "dynamic", "width": 4, "depth": 5, "nodes": 24},
                        max_new_tokens=128, dtype="float32")
     program = Program.from_recipe(recipe.model_copy(update={"stages": [
         s.model_copy(update={"devices": ["cuda:0"]}) for s in recipe.stages]}))
@@ -327,9 +319,9 @@ def test_row_invariant_kernels_give_a_token_the_same_bits_in_any_step_in_bf16():
         args, steps = layer_inputs(shape, [tree], cpu, torch.device("cuda"), torch.bfloat16, 2 * t)
         args = (args[0].contiguous(), *args[1:])
         got = gated_delta_step_invariant(*args, *steps)
-        deepest = int(tree.depths.argmax())
+        deepest = int(tree.depths[0].argmax())
         for node in range(t):
-            path = tree.ancestors[node].nonzero().flatten().tolist()
+            path = tree.ancestors[0, node].nonzero().flatten().tolist()  # root first
             outs, state, conv = one_token_steps(args, steps, 0, path)
             assert torch.equal(got[0, node], outs[-1]), node
             if node == deepest:
@@ -387,7 +379,7 @@ def test_row_invariant_speculation_in_bf16_decodes_the_autoregressive_tokens(tre
     """bf16, lowering.row_invariant, steps captured and layers compiled, a Llama or a Qwen3.5 hybrid
     target: on 16 code prompts x 128 tokens the recipe's greedy tokens are the target's own
     one-token-at-a-time greedy tokens."""
-    checkpoint = EMBEDDED / "target" if target == "target" else shared_fixture("hybrid")
+    checkpoint = EMBEDDED / "target" if target == "target" else shared_model("hybrid")
     program = on_gpu(tree, checkpoint, dtype="bfloat16", max_new_tokens=NEW_TOKENS, lowering={"row_invariant": True})
     alone = program.autoregressive()
     for prompt in code_prompts[:HELD_OUT]:
@@ -425,7 +417,7 @@ def test_pipeline_decodes_the_autoregressive_tokens(devices):
     if torch.cuda.device_count() < 2 and "cuda:1" in devices:
         pytest.skip("needs two GPUs")
     recipe = Recipe.from_yaml(REPO / "recipes" / "pipeline.yaml", [
-        f"models.mid.path={shared_fixture('mid')}", "max_new_tokens=64", "models.target.dtype=float32",
+        f"models.mid.path={shared_model('mid')}", "max_new_tokens=64", "models.target.dtype=float32",
         "models.mid.dtype=float32", "models.draft.dtype=float32",
         *(f"stages.{i}.devices=[{d}]" for i, d in enumerate(devices))])
     alone = two_stage(EMBEDDED / "target", None, max_new_tokens=64)

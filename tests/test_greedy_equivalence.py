@@ -2,7 +2,7 @@
 in fp32 on the CPU: 16 held-out code prompts x 128 new tokens, for every tree shape and drafter."""
 
 import pytest
-from conftest import EMBEDDED, NEW_TOKENS, shared_models
+from conftest import EMBEDDED, NEW_TOKENS, shared_model
 from helpers import two_stage
 
 from specgraph.program import Program
@@ -20,7 +20,7 @@ def reference(target_reference):
 
 
 def drafter_path(name):
-    return EMBEDDED / "draft" if name == "draft" else shared_models() / "mid"
+    return EMBEDDED / "draft" if name == "draft" else shared_model("mid")
 
 
 @pytest.mark.parametrize("drafter", ["draft", "mid"])

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 import transformers
-from conftest import EMBEDDED, NEW_TOKENS, REPO, shared_models
+from conftest import EMBEDDED, NEW_TOKENS, REPO, shared_model
 from helpers import LONG_PROMPT, as_vision_language, grown_on_the_host, hf_greedy, run_noting_projections, two_stage
 
 from specgraph.draft import Drafter, Requests
@@ -26,7 +26,7 @@ LOGIT_TOL = 1e-4  # fp32: transformers runs a prompt through its chunked algorit
 
 @pytest.fixture(scope="module")
 def hybrid():
-    return shared_models() / "hybrid"
+    return shared_model("hybrid")
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +210,7 @@ def test_hybrid_recipe_runs_from_the_cli_and_its_exported_program_decodes_the_sa
     from specgraph.recipe import Recipe
 
     recipe = REPO / "recipes" / "hybrid.yaml"
-    shared_models()  # the recipe's target lives in ../shared
+    shared_model("hybrid")  # the recipe's target lives in ../shared
     out = tmp_path / "run.json"
     assert main(["run", str(recipe), "--prompt", LONG_PROMPT, "--max-new-tokens", "24", "--json", str(out)]) == 0
     eager = json.loads(out.read_text())["results"][0]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import transformers
-from conftest import EMBEDDED, shared_models
+from conftest import EMBEDDED, shared_model
 from helpers import chain_logits
 
 from specgraph.errors import CheckpointError
@@ -28,7 +28,7 @@ def our_logits(model, ids):
 
 @pytest.mark.parametrize("name", ["draft", "target", "mid"])
 def test_fixture_logits_match_transformers(name):
-    path = EMBEDDED / name if name != "mid" else shared_models() / "mid"
+    path = EMBEDDED / name if name != "mid" else shared_model("mid")
     ids = torch.randint(0, 4096, (1, 37))
     ours = our_logits(load_model(path, torch.float32, "cpu"), ids)
     assert (ours - hf_logits(path, ids)).abs().max() < FP32_TOL

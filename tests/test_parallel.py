@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import EMBEDDED, shared_models
+from conftest import EMBEDDED, shared_model
 from helpers import PROMPT, save_checkpoint, splittable_recipe, two_stage
 
 from specgraph.models.widen import widen
@@ -76,7 +76,7 @@ def test_widening_builds_each_ranks_shard_directly(model):
     """`widen(..., shard=)` (layer by layer, for models no device holds whole) equals widening then sharding."""
     from specgraph.parallel import shard_model
 
-    path = EMBEDDED / "target" if model == "target" else shared_models() / "hybrid"
+    path = EMBEDDED / "target" if model == "target" else shared_model("hybrid")
     small = load_model(path, torch.float32, "cpu")
     if model == "target":
         shape = replace(small.shape, num_heads=6, num_kv_heads=2, num_layers=small.shape.num_layers + 1)
@@ -99,10 +99,10 @@ def test_a_hybrid_target_split_over_processes_decodes_the_tokens_of_transformers
     key heads over `value_heads` value heads, over `world` ranks. Over 2: an attention head each (the
     one KV head replicated), two key heads each, each read by two of its value heads, half the MLP.
     Over 3: an attention head each, a key head each with its two value heads, 342 + 341 + 341 MLP units."""
-    small = load_model(shared_models() / "hybrid", torch.float32, "cpu")
+    small = load_model(shared_model("hybrid"), torch.float32, "cpu")
     wide = widen(small, replace(small.shape, num_heads=heads, linear_key_heads=key_heads,
                                 linear_value_heads=value_heads), "cpu", torch.float32, tied=True)
-    hybrid = save_checkpoint(wide, shared_models() / "hybrid", tmp_path / "hybrid", num_attention_heads=heads,
+    hybrid = save_checkpoint(wide, shared_model("hybrid"), tmp_path / "hybrid", num_attention_heads=heads,
                              linear_num_key_heads=key_heads, linear_num_value_heads=value_heads)
     recipe = two_stage(hybrid, EMBEDDED / "draft", {"shape": "static", "branching": [3, 2, 1]}, max_new_tokens=tokens)
     ids, expected = hybrid_reference[0]

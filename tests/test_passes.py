@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from conftest import EMBEDDED, shared_models
+from conftest import EMBEDDED, shared_model
 from helpers import two_stage
 
 from specgraph.errors import CheckpointError, RecipeError
@@ -113,7 +113,7 @@ def test_capture_graphs_lists_the_step_sizes_of_each_stage():
     assert not sampled.node("target")["step_graphs"]
     assert sampled.node("target")["graph_buckets"] == (1, 1 + 3 + 6 + 6)
     assert sampled.node("draft")["graph_buckets"] == (2, 3, 6)  # catch-up, then 3 and 6 nodes expanded
-    hybrid = place(validate(graph(draft=shared_models() / "hybrid", tree={"shape": "static", "branching": [3, 2, 1]},
+    hybrid = place(validate(graph(draft=shared_model("hybrid"), tree={"shape": "static", "branching": [3, 2, 1]},
                                   sampling={"temperature": 0.7})))
     for name, device in zip(hybrid.stages(), ("cuda:1", "cuda:0")):
         hybrid.node(name)["device"] = torch.device(device)
@@ -219,7 +219,7 @@ def test_bad_checkpoints_are_refused(tmp_path):
 ])
 def test_where_a_hybrid_model_may_run(change, expected):
     data = two_stage(TARGET, DRAFT).model_dump(mode="json")
-    paths = {'"HYBRID"': json.dumps(str(shared_models() / "hybrid")), '"TARGET"': json.dumps(str(TARGET))}
+    paths = {'"HYBRID"': json.dumps(str(shared_model("hybrid"))), '"TARGET"': json.dumps(str(TARGET))}
     for key, value in change.items():
         text = json.dumps(value)
         for name, path in paths.items():

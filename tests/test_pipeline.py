@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EMBEDDED, REPO, shared_models
+from conftest import EMBEDDED, REPO, shared_model
 from helpers import PROMPT, fault_ends_the_run, sampled_law, splittable_recipe, total_variation, two_token_law
 from safetensors.torch import load_file, save_file
 
@@ -26,7 +26,7 @@ from specgraph.recipe import Recipe
 def checkpoint(name: str | Path) -> Path:
     if isinstance(name, Path):
         return name
-    return EMBEDDED / name if name in ("draft", "target") else shared_models() / name
+    return EMBEDDED / name if name in ("draft", "target") else shared_model(name)
 
 
 def pipeline(models: list, chain: int = 3, synchronous: bool = False, tree: dict | None = None, **fields) -> Recipe:
@@ -145,7 +145,7 @@ def test_sampling_through_a_three_stage_pipeline_follows_the_last_stage_distribu
         observed = sampled_law(lambda seed: program.generate(ids, seed=seed).output_ids, 600)
     exact = two_token_law(EMBEDDED / "target", ids, sampling)
     assert set(observed) <= set(exact)
-    assert total_variation(two_token_law(shared_models() / "mid", ids, sampling), exact) > 0.25
+    assert total_variation(two_token_law(shared_model("mid"), ids, sampling), exact) > 0.25
     assert total_variation(observed, exact) < 0.1
 
 

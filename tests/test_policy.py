@@ -64,7 +64,7 @@ class Cycling(Policy):
         super().__init__(modes, StepCosts({m.name: {1: 1.0} for m in modes}))
         self.turn = 0
 
-    def choose(self, acceptances):
+    def choose(self, acceptances, rows=None):
         self.turn += 1
         return self.modes[self.turn % len(self.modes)]
 
@@ -107,9 +107,67 @@ def test_acceptance_counts_each_depth_a_step_reached():
     counts.observe(3, 3)
     counts.observe(1, 1)
     assert counts.trials == [0, 3, 2, 1] and counts.hits == [0, 3, 1, 1]
-    assert counts.rates([0.5] * 4, 0.0) == [1.0, 0.5, 1.0]
-    assert counts.rates([0.5] * 4, 2.0) == [(3 + 1) / 5, (1 + 1) / 4, (1 + 1) / 3]
+    assert counts.rates([0.5] * 3, 0.0) == [1.0, 0.5, 1.0]
+    assert counts.rates([0.5] * 3, 2.0) == [(3 + 1) / 5, (1 + 1) / 4, (1 + 1) / 3]
+    # one prior number: depth 1's; each deeper depth is drawn toward the rate found above it
+    assert counts.rates(0.5, 2.0) == pytest.approx([0.8, (1 + 2 * 0.8) / 4, (1 + 2 * 0.65) / 3])
     assert expected_tokens([0.5, 0.5, 0.5], 2) == 1 + 0.5 + 0.25 and expected_tokens([0.5], 0) == 1
+
+
+def test_a_policy_that_ran_only_shallow_trees_moves_to_deeper_ones_that_pay():
+    """Run 109 (one H100, the Llama-3-8B shape), batch 1: a step of ar, depth 1, 3 and 5 costs 5.77,
+    8.16, 11.38 and 14.76 ms. A priori (every depth's rate 0.5) depth 1 runs: 1.5 tokens / 8.16 ms
+    against ar's 1 / 5.77 ms and depth 3's 1.875 / 11.38 ms. A drafter that gets each depth right 8
+    times in 10 gives, by hand, depth 3 2.952 tokens / 11.38 ms = 259 tokens/s and depth 5 3.689 /
+    14.76 ms = 250 (within the 5% hysteresis of each other), depth 1 1.8 / 8.16 ms = 221: having seen
+    only depth 1, the policy must move deeper. (Unseen depths guessed at a fixed 0.5 kept run 109 at
+    depth 1 for 4,314 of its 4,760 steps.)"""
+    import random
+
+    class Tree:
+        def __init__(self, depth):
+            self.max_depth, self.nodes = depth, 4 * depth
+
+    modes = [PLAIN, *(Mode(f"depth {d}", Tree(d)) for d in (5, 3, 1))]
+    costs = StepCosts({"ar": {1: 5.77e-3}, "depth 5": {1: 14.76e-3}, "depth 3": {1: 11.38e-3}, "depth 1": {1: 8.16e-3}})
+    policy = Policy(modes, costs, timed=False)
+    assert policy.current.name == "depth 1"
+    draws, request, chosen = random.Random(0), Acceptance(5), []
+    for _ in range(400):
+        mode = policy.choose([request])
+        accepted = next((k for k in range(mode.depth) if draws.random() >= 0.8), mode.depth)
+        policy.observe(mode, [accepted + 1], [request], 1, 0.0)
+        chosen.append(mode.name)
+    assert chosen[-1] in ("depth 3", "depth 5") and chosen.count("depth 1") < 40, chosen
+
+
+def test_a_steps_first_runs_and_its_capture_leave_the_costs(monkeypatch):
+    """A shape's first run (eager, compiling) and the run that captures it cost far more than its
+    replays: Replays says a key is ready only once it replays (or where nothing is captured), and a
+    step timed before that (seconds None) leaves the policy's costs; its acceptance still counts."""
+    import torch
+
+    from specgraph.runtime import graphs
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU build has no CUDA)
+    recorded = []
+    monkeypatch.setattr(graphs.CapturedGraph, "record",
+                        classmethod(lambda cls, fn, inputs, pool: (recorded.append(fn) or fn, fn(*inputs))))
+    replays = graphs.Replays(captured=True, after=2)
+    readiness = []
+    for _ in range(3):
+        readiness.append(replays.ready("step"))
+        replays.run("step", lambda: None)
+    assert readiness == [False, False, True] and len(recorded) == 1
+    assert graphs.Replays(captured=False).ready("step")
+
+    class Tree:
+        max_depth, nodes = 1, 3
+
+    deep, request = Mode("depth 1", Tree()), Acceptance(1)
+    policy = Policy([PLAIN, deep], StepCosts({"ar": {1: 0.010}, "depth 1": {1: 0.018}}))
+    policy.observe(deep, [2], [request], 1, None)
+    assert policy.costs.seconds("depth 1", 1) == 0.018 and request.hits[1] == 1
 
 
 def test_step_costs_between_and_past_the_measured_sizes():

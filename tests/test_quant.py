@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from conftest import EMBEDDED, REPO, absent, shared_models
+from conftest import EMBEDDED, REPO, absent, shared_model
 from helpers import (REDUCED, as_vision_language, hf_greedy, sampled_law, simulated_distances, total_variation,
                      two_stage, two_token_law)
 from safetensors.torch import load_file, save_file
@@ -425,7 +425,7 @@ def test_specgraph_quantize_refuses_an_output_in_use_a_quantized_source_and_a_vi
     assert (taken / "notes.txt").read_text() == "mine"
     assert main(["quantize", str(compressed["fp8"]), "-o", str(tmp_path / "again"), "--scheme", "w4a16"]) != 0
     assert "already quantized; quantize a model's checkpoint in full precision" in capsys.readouterr().err
-    vision_language = as_vision_language(shared_models() / "hybrid", tmp_path / "vision-language")
+    vision_language = as_vision_language(shared_model("hybrid"), tmp_path / "vision-language")
     assert main(["quantize", str(vision_language), "-o", str(tmp_path / "again"), "--scheme", "w4a16"]) != 0
     assert ("a Qwen3_5ForConditionalGeneration (vision-language) checkpoint, which quantize does not read yet; quantize "
             "its text model's checkpoint (Qwen3_5ForCausalLM)") in capsys.readouterr().err

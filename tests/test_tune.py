@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from conftest import EMBEDDED, REPO, SHARED, shared_models
+from conftest import EMBEDDED, REPO, SHARED, shared_model
 from helpers import hf_greedy
 
 from specgraph.bench.tune import Candidate, Measurement, bole_candidates, choose, grid
@@ -147,7 +147,7 @@ def test_tune_the_demo_pair_and_run_it_exactly(tmp_path, capsys, code_prompts):
 
 
 def test_tune_a_hybrid_target_by_bole_rule_and_run_it_exactly(tmp_path, capsys, code_prompts):
-    hybrid = shared_models() / "hybrid"
+    hybrid = shared_model("hybrid")
     out = tmp_path / "tuned.yaml"
     # a budget every candidate meets: the largest tree of the grid, whatever this machine measures; on the CPU
     # (fp32, exact), which the tuned recipe keeps

@@ -155,7 +155,8 @@ class Engine:
         done = []
         running = self.scheduler.decoding()
         if running:
-            mode = self.always if self.policy is None else self.policy.choose([r.acceptance for r in running])
+            rows = self.runner.step_rows(len(running))
+            mode = self.always if self.policy is None else self.policy.choose([r.acceptance for r in running], rows)
             if mode.drafter is not None and any(r.behind for r in running):  # its drafter first fed what it missed
                 done += self._collect(previous) if previous is not None else []
                 previous, running = None, self.scheduler.decoding()  # (exact lengths: nothing in flight)
@@ -190,10 +191,11 @@ class Engine:
         return any(end > start for _, start, end in chunks)
 
     def _launch(self, running: list[Request], mode: Mode, in_flight: bool, prefilled: bool) -> None:
-        budget = None if self.budget is None or mode.drafter is None else self.budget(len(running), mode.nodes)
+        rows = self.runner.step_rows(len(running))  # (a budget is that of the step's rows, padding among them)
+        budget = None if self.budget is None or mode.drafter is None else self.budget(rows, mode.nodes)
         launched = self.runner.launch([r.slot for r in running], mode, budget, in_flight)
-        self._in_flight = InFlight(launched, running, budget if budget is not None else len(running) * mode.nodes,
-                                   prefilled)
+        nodes = len(running) * mode.nodes  # (a budget's nodes go to live rows only, each at most its tree's)
+        self._in_flight = InFlight(launched, running, nodes if budget is None else min(budget, nodes), prefilled)
         self.mode = mode
         if mode.drafter is None:
             for request in running:
@@ -211,7 +213,8 @@ class Engine:
         totals.modes[mode.name] = totals.modes.get(mode.name, 0) + 1
         if self.policy is not None:  # (a request that finished before the step may have run as the padding row)
             self.policy.observe(mode, [len(new) for new, kept in zip(news, keep) if kept],
-                                [r.acceptance for r in running], len(step.requests), draft_s + verify_s)
+                                [r.acceptance for r in running], step.launched.rows,
+                                draft_s + verify_s if step.launched.steady else None)
         now, tokens = time.perf_counter(), 0
         for request, new in ((r, n) for r, n, kept in zip(step.requests, news, keep) if kept):
             gen = request.generation

@@ -3,13 +3,16 @@ one expected to give the batch it runs the most output tokens per second:
 
     rate(m) = sum over the batch's requests r of E_r[tokens per step | m] / T(m, n)
 
-T(m, n) is the time of a real step in mode m of n requests (`StepCosts`: measured when the engine
-starts, then each step's own time). E_r comes from per-depth acceptance rates: p_k, the chance a
-step accepts a draft at depth k once it accepted one at depth k - 1, so a tree cut at depth d
-gives E = 1 + sum_{k <= d} p_1 ... p_k. Each request has its own counts, drawn toward the
-batch-wide rates (themselves drawn toward a prior) while it has few (`Acceptance`). Plain
-decoding gives 1 token at its own cost and is always a candidate, so no step is expected to be
-slower than plain decoding.
+T(m, n) is the time of a real step in mode m of n rows (the batch and its padding rows where steps
+are captured: runner.step_rows; `StepCosts`: measured when the engine starts, then each step's own
+time). E_r comes from per-depth acceptance rates: p_k, the chance a step accepts a draft at depth k
+once it accepted one at depth k - 1, so a tree cut at depth d gives E = 1 + sum_{k <= d} p_1 ... p_k.
+Each request has its own counts, drawn toward the batch-wide rates (themselves drawn toward a
+prior) while it has few (`Acceptance`); a depth with few counts is drawn toward the rate of the
+depth above it (PRIOR at depth 1), not toward a fixed prior: a policy that ran only shallow trees
+has seen nothing of the deeper depths, and a pessimistic guess there would keep it shallow for
+good (the depths a drafter gets right tend to follow one another). Plain decoding gives 1 token at
+its own cost and is always a candidate, so no step is expected to be slower than plain decoding.
 
 Modes switch only for a gain above `HYSTERESIS`. While plain decoding runs, nothing is learned of
 the drafter: every `PROBE` steps (doubling each time the probe does not win) one step speculates
@@ -25,7 +28,7 @@ from specgraph.engine.runner import Mode
 HYSTERESIS = 0.05  # a mode replaces the current one only if its rate is this much higher
 PROBE = 16  # plain steps before the first probe of speculation (then doubling, up to PROBE_MOST)
 PROBE_MOST = 1024
-PRIOR = 0.5  # a depth's acceptance rate before any is seen
+PRIOR = 0.5  # depth 1's acceptance rate before any is seen (a deeper depth's: the rate above it)
 PRIOR_WEIGHT = 4.0  # pseudo-trials of the prior in the batch-wide rates, and of those in a request's
 DECAY = 0.99  # the batch-wide counts' weight after each observation (old requests' acceptance fades)
 
@@ -43,9 +46,15 @@ class Acceptance:
             self.trials[k] += weight
             self.hits[k] += weight * (k <= accepted)
 
-    def rates(self, prior: list[float], weight: float) -> list[float]:
-        """p_k for k = 1 .. depth: the counts drawn toward `prior` [depth + 1] with `weight` pseudo-trials."""
-        return [(h + weight * p) / (t + weight) for h, t, p in zip(self.hits[1:], self.trials[1:], prior[1:])]
+    def rates(self, prior: list[float] | float, weight: float) -> list[float]:
+        """p_k for k = 1 .. depth: the counts drawn toward `prior` (a rate per depth [depth], or one
+        number: depth 1's, each deeper depth's then the rate found above it) with `weight` pseudo-trials."""
+        rates, above = [], prior
+        for k, (h, t) in enumerate(zip(self.hits[1:], self.trials[1:])):
+            guess = prior[k] if isinstance(prior, list) else above
+            above = (h + weight * guess) / (t + weight)
+            rates.append(above)
+        return rates
 
     def decay(self, factor: float) -> None:
         self.trials = [t * factor for t in self.trials]
@@ -95,30 +104,32 @@ class Policy:
         each rank's clock would part them)."""
         self.modes, self.costs, self.budget, self.timed = modes, costs, budget, timed
         self.depth = max(m.depth for m in modes)
-        self.prior = [prior] * (self.depth + 1)
+        self.prior = prior
         self.batchwide = Acceptance(self.depth)
         self.current = max(self.candidates(1), key=lambda m: self.rate(m, [Acceptance(self.depth)]))  # a priori, alone
         self.plain_steps, self.probe_every = 0, PROBE
 
-    def rate(self, mode: Mode, acceptances: list[Acceptance]) -> float:
-        """Expected output tokens per second of a step in `mode` of requests with these acceptance counts."""
+    def rate(self, mode: Mode, acceptances: list[Acceptance], rows: int | None = None) -> float:
+        """Expected output tokens per second of a step in `mode` of requests with these acceptance
+        counts, run as `rows` rows (default: one per request)."""
         shared = self.batchwide.rates(self.prior, PRIOR_WEIGHT)
-        shared = [0.0, *shared]
         tokens = sum(expected_tokens(a.rates(shared, PRIOR_WEIGHT), mode.depth) for a in acceptances)
-        return tokens / max(self.costs.seconds(mode.name, len(acceptances)), 1e-9)
+        return tokens / max(self.costs.seconds(mode.name, rows or len(acceptances)), 1e-9)
 
-    def ceiling(self, mode: Mode, size: int) -> float:
-        """The rate of `mode` for `size` requests were every draft accepted."""
-        return size * (1 + mode.depth) / max(self.costs.seconds(mode.name, size), 1e-9)
+    def ceiling(self, mode: Mode, requests: int, rows: int) -> float:
+        """The rate of `mode` for `requests` requests in `rows` rows were every draft accepted."""
+        return requests * (1 + mode.depth) / max(self.costs.seconds(mode.name, rows), 1e-9)
 
     def candidates(self, size: int) -> list[Mode]:
         """The modes a step of `size` requests may run: plain decoding, and speculation that verifies nodes."""
         return [m for m in self.modes if m.drafter is None or self.budget is None or self.budget(size, m.nodes) > 0]
 
-    def choose(self, acceptances: list[Acceptance]) -> Mode:
-        """The mode of the next step of requests with these acceptance counts (one per request)."""
-        modes = self.candidates(len(acceptances))
-        rates = {m.name: self.rate(m, acceptances) for m in modes}
+    def choose(self, acceptances: list[Acceptance], rows: int | None = None) -> Mode:
+        """The mode of the next step of requests with these acceptance counts (one per request), run
+        as `rows` rows (default: one per request)."""
+        rows = rows or len(acceptances)
+        modes = self.candidates(rows)
+        rates = {m.name: self.rate(m, acceptances, rows) for m in modes}
         if self.current not in modes:
             self.current = self.modes[0]
         best = max(modes, key=lambda m: rates[m.name])
@@ -127,7 +138,7 @@ class Policy:
         mode = self.current
         if mode.drafter is None:
             self.plain_steps += 1
-            hopeful = [m for m in modes[1:] if self.ceiling(m, len(acceptances)) > rates[mode.name]]
+            hopeful = [m for m in modes[1:] if self.ceiling(m, len(acceptances), rows) > rates[mode.name]]
             if self.plain_steps >= self.probe_every and hopeful:  # a probe of the best speculation that could win
                 self.plain_steps, self.probe_every = 0, min(2 * self.probe_every, PROBE_MOST)
                 mode = max(hopeful, key=lambda m: rates[m.name])
@@ -135,10 +146,12 @@ class Policy:
             self.plain_steps, self.probe_every = 0, PROBE
         return mode
 
-    def observe(self, mode: Mode, counts: list[int], acceptances: list[Acceptance], size: int, seconds: float) -> None:
-        """A collected step of `size` requests in `mode` and its seconds: the count of new tokens of
-        each request still decoding (its acceptance counts alongside)."""
-        if self.timed:
+    def observe(self, mode: Mode, counts: list[int], acceptances: list[Acceptance], size: int,
+                seconds: float | None) -> None:
+        """A collected step of `size` rows in `mode` and its seconds (None: a time that says nothing of
+        its mode's cost, such as a first run or a capture): the count of new tokens of each request
+        still decoding (its acceptance counts alongside)."""
+        if self.timed and seconds is not None:
             self.costs.observe(mode.name, size, seconds)
         if mode.drafter is None:
             return

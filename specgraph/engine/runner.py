@@ -17,9 +17,11 @@ A request's slot stops at its end (`start`): a step finds the rows whose committ
 their end (a request that finished in the step before, still in this one's batch because the host
 launched it before it read that) and runs them as the padding row, slot `slots` (one past the last
 request slot): its table row points at the trash block, its committed length is put back after
-every step, and whatever it computes stays there. Every step has exactly the batch's rows; where
-steps are captured, each (mode, batch size, budget) has its own CUDA graph, recorded the second
-time that shape runs (one met once, as the end of a run passes through batch sizes, runs as it is).
+every step, and whatever it computes stays there. Where steps are captured, a step of R requests
+runs `step_rows(R)` rows, the next of CAPTURE_SIZES, the rows added being the padding row (under a
+budget they verify no node), and each (mode, step rows, budget) has its own CUDA graph, recorded the
+second time that shape runs: the end of a run, passing through batch sizes, meets a few shapes,
+not one per size. Elsewhere a step has exactly the batch's rows.
 
 A drafter is fed only while the engine speculates: a step without drafts leaves it behind, and
 `sync_drafter` feeds it the committed tokens it missed (in prefill chunks) before it drafts again.
@@ -65,6 +67,9 @@ class Mode:
 PLAIN = Mode("ar")
 PREFILL_BUCKET = 16  # the fewest tokens a captured prompt forward is sized for
 CAPTURE_AFTER = 2  # a step's (or prompt forward's) shape is captured the second time it runs: the first runs as it is
+# a captured step's rows (past 64: multiples of 16): few shapes to capture as a run's end drains its batch, and a
+# padding row costs little where they are close (a step of few rows is bound by reading the weights)
+CAPTURE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -78,8 +83,10 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
 class Launched:
     """A step in flight: its result copied to pinned host memory behind an event."""
 
-    def __init__(self, slots: list[int], mode: Mode, result: torch.Tensor, clock: Clock):
+    def __init__(self, slots: list[int], mode: Mode, result: torch.Tensor, clock: Clock, steady: bool):
         self.slots, self.mode, self.clock = slots, mode, clock
+        self.rows = result.shape[0]  # the step's rows: `slots`, then padding rows
+        self.steady = steady  # whether its time is what a step of its shape costs (not a first run or a capture)
         if result.device.type == "cuda":
             self._host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
             self._host.copy_(result, non_blocking=True)
@@ -90,10 +97,10 @@ class Launched:
 
     def collect(self) -> tuple[list[tuple[int, list[int]]], tuple[float, ...]]:
         """Wait for the step -> (each request's count of new tokens and the new tokens, past its end
-        as the step made them), and its (draft, verify) seconds."""
+        as the step made them; none of padding rows), and its (draft, verify) seconds."""
         if self._done is not None:
             self._done.synchronize()
-        rows = [(count, new[:count]) for count, *new in self._host.tolist()]
+        rows = [(count, new[:count]) for count, *new in self._host[: len(self.slots)].tolist()]
         return rows, tuple(self.clock.seconds())
 
 
@@ -271,17 +278,27 @@ class Runner:
                           causal[None].expand(slots.numel(), -1, -1), width, stops - starts, total)
 
     # -- decoding
+    def step_rows(self, requests: int) -> int:
+        """The rows a step of `requests` requests runs: where steps are captured, the next capture
+        size (the rest padding rows), so that few shapes are captured; elsewhere `requests`."""
+        if not self.captured:
+            return requests
+        return next((size for size in CAPTURE_SIZES if size >= requests), -(-requests // 16) * 16)
+
     @torch.inference_mode()
     def launch(self, slots: list[int], mode: Mode, budget: int | None = None, in_flight: bool = False) -> Launched:
-        """Enqueue one step of the requests in `slots` in `mode` and return it in flight; no host read.
-        `budget`: draft nodes verified over the whole batch (a dynamic drafter), None: each its
-        tree's; `in_flight`: whether a step launched before is not collected yet (the host's
-        lengths are then a step behind: the eager forwards' widths allow for it)."""
+        """Enqueue one step of the requests in `slots` (padded to `step_rows`) in `mode` and return it
+        in flight; no host read. `budget`: draft nodes verified over the whole step (a dynamic
+        drafter), None: each row its tree's; `in_flight`: whether a step launched before is not
+        collected yet (the host's lengths are then a step behind: the eager forwards' widths allow for it)."""
         step_tokens = max(m.depth for m in self.modes) + 1
         longest = max(self.host_lengths[s] for s in slots) + (step_tokens if in_flight else 0)
         clock = self.clock(self.device)
-        result = self.step(to_device(slots, self.device), mode, longest, budget, clock)
-        return Launched(slots, mode, result, clock)
+        rows = slots + [self.padding] * (self.step_rows(len(slots)) - len(slots))
+        phases = ("verify",) if mode.drafter is None else ("draft", "verify")
+        steady = all(self._replays.ready((phase, *self._shape(mode, len(rows), budget))) for phase in phases)
+        result = self.step(to_device(rows, self.device), mode, longest, budget, clock)
+        return Launched(slots, mode, result, clock, steady)
 
     def collect(self, launched: Launched, keep: list[bool]) -> tuple[list[list[int]], tuple[float, ...]]:
         """Wait for a launched step -> the new tokens of each of its requests (past its end as the
@@ -304,9 +321,8 @@ class Runner:
         runs as the padding row. `clock`: marked around the draft and the verify phases."""
         marks = clock.mark if clock is not None else lambda: None
         marks()
-        size = rows.numel()
         drafter = mode.drafter
-        shape = (mode.name, size, budget, self.sampling.filters, self.sampling.forbids)  # (what a graph holds of them)
+        shape = self._shape(mode, rows.numel(), budget)
         drafted = () if drafter is None else self._replays.run(
             ("draft", *shape), lambda rows: self._draft(drafter, self._alive(rows), longest,
                                                                          budget).tensors(), rows)
@@ -315,6 +331,10 @@ class Runner:
             drafter, self._alive(rows), drafted, longest, budget), rows, *drafted)
         marks()
         return result
+
+    def _shape(self, mode: Mode, rows: int, budget: int | None) -> tuple:
+        """What a step's CUDA graphs are keyed on (what a graph holds of the sampling settings too)."""
+        return mode.name, rows, budget, self.sampling.filters, self.sampling.forbids
 
     def _alive(self, rows: torch.Tensor) -> torch.Tensor:
         """`rows` [R], each whose request reached its end replaced by the padding row."""

@@ -47,6 +47,10 @@ class Replays:
         self.graphs: dict[Hashable, CapturedGraph] = {}
         self._uses: dict[Hashable, int] = {}
 
+    def ready(self, key: Hashable) -> bool:
+        """Whether a run of `key` now costs what its later runs will: replayed from its graph, or never captured."""
+        return not self.captured or key in self.graphs
+
     def run(self, key: Hashable, fn: Callable, *inputs: torch.Tensor):
         """fn(*inputs), replayed from the graph of `key` (outputs static: the next replay overwrites them)."""
         if not self.captured or torch.cuda.is_current_stream_capturing():  # (a captured step records fn itself)
