@@ -253,3 +253,18 @@ def test_bench_measures_each_batch_size(tmp_path, code_prompts):
         for result in by_batch.values():
             assert result["tokens_per_second"] > 0 and result["same_tokens_as_ar"] == 1.0  # greedy: exact
     assert report["systems"]["specgraph"]["2"]["nodes_per_step"] > 0 == report["systems"]["ar"]["2"]["nodes_per_step"]
+
+
+def test_the_engine_is_measured_after_an_untimed_pass_where_newcomers_join_a_running_batch(target_reference):
+    """measure_engine first decodes 2B prompts at most B at a time (so that newcomers join a running
+    batch one by one before timing, as they do in the timed pass), then every prompt, timed."""
+    from specgraph.bench.batched import measure_engine
+
+    program = Program.from_recipe(two_stage(EMBEDDED / "target", None, serving={"max_batch": 2}))
+    engine, admitted = program.executor, []
+    add = engine.add_request
+    engine.add_request = lambda ids, budget: admitted.append(ids) or add(ids, budget)
+    encoded = [ids for ids, _ in target_reference[:5]]
+    result = measure_engine(engine, encoded, 4, 2, lambda: None)
+    assert admitted == encoded[:4] + encoded  # untimed: the first 4; timed: all 5
+    assert result["outputs"] == [new[:4] for _, new in target_reference[:5]]

@@ -3,8 +3,10 @@
 For each batch size B every system decodes all the prompts with at most B in flight (the
 engine's continuous batching: a finished request's place goes to the next at once): the recipe's
 engine, `ar` (the same engine without drafts) and `hf` (transformers `generate` over left-padded
-batches of B prompts, greedy, a static cache). Each (system, B) first decodes B prompts untimed
-(compilation and CUDA-graph capture happen there), then all of them, timed: output tokens per
+batches of B prompts, greedy, a static cache). Each (system, B) first decodes prompts untimed
+(compilation and CUDA-graph capture happen there: for the engine 2B of them, B at a time, so that
+the shapes a full batch's newcomers and its end run, joining one by one, are captured too; run 111
+met them in the timed run, which paid each one's first run and capture), then all of them, timed: output tokens per
 second over the run, tokens per second of a request (its tokens over its own time, averaged),
 mean accepted length, draft and verify ms per step, draft nodes verified per step and peak memory.
 """
@@ -105,9 +107,9 @@ def epsilon_of(baseline: str) -> float | None:
 
 
 def measure_engine(engine: Engine, encoded: list[list[int]], max_new_tokens: int, batch: int, advance) -> dict:
-    """The engine decoding every prompt, at most `batch` at once (after an untimed pass over `batch` of them)."""
+    """The engine decoding every prompt, at most `batch` at once (after an untimed pass over 2 `batch` of them)."""
     engine.limit = batch
-    for ids in encoded[:batch]:  # untimed: compilation and capture at this batch size
+    for ids in encoded[: 2 * batch]:  # untimed: compilation and capture at this batch size, newcomers, its end
         engine.add_request(ids, max_new_tokens)
     while engine.busy:
         engine.step()
