@@ -58,6 +58,9 @@ step() {
     policy)  # the policy alone (its timing of steps, then the batch sizes), for a call too short for `engine`
       run_step policy 330 python3 -m specgraph bench recipes/dynamic.yaml "${sweep[@]}" --baselines "" \
         --json "$OUT/files/llama-3-8b-policy.json" ;;
+    profile-policy)  # traces of the policy's steady steps (its build times its modes first), batch 8 then 1
+      run_step profile-policy 420 python3 scripts/profile_engine.py recipes/dynamic.yaml --systems specgraph \
+        --batches 8,1 --widen llama-3-8b --out "$OUT/files" ;;
     few-rows)  # the tiles against cuBLAS from 2 to 64 rows: where FEW_ROWS should be
       run_step few-rows 150 python3 scripts/bench_few_rows.py --json "$OUT/files/few-rows.json" ;;
     sweep-dynamic)  # the policy (adaptive) against every step speculating, ar and transformers, every batch size
