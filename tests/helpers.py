@@ -38,17 +38,18 @@ LONG_PROMPT = ('"""Read a list of paths, count the lines of each file and print 
                "        return sum(1 for _ in f)\n\n\ndef main(argv):\n    totals = Counter()\n    for path in argv[1:]:\n")
 
 def two_stage(target: Path, draft: Path | None, tree: dict | None = None, dtype: str = "float32",
-              **fields) -> Recipe:
-    """A recipe of `target` verified over `draft` (or the target alone when draft is None), on the CPU;
-    every step speculating unless `serving` says otherwise (what a test of drafting asserts must not
-    hang on a policy's choices, made from a busy CPU's timings: tests/test_policy.py tests those)."""
+              verify: dict | None = None, **fields) -> Recipe:
+    """A recipe of `target` verified over `draft` (or the target alone when draft is None) with the
+    target stage's `verify` section where given, on the CPU; every step speculating unless `serving`
+    says otherwise (what a test of drafting asserts must not hang on a policy's choices, made from a
+    busy CPU's timings: tests/test_policy.py tests those)."""
     fields["serving"] = {"speculation": "always", **fields.get("serving", {})}
     models = {"target": {"path": str(target), "dtype": dtype}}
     stages = [{"name": "target", "model": "target", "devices": ["cpu"]}]
     if draft is not None:
         models["draft"] = {"path": str(draft), "dtype": dtype}
         stages = [{"name": "draft", "model": "draft", "devices": ["cpu"], "tree": tree},
-                  {**stages[0], "verifies": "draft"}]
+                  {**stages[0], "verifies": "draft", **({"verify": verify} if verify else {})}]
     return Recipe.from_dict({"name": "test", "models": models, "stages": stages, **fields})
 
 

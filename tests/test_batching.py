@@ -12,7 +12,6 @@ from helpers import BUDGETS, decode_together, two_stage
 
 from specgraph.cli import main
 from specgraph.program import Program
-from specgraph.recipe import Recipe
 
 TREES = {"static": {"shape": "static", "branching": [3, 2, 1]},
          "dynamic": {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 10}}
@@ -63,13 +62,9 @@ def test_steps_padded_to_capture_sizes_keep_every_request_exact(target_reference
     from specgraph.engine import runner as runner_module
 
     monkeypatch.setattr(runner_module, "CAPTURE_SIZES", (4, 8))
-    verify = {} if budget is None else {"verify": {"budget": {"epsilon": 0.1, "nodes": budget}}}
-    recipe = Recipe.from_dict({
-        "name": "padded", "serving": {"max_batch": 5, "block_size": 16, "speculation": "always"},
-        "models": {"target": {"path": str(EMBEDDED / "target")}, "draft": {"path": str(EMBEDDED / "draft")}},
-        "stages": [{"name": "draft", "model": "draft", "devices": ["cpu"], "tree": TREES["dynamic"]},
-                   {"name": "target", "model": "target", "devices": ["cpu"], "verifies": "draft", **verify}]})
-    program = Program.from_recipe(recipe)
+    verify = None if budget is None else {"budget": {"epsilon": 0.1, "nodes": budget}}
+    program = Program.from_recipe(two_stage(EMBEDDED / "target", EMBEDDED / "draft", TREES["dynamic"], verify=verify,
+                                            serving={"max_batch": 5, "block_size": 16}))
     runner = program.executor.runner
     runner.captured = True  # (here only the padding and the prompt buckets: a CPU captures nothing)
     grow, steps = runner.drafter.draft, []
@@ -186,14 +181,10 @@ def test_a_budget_verifies_its_nodes_and_keeps_every_request_exact(target_refere
     nodes: by hand, shares per request 6, 4, 3 and 2.8 at 1, 2, 4 and 5 requests, so 6, 8, 9 (three
     requests take four's share), 12 and 14 nodes, all verified but where too few live rows hold them."""
     table = {1: 6, 2: 8, 4: 12, 5: 14}
-    recipe = Recipe.from_dict({
-        "name": "budget", "serving": {"max_batch": 5, "block_size": 16, "speculation": "always"},
-        "models": {"target": {"path": str(EMBEDDED / "target")}, "draft": {"path": str(EMBEDDED / "draft")}},
-        "stages": [{"name": "draft", "model": "draft", "devices": ["cpu"],
-                    "tree": {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 8}},
-                   {"name": "target", "model": "target", "devices": ["cpu"], "verifies": "draft",
-                    "verify": {"budget": {"epsilon": 0.1, "nodes": table}}}]})
-    program = Program.from_recipe(recipe)
+    program = Program.from_recipe(two_stage(EMBEDDED / "target", EMBEDDED / "draft",
+                                            {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 8},
+                                            verify={"budget": {"epsilon": 0.1, "nodes": table}},
+                                            serving={"max_batch": 5, "block_size": 16}))
     drafter, verified = program.executor.runner.drafter, []
     grow = drafter.draft
 
