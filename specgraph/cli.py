@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     loadgen.add_argument("--seed", type=int, default=0, help="seed of the arrival times (default 0)")
 
     report = sub.add_parser("report", help="print bench reports (--json) of the same systems on parts of a prompt "
-                                           "file, merged into one")
+                                           "file, merged into one (a `bench --batch` report alone, as it is)")
     report.add_argument("parts", type=Path, nargs="+", metavar="PART.json", help="`specgraph bench --json` reports")
     report.add_argument("--json", type=Path, metavar="OUT", help="write the merged report as JSON")
     report.add_argument("--plot", type=Path, metavar="OUT.png", help="plot tokens/s per system and accepted lengths, "
@@ -442,14 +442,21 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def _bench_batches(args: argparse.Namespace, recipe, prompts: list[dict]) -> None:
     """bench --batch: each batch size measured (bench/batched.py)."""
-    from specgraph.bench.batched import BatchSpec, plot_batched, print_batched, run_batched_bench
-    from specgraph.files import write_output
+    from specgraph.bench.batched import BatchSpec, run_batched_bench
 
     batches = _whole_numbers(args.batches, "--batch")
     baselines = args.baselines if args.baselines != DEFAULT_BASELINES else "ar,hf"
     max_new_tokens = args.max_new_tokens or recipe.max_new_tokens
     report = run_batched_bench(BatchSpec(recipe, prompts, max_new_tokens, sorted(set(batches)),
                                          tuple(b.strip() for b in baselines.split(",") if b.strip()), args.widen))
+    _present_batched(report, args)
+
+
+def _present_batched(report: dict, args: argparse.Namespace) -> None:
+    """A `bench --batch` report's table on the terminal, and its JSON and plot where asked."""
+    from specgraph.bench.batched import plot_batched, print_batched
+    from specgraph.files import write_output
+
     print_batched(report)
     if args.json is not None:
         write_output(args.json, json.dumps(report, indent=1))
@@ -467,7 +474,14 @@ def cmd_report(args: argparse.Namespace) -> None:
         if path.resolve() in seen:
             raise SpecgraphError(f"report: {path} is given twice; give each part once")
         seen.add(path.resolve())
-    _present_report(merge_reports([(str(path), read_json(path, "report")) for path in args.parts]), args)
+    parts = [(str(path), read_json(path, "report")) for path in args.parts]
+    batched = [name for name, report in parts if isinstance(report, dict) and "batches" in report]
+    if batched and len(parts) > 1:
+        raise SpecgraphError(f"report: {batched[0]} is a `bench --batch` report: batch reports are not merged (each "
+                             "already holds all its prompts at every batch size); give it alone to print it")
+    if batched:
+        return _present_batched(parts[0][1], args)
+    _present_report(merge_reports(parts), args)
 
 
 def _serial_in_one_process(graph, command: str, cannot: str) -> None:

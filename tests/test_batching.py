@@ -246,6 +246,24 @@ def test_bench_measures_each_batch_size(tmp_path, code_prompts):
     assert report["systems"]["specgraph"]["2"]["nodes_per_step"] > 0 == report["systems"]["ar"]["2"]["nodes_per_step"]
 
 
+def test_report_prints_a_batch_report_alone_and_merges_none(tmp_path, capsys):
+    """`report` prints a `bench --batch` report given alone as bench printed it (and writes it back
+    with --json); with another part it refuses in one line (batch reports are not merged)."""
+    from specgraph.bench.batched import print_batched
+
+    batch = json.loads((REPO / "docs" / "results" / "run111-llama-3-8b-policy.json").read_text())
+    path, again = tmp_path / "batch.json", tmp_path / "again.json"
+    path.write_text(json.dumps(batch))
+    print_batched(batch)
+    printed = capsys.readouterr().out
+    assert main(["report", str(path), "--json", str(again)]) == 0
+    assert capsys.readouterr().out == printed and json.loads(again.read_text()) == batch
+    assert main(["report", str(path), str(again)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"specgraph: error: report: {path} is a `bench --batch` report: batch reports are not merged (each "
+                   "already holds all its prompts at every batch size); give it alone to print it\n")
+
+
 def test_the_engine_is_measured_after_an_untimed_pass_where_newcomers_join_a_running_batch(target_reference):
     """measure_engine first decodes 2B prompts at most B at a time (so that newcomers join a running
     batch one by one before timing, as they do in the timed pass), then every prompt, timed."""
