@@ -8,6 +8,7 @@ import time
 
 import pytest
 from conftest import REPO
+from helpers import weight_reads
 
 from specgraph.cli import main
 
@@ -151,12 +152,11 @@ def test_a_batch_whose_pool_outgrows_memory_is_refused_before_loading(monkeypatc
     (8 x 1 x 128) and the drafter's (2 x 1 x 64), over 1 + batch x ceil(2055 / 64) blocks of 64."""
     import psutil
 
-    from specgraph.models import loader
-
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 8 * 10 ** 9}))
-    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    reads = weight_reads(monkeypatch)
     need = (1 + 100000 * 33) * 64 * 2 * (8 * 128 + 2 * 64) * 4
     assert main(["run", str(DEMO), "--batch", "100000"]) == 2
+    assert reads == []  # refused before a weight was read
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"specgraph: error: serving.max_batch (--batch): 100000 requests at once need a KV pool of "
                        f"{need / 1e9:.1f} GB on cpu, which has 8.0 GB available; at most {100000 * 8 * 10 ** 9 // need} fit")
