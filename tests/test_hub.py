@@ -71,22 +71,36 @@ def test_a_hub_id_not_in_the_cache_names_the_cache(hub_home, capsys):
            f"({hub_home / 'hub'})" in capsys.readouterr().err
 
 
-def test_serve_model_with_a_draft_by_hub_id(hub_home, tmp_path):
-    """`serve MODEL --draft MODEL`: the target over the default chain, named as given, answering
-    as the demo recipe does (greedy: the target's own tokens)."""
-    from test_server import Served
+@pytest.mark.parametrize("draft", [[], ["--draft", "acme/tiny-draft", "--set", "serving.speculation=always"]],
+                         ids=["alone", "over-a-draft"])
+def test_serve_model_by_hub_id_alone_or_over_a_draft(hub_home, tmp_path, draft):
+    """`serve MODEL` decodes plainly; `serve MODEL --draft MODEL` speculates with the default chain;
+    both named as given and answering with the target's own greedy tokens (the demo recipe's)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_server import WAIT, Served
 
-    served = Served(["acme/tiny-target", "--speculative-model", "acme/tiny-draft", "--set", "max_new_tokens=16"],
-                    tmp_path / "server.log")
+    served = Served(["acme/tiny-target", *draft, "--set", "max_new_tokens=16"], tmp_path / "server.log")
     try:
         client = served.client()
         assert [m.id for m in client.models.list()] == ["acme/tiny-target"]
         text = client.completions.create(model="acme/tiny-target", prompt=PROMPT).choices[0].text
+        families = text_string_to_metric_families(httpx.get(f"{served.url}/metrics", timeout=WAIT).text)
+        modes = {sample.labels["mode"] for family in families if family.name == "specgraph_steps"
+                 for sample in family.samples if sample.value > 0}
     finally:
         served.proc.send_signal(signal.SIGTERM)
         served.kill()
     program = Program.from_recipe(Recipe.from_yaml(DEMO))
     assert text == program.decode(program.generate(program.encode(PROMPT), 16).output_ids)
+    assert modes == ({"ar"} if not draft else {"depth 4"})  # the default chain: 4 tokens
+
+
+def test_speculative_model_is_vllms_name_for_draft():
+    from specgraph.cli import build_parser
+
+    parsed = build_parser().parse_args(["serve", "acme/tiny-target", "--speculative-model", "acme/tiny-draft"])
+    assert parsed.draft == "acme/tiny-draft"
 
 
 @pytest.mark.parametrize("args, words", [
