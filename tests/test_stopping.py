@@ -53,10 +53,18 @@ def test_min_tokens_and_stop_tokens_decode_as_transformers_generate(recipe, hf, 
                     for p, m, stops in REQUESTS]
     assert expected[0] == [EOS] and len(expected[1]) > 4 and expected[1][:4] != [EOS] * 4  # min_tokens changes it
     assert any(len(e) < NEW and e[-1] == NEWLINE for e in expected[3:])  # a stop token past min_tokens ends one
-    program = Program.from_recipe(Recipe.from_yaml(REPO / "recipes" / f"{recipe}.yaml", ["serving.max_batch=4"]))
+    program = Program.from_recipe(Recipe.from_yaml(REPO / "recipes" / f"{recipe}.yaml", speculating(recipe)))
     got = decode_together(program.executor, [{"prompt": prompts[p], "min_tokens": m, "stops": (EOS, *stops)}
                                              for p, m, stops in REQUESTS])
     assert got == expected
+    modes = program.executor.totals.modes
+    assert recipe == "autoregressive" or (modes and "ar" not in modes)  # every step drafted
+
+
+def speculating(recipe: str) -> list[str]:
+    """A recipe's overrides: four requests at once, every step speculating where it has a drafter
+    (on a CPU, its adaptive policy may choose plain steps throughout)."""
+    return ["serving.max_batch=4"] + ([] if recipe == "autoregressive" else ["serving.speculation=always"])
 
 
 def test_ignore_eos_decodes_past_the_end_of_sequence(hf, prompts):
@@ -68,8 +76,9 @@ def test_ignore_eos_decodes_past_the_end_of_sequence(hf, prompts):
             ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
     expected = ids[len(prompts[0]):]
     assert expected[0] == EOS
-    program = Program.from_recipe(Recipe.from_yaml(REPO / "recipes" / "tree.yaml"))
+    program = Program.from_recipe(Recipe.from_yaml(REPO / "recipes" / "tree.yaml", speculating("tree")))
     assert decode_together(program.executor, [{"prompt": prompts[0], "stops": ()}]) == [expected]
+    assert set(program.executor.totals.modes) == {"depth 4"}  # every step drafted the whole tree
 
 
 def masked_law(ids: list[int], sampling: dict) -> dict[tuple[int, int], float]:
