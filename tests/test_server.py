@@ -139,11 +139,14 @@ def expected(program: Program, prompt: str, new: int = NEW) -> tuple[str, list[i
 
 
 def streamed(stream) -> tuple[str, str | None, object]:
-    """A completion stream's text joined, its finish reason and its usage."""
+    """A completion stream's text joined, its finish reason and its usage (which only the last chunk
+    may carry, with no choices, as OpenAI sends it)."""
     text, finish, usage = [], None, None
     for chunk in stream:
+        assert usage is None, "a chunk after the usage"
         if chunk.usage is not None:
             usage = chunk.usage
+            assert not chunk.choices
         for choice in chunk.choices:
             piece = choice.text if hasattr(choice, "text") else choice.delta.content
             text.append(piece or "")
