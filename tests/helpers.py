@@ -264,21 +264,21 @@ def weight_reads(monkeypatch) -> list[Path]:
     return reads
 
 
-def gone(pids: list[int], within: float = 10.0) -> bool:
-    """Whether none of `pids` is still running `within` seconds from now (a zombie is not: its parent
-    has not reaped it yet). The grace covers multiprocessing's resource tracker, a child that exits
-    when it reads its parent's end of the pipe closed, a moment after the parent."""
+def gone(pids: list[int], hang: float = 60.0) -> bool:
+    """Whether every one of `pids` ends (a zombie has: its parent has not reaped it yet), waiting for
+    those that end a moment after their parent (multiprocessing's resource tracker exits when it reads
+    its parent's end of the pipe closed); False after `hang` seconds, which only end a hang."""
     import time
 
-    deadline = time.monotonic() + within
-    while any(_running(pid) for pid in pids):
+    deadline = time.monotonic() + hang
+    while any(running(pid) for pid in pids):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
     return True
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] != "Z"
