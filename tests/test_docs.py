@@ -59,6 +59,7 @@ def test_a_readme_command_block_runs_as_written(block):
                 missing_ok=True)
     done = run_block(block)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert not re.search("warn", done.stderr, re.I), done.stderr[-3000:]  # (torch's and transformers' kept out)
     assert all(Path(output).exists() for output in OUTPUTS if output in block)
 
 
