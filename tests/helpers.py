@@ -229,13 +229,26 @@ def two_token_law(checkpoint: Path, ids: list[int], sampling: dict) -> dict[tupl
     return law
 
 
-def sampled_law(generate, samples: int) -> dict[tuple[int, int], float]:
+def law(outputs) -> dict[tuple[int, ...], float]:
+    """The empirical law of the first two tokens of `outputs` (token lists)."""
+    pairs = [tuple(output[:2]) for output in outputs]
+    return {pair: pairs.count(pair) / len(pairs) for pair in set(pairs)}
+
+
+def sampled_law(generate, samples: int) -> dict[tuple[int, ...], float]:
     """The empirical law of the first two tokens that `generate(seed)` returns over `samples` seeds."""
-    counts: dict[tuple[int, int], int] = {}
-    for seed in range(samples):
-        pair = tuple(generate(seed)[:2])
-        counts[pair] = counts.get(pair, 0) + 1
-    return {pair: n / samples for pair, n in counts.items()}
+    return law(generate(seed) for seed in range(samples))
+
+
+def seeded_generations(program, ids: list[int], samples: int) -> list:
+    """The Generations of `samples` requests for two tokens after `ids`, seeds 0 to samples - 1, all
+    added to `program`'s engine at once (it decodes max_batch of them a step; each request's draws
+    come from its own seed's stream, as they would alone)."""
+    engine = program.executor
+    requests = [engine.add_request(ids, 2, engine.sampling.model_copy(update={"seed": seed})) for seed in range(samples)]
+    while engine.busy:
+        engine.step()
+    return [request.generation for request in requests]
 
 
 def total_variation(p: dict, q: dict) -> float:

@@ -12,7 +12,8 @@ import pytest
 import torch
 import transformers
 from conftest import EMBEDDED, REPO
-from helpers import BUDGETS, REDUCED, decode_together, sampled_law, total_variation, two_stage, two_token_law
+from helpers import (BUDGETS, REDUCED, decode_together, law, seeded_generations, total_variation, two_stage,
+                     two_token_law)
 from safetensors.torch import load_file, save_file
 
 from specgraph.models.widen import HEAD_DRAFT_VOCAB, widen
@@ -303,16 +304,10 @@ def test_sampling_through_the_head_follows_the_target_distribution():
     their empirical joint approaches the target's exact one (temperature 1, top-k 3: 9 outcomes)."""
     sampling = {"temperature": 1.0, "top_k": 3}
     program = Program.from_recipe(two_stage(TARGET, SHIPPED, {"shape": "static", "branching": [2, 1]},
-                                            sampling=sampling, max_new_tokens=2))
+                                            sampling=sampling, max_new_tokens=2, serving={"max_batch": 16}))
     ids = program.encode("import os\n\n\ndef main(argv):\n    for i in range(")  # (the head's first draft is often accepted)
-    first_steps = []
-
-    def generate(seed):
-        generation = program.generate(ids, seed=seed)
-        first_steps.append(generation.accepted_lengths[0])
-        return generation.output_ids
-
-    observed = sampled_law(generate, 1200)
+    generations = seeded_generations(program, ids, 1200)
+    observed, first_steps = law(g.output_ids for g in generations), [g.accepted_lengths[0] for g in generations]
     exact = two_token_law(TARGET, ids, sampling)
     assert set(observed) <= set(exact)  # nothing outside the target's support
     assert first_steps.count(2) > 300  # the head's drafts are accepted, often

@@ -15,8 +15,8 @@ import pytest
 import torch
 import transformers
 from conftest import EMBEDDED, REPO, absent, shared_model
-from helpers import (REDUCED, as_vision_language, hf_greedy, sampled_law, simulated_distances, total_variation,
-                     two_stage, two_token_law)
+from helpers import (REDUCED, as_vision_language, hf_greedy, law, seeded_generations, simulated_distances,
+                     total_variation, two_stage, two_token_law)
 from safetensors.torch import load_file, save_file
 
 from specgraph.models.widen import widen
@@ -110,9 +110,9 @@ def test_sampling_through_a_quantized_target_follows_its_distribution(compressed
     the quantization (the plain target's law, 0.36 away in total variation) would fail the same bound."""
     target, sampling, draws = compressed["int4-sym"], {"temperature": 1.0, "top_k": 3}, 800
     program = Program.from_recipe(two_stage(target, DRAFT, {"shape": "static", "branching": [2, 1]},
-                                            sampling=sampling, max_new_tokens=2))
+                                            sampling=sampling, max_new_tokens=2, serving={"max_batch": 16}))
     ids = program.encode("import os\n\n\ndef main(argv):\n    if ")  # (the draft's first token: accepted one time in four)
-    observed = sampled_law(lambda seed: program.generate(ids, seed=seed).output_ids, draws)
+    observed = law(g.output_ids for g in seeded_generations(program, ids, draws))
     exact, plain = two_token_law(target, ids, sampling), two_token_law(TARGET, ids, sampling)
     # The bound (helpers.simulated_distances): the distance that 800 draws of the exact law exceed once in 10,000
     # simulated runs (about 0.08)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 from conftest import EMBEDDED, REPO
-from helpers import chain_logits, total_variation, two_stage, two_token_law
+from helpers import chain_logits, law, total_variation, two_stage, two_token_law
 
 from specgraph.models.loader import load_model
 from specgraph.program import Program
@@ -110,7 +110,7 @@ def test_sampled_min_tokens_follow_the_target_law_without_eos(prompts):
     outputs = decode_together(engine, [{"prompt": prompts[0], "new": 2, "min_tokens": 2,
                                         "sampling": engine.sampling.model_copy(update={"seed": seed})}
                                        for seed in range(draws)])
-    observed = {pair: outputs.count(list(pair)) / draws for pair in {tuple(o) for o in outputs}}
+    observed = law(outputs)
     exact = masked_law(prompts[0], sampling)
     assert sum(p for (first, _), p in two_token_law(TARGET, prompts[0], sampling).items() if first == EOS) > 0.3
     assert not any(EOS in pair for pair in observed) and set(observed) <= set(exact)
