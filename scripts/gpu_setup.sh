@@ -4,13 +4,18 @@
 #               loguru and psutil for quantized checkpoints and --widen SHAPE:SCHEME; for
 #               `serve` and `loadgen`: starlette, uvicorn, httpx and theirs, for its Python)
 #   or both in build/carry.tar.xz (`tar cf - .fixtures .whl | xz -9 > build/carry.tar.xz`: about a
-#   quarter smaller, for when the repository plus both pass the device's 64 MiB), extracted here
+#   quarter smaller, for when the repository plus both pass the device's 64 MiB), extracted here; the hybrid
+#   fixture does not fit beside mid/ in one call's carry: .cache/hybrid/carry.tar.xz holds it with the prompts and
+#   wheels (`tar cf - .fixtures/hybrid .fixtures/prompts_code.jsonl .whl | xz -9 > .cache/hybrid/carry.tar.xz`,
+#   carry [".cache/hybrid"] for the hybrid GPU tests), extracted here too
 # Installs from .whl/ whatever does not import, keeps NVLink multicast off, and prints the versions.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-150}
 export SPECGRAPH_PROGRESS=1  # the build's steps in the logs (cli.py's build_progress)
-if [ -f build/carry.tar.xz ] && [ ! -d .fixtures ]; then
-  python3 -c "import tarfile; tarfile.open('build/carry.tar.xz').extractall(filter='data')"
-fi
+for archive in build/carry.tar.xz .cache/hybrid/carry.tar.xz; do  # (whichever this call carried)
+  if [ -f "$archive" ]; then
+    python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(filter='data')" "$archive"
+  fi
+done
 missing=()
 for module in pydantic rich pytest starlette uvicorn httpx compressed_tensors; do
   python3 -c "import $module" 2>/dev/null || missing+=("$module")

@@ -44,8 +44,9 @@ step() {
     fp32)  # the fp32 GPU tests whose oracles are ar and transformers
       run_step fp32-tests 240 python3 -m pytest -q -o addopts= -p no:cacheprovider -rA tests/test_gpu.py \
         -k "fp32_speculation or fp32_on_gpu" ;;
-    gputests)
-      run_step gpu-tests 420 python3 -m pytest -q -o addopts= -p no:cacheprovider -rA --durations=10 tests/test_gpu.py ${GPU_TESTS:+-k "$GPU_TESTS"} ;;
+    gputests)  # each test's result as it ends (-v: a call cut at its limit still says which passed)
+      run_step gpu-tests 540 python3 -m pytest -v -o addopts= -p no:cacheprovider -rfE --durations=15 tests/test_gpu.py \
+        ${GPU_TESTS:+-k "$GPU_TESTS"} ;;
     profile8b)  # traces of steady steps at the Llama-3-8B shape (run 102: the build alone took over 240 s)
       run_step profile-8b 450 python3 scripts/profile_engine.py recipes/dynamic.yaml --systems ar,specgraph \
         --batches 1,8 --widen llama-3-8b --out "$OUT/files" ;;
