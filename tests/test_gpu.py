@@ -177,22 +177,24 @@ def test_tensor_parallel_target_on_two_gpus_decodes_the_single_gpu_tokens(tmp_pa
     from specgraph.recipe import Recipe
 
     recipe = splittable_recipe(tmp_path, devices="cuda:0")
-    single = Program.from_recipe(Recipe.from_yaml(recipe))
+    always = "serving.speculation=always"  # (the adaptive policy's steps follow each program's measured times)
+    single = Program.from_recipe(Recipe.from_yaml(recipe, [always]))
     expected = single.generate(single.encode(PROMPT)).output_ids
     out = tmp_path / "tp.json"
     split = "[cuda:0,cuda:1]"
     assert main(["run", str(recipe), "--set", f"stages.0.devices={split}", "--set", f"stages.1.devices={split}",
-                 "--prompt", PROMPT, "--json", str(out)]) == 0
+                 "--set", always, "--prompt", PROMPT, "--json", str(out)]) == 0
     assert json.loads(out.read_text())["results"][0]["output_ids"] == expected
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tensor_parallel_hybrid_target_on_two_gpus_decodes_the_tokens_of_transformers(hybrid_reference):
-    """fp32; the Qwen3.5 fixture split over cuda:0 and cuda:1 (Triton gated-DeltaNet kernels, NCCL
-    all-reduces in captured steps), its drafter on the CPU."""
+    """fp32; the Qwen3.5 fixture and its drafter split over cuda:0 and cuda:1 (Triton gated-DeltaNet
+    kernels, NCCL all-reduces in captured steps; a process runs its stages on one device)."""
     recipe = two_stage(shared_model("hybrid"), EMBEDDED / "draft", {"shape": "static", "branching": [3, 2, 1]},
                        max_new_tokens=48).model_dump(mode="json")
-    recipe["stages"][1]["devices"] = ["cuda:0", "cuda:1"]
+    for stage in recipe["stages"]:
+        stage["devices"] = ["cuda:0", "cuda:1"]
     ids, expected = hybrid_reference[0]
     with Program.from_recipe(Recipe.from_dict(recipe)) as split:
         assert split.generate(ids).output_ids == expected[:48]

@@ -215,6 +215,28 @@ def test_a_gpu_shared_by_the_ranks_is_refused(splittable, monkeypatch):
         plan(recipe)
 
 
+@pytest.mark.parametrize("draft, target, process", [
+    ("[cpu]", "[cuda:0,cuda:1]", "process 0 would run stages.0 on cpu, stages.1 on cuda:0"),
+    ("[cuda:1]", "[cuda:0]", "process 0 would run stages.0 on cuda:1, stages.1 on cuda:0"),
+    ("[cuda:0,cuda:1]", "[cuda:1,cuda:0]", "process 0 would run stages.0 on cuda:0, stages.1 on cuda:1"),
+])
+def test_a_serial_process_on_two_devices_is_refused(splittable, monkeypatch, draft, target, process):
+    """Serial execution runs every stage in each process on that process's one device (the engine's
+    batch lives there): a drafter on the CPU beside a target on GPUs, or on another GPU, is refused
+    in one line; split over the same GPUs in the same order, it plans."""
+    import sys
+
+    from specgraph.passes import plan
+
+    monkeypatch.setattr(sys.modules["specgraph.passes.place"], "present_devices", lambda: ["cpu", "cuda:0", "cuda:1"])
+    recipe = Recipe.from_yaml(splittable, [f"stages.0.devices={draft}", f"stages.1.devices={target}"])
+    with pytest.raises(SpecgraphError, match=rf"^stages.\*.devices: serial execution runs a process's stages on one "
+                                             rf"device \(the engine keeps its batch there\), but {process}; "):
+        plan(recipe)
+    same = Recipe.from_yaml(splittable, ["stages.0.devices=[cuda:0,cuda:1]", "stages.1.devices=[cuda:0,cuda:1]"])
+    assert {plan(same).node(name)["device"].type for name in ("draft", "target")} == {"cuda"}
+
+
 def _agree_on_times(rank: int, port: int, results) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:

@@ -5,7 +5,8 @@ After:  + `tp` (int): the stage's tensor-parallel degree, the length of its devi
         + `ranks` (tuple): the processes that run the stage. Serial execution runs every stage in
           every process, in lockstep: stages with several devices list the same number, and a
           stage listing one device runs whole in each process, so beside tensor-parallel stages it
-          must be the CPU (one GPU shared by every rank's process would serialise them).
+          must be the CPU (one GPU shared by every rank's process would serialise them); a process
+          runs all its stages on one device (the engine keeps a batch's tokens there).
           Disaggregated and pipeline execution give each stage processes of its own, the target's
           first (rank 0 leads the target); two stages may list the same GPU.
         + `device` (torch.device): this process's device for the stage — its entry of the list
@@ -77,6 +78,13 @@ def _shared_ranks(graph: SpecGraph, devices: dict[str, list[torch.device]]) -> d
         if world > 1 and len(listed) == 1 and listed[0].type == "cuda":
             raise RecipeError(f"stages.{graph.node(name)['index']}.devices: {listed[0]} would be shared by the "
                               f"{world} processes of the tensor-parallel stages; list {world} GPUs here too, or cpu")
+    for rank in range(world):
+        used = {f"stages.{graph.node(n)['index']}": d[rank if len(d) > 1 else 0] for n, d in devices.items()}
+        if len(set(used.values())) > 1:
+            where = ", ".join(f"{stage} on {device}" for stage, device in used.items())
+            raise RecipeError(f"stages.*.devices: serial execution runs a process's stages on one device (the engine "
+                              f"keeps its batch there), but process {rank} would run {where}; list the same devices "
+                              "for every stage, or give the drafter devices of its own with execution: disaggregated")
     return {name: tuple(range(world)) for name in devices}
 
 
