@@ -480,6 +480,9 @@ def cmd_report(args: argparse.Namespace) -> None:
         raise SpecgraphError(f"report: {batched[0]} is a `bench --batch` report: batch reports are not merged (each "
                              "already holds all its prompts at every batch size); give it alone to print it")
     if batched:
+        from specgraph.bench.batched import check_batched
+
+        check_batched(*parts[0])
         return _present_batched(parts[0][1], args)
     _present_report(merge_reports(parts), args)
 

@@ -264,6 +264,42 @@ def test_report_prints_a_batch_report_alone_and_merges_none(tmp_path, capsys):
                    "already holds all its prompts at every batch size); give it alone to print it\n")
 
 
+def test_report_plots_a_batch_report_by_batch_size(tmp_path, monkeypatch):
+    """The plot's points are the batch sizes as numbers, in order (the JSON's keys are strings: "32"
+    sorted before "8" and was drawn as a category)."""
+    import matplotlib.axes
+
+    batch = json.loads((REPO / "docs" / "results" / "run108-llama-3-8b-always.json").read_text())
+    path = tmp_path / "batch.json"
+    path.write_text(json.dumps(batch))
+    drawn = []
+    plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, x, y, **k: drawn.append((k["label"], list(x), list(y))) or plot(self, x, y, **k))
+    assert main(["report", str(path), "--plot", str(tmp_path / "batch.png")]) == 0
+    assert drawn == [(name, [1, 8, 32], [batch["systems"][name][b]["tokens_per_second"] for b in ("1", "8", "32")])
+                     for name in ("specgraph", "ar")]
+    assert (tmp_path / "batch.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (lambda r: r.pop("device"), "has no device (str)"),
+    (lambda r: r["systems"].pop("specgraph"), "has no 'specgraph' system"),
+    (lambda r: r["systems"]["ar"].pop("8"), "system 'ar' was not measured at specgraph's batch sizes"),
+    (lambda r: r["systems"]["ar"]["8"].pop("ttft_seconds"), "system 'ar' at batch 8 has no ttft_seconds"),
+    (lambda r: r["systems"]["ar"]["8"].update(tokens_per_second=0), "system 'ar' at batch 8 has tokens_per_second 0"),
+])
+def test_a_damaged_batch_report_is_one_line(tmp_path, capsys, damage, expected):
+    batch = json.loads((REPO / "docs" / "results" / "run108-llama-3-8b-always.json").read_text())
+    damage(batch)
+    path = tmp_path / "batch.json"
+    path.write_text(json.dumps(batch))
+    assert main(["report", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"specgraph: error: report: {path}") and expected in err and err.count("\n") == 1
+    assert err.endswith("the batch report is damaged; rerun its bench\n")
+
+
 def test_the_engine_is_measured_after_an_untimed_pass_where_newcomers_join_a_running_batch(target_reference):
     """measure_engine first decodes 2B prompts at most B at a time (so that newcomers join a running
     batch one by one before timing, as they do in the timed pass), then every prompt, timed."""

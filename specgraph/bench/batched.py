@@ -201,6 +201,35 @@ def _line(name: str, batch: int, r: dict) -> str:
     return f"{name} at batch {batch}: {r['tokens_per_second']:.1f} tok/s{steps}"
 
 
+REPORT = {"recipe": str, "device": str, "prompts": int, "max_new_tokens": int, "batches": list, "systems": dict}
+RESULT = ("tokens_per_second", "request_tokens_per_second", "ttft_seconds", "mean_accepted_length", "draft_step_ms",
+          "verify_step_ms", "nodes_per_step", "peak_memory_bytes", "same_tokens_as_ar")  # what a row prints
+
+
+def check_batched(name: str, report: dict) -> None:
+    """A one-line error unless `report` is a `bench --batch` report that print_batched and plot_batched read."""
+    damaged = "the batch report is damaged; rerun its bench"
+    for key, kind in REPORT.items():
+        if not isinstance(report.get(key), kind):
+            raise SpecgraphError(f"report: {name} has no {key} ({kind.__name__}); {damaged}")
+    if "widen" not in report:
+        raise SpecgraphError(f"report: {name} has no widen; {damaged}")
+    if not isinstance(report["systems"].get("specgraph"), dict):
+        raise SpecgraphError(f"report: {name} has no 'specgraph' system; {damaged}")
+    batches = set(report["systems"]["specgraph"])
+    for system, by_batch in report["systems"].items():
+        if not isinstance(by_batch, dict) or set(by_batch) != batches or not all(str(b).isdigit() for b in batches):
+            raise SpecgraphError(f"report: {name}: system {system!r} was not measured at specgraph's batch sizes; {damaged}")
+        for batch, result in by_batch.items():
+            missing = [key for key in RESULT if not isinstance(result, dict) or key not in result]
+            if missing:
+                raise SpecgraphError(f"report: {name}: system {system!r} at batch {batch} has no {', '.join(missing)}; "
+                                     f"{damaged}")
+            if not isinstance(result["tokens_per_second"], (int, float)) or not result["tokens_per_second"] > 0:
+                raise SpecgraphError(f"report: {name}: system {system!r} at batch {batch} has tokens_per_second "
+                                     f"{result['tokens_per_second']!r}, not a positive number; {damaged}")
+
+
 def print_batched(report: dict, console: Console | None = None) -> None:
     console = console or Console(width=None if console else 200)
     table = Table(title=f"{report['recipe']} on {report['device']}" + (f", widened to {report['widen']}"
@@ -239,8 +268,8 @@ def plot_batched(report: dict, path) -> None:
 
     fig, axis = plt.subplots(figsize=(6, 4))
     for name, by_batch in report["systems"].items():
-        batches = sorted(by_batch)
-        axis.plot(batches, [by_batch[b]["tokens_per_second"] for b in batches], marker="o", label=name)
+        batches = sorted(by_batch, key=int)  # (ints as bench keeps them, strings as its JSON has them)
+        axis.plot([int(b) for b in batches], [by_batch[b]["tokens_per_second"] for b in batches], marker="o", label=name)
     axis.set_xscale("log", base=2)
     axis.set_xlabel("requests at once")
     axis.set_ylabel("output tokens/s")
