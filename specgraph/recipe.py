@@ -165,7 +165,8 @@ class StageSpec(_Strict):
 
     name: str = Field(min_length=1, description="the stage's name, which `verifies` and reports use")
     model: str = Field(description="key into `models`")
-    devices: list[str] = Field(["auto"], min_length=1, description="cpu, cuda:N or auto; TP over the list")
+    devices: list[str] = Field(["auto"], min_length=1, description="cpu, cuda:N or auto; TP over the list (serial "
+                                 "execution: a process runs every stage on its one device)")
     tree: TreeSpec | None = Field(None, description="draft-tree shape, for a stage that others verify")
     grow: GrowSpec | None = Field(None, description="execution: disaggregated: how this drafter grows its tree "
                                   "while the target verifies")

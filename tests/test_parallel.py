@@ -211,7 +211,7 @@ def test_a_gpu_shared_by_the_ranks_is_refused(splittable, monkeypatch):
     monkeypatch.setattr(sys.modules["specgraph.passes.place"], "present_devices", lambda: ["cpu", "cuda:0", "cuda:1"])
     recipe = Recipe.from_yaml(splittable, ["stages.0.devices=[cuda:0]", "stages.1.devices=[cuda:0,cuda:1]"])
     with pytest.raises(SpecgraphError, match=r"^stages.0.devices: cuda:0 would be shared by the 2 processes of the "
-                                             r"tensor-parallel stages; list 2 GPUs here too, or cpu$"):
+                                             r"tensor-parallel stages; list their 2 devices here too$"):
         plan(recipe)
 
 

@@ -77,14 +77,15 @@ def _shared_ranks(graph: SpecGraph, devices: dict[str, list[torch.device]]) -> d
     for name, listed in devices.items():
         if world > 1 and len(listed) == 1 and listed[0].type == "cuda":
             raise RecipeError(f"stages.{graph.node(name)['index']}.devices: {listed[0]} would be shared by the "
-                              f"{world} processes of the tensor-parallel stages; list {world} GPUs here too, or cpu")
+                              f"{world} processes of the tensor-parallel stages; list their {world} devices here too")
     for rank in range(world):
         used = {f"stages.{graph.node(n)['index']}": d[rank if len(d) > 1 else 0] for n, d in devices.items()}
         if len(set(used.values())) > 1:
             where = ", ".join(f"{stage} on {device}" for stage, device in used.items())
             raise RecipeError(f"stages.*.devices: serial execution runs a process's stages on one device (the engine "
                               f"keeps its batch there), but process {rank} would run {where}; list the same devices "
-                              "for every stage, or give the drafter devices of its own with execution: disaggregated")
+                              "for every stage, or give each stage devices of its own with execution: disaggregated "
+                              "(two stages) or pipeline")
     return {name: tuple(range(world)) for name in devices}
 
 
