@@ -6,6 +6,7 @@ output follows the target's distribution; faults end the run in one line with no
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -267,28 +268,35 @@ if __name__ == "__main__":
 
 
 def test_ranks_end_when_their_client_is_killed_mid_request(tmp_path):
-    """SIGKILL on one of two clients decoding the same long request (nothing of it runs: no Ctrl-C
-    handling, no close): its ranks end while the other client's identical request is still being
-    decoded, so they did not wait for their request to end."""
+    """SIGKILL on a client decoding a long request (nothing of it runs: no Ctrl-C handling, no close):
+    its ranks end while a second client, started after it, is still decoding the same request (2000
+    tokens: the target's greedy continuation of PROMPT has no EOS), so they did not wait for theirs."""
     recipe, script = disaggregated_recipe(tmp_path), tmp_path / "client.py"
     script.write_text(CLIENT)
-    killed, control = (subprocess.Popen([sys.executable, str(script), str(recipe), PROMPT], stdout=subprocess.PIPE,
-                                        stderr=subprocess.DEVNULL, text=True) for _ in range(2))
+    clients, ranks = [], []
     try:
-        ranks = [[int(pid) for pid in client.stdout.readline().split()] for client in (killed, control)]
-        assert [len(r) for r in ranks] == [2, 2]
-        time.sleep(1.0)
+        for _ in range(2):  # the second starts once the first decodes: its request ends after the first's would
+            clients.append(subprocess.Popen([sys.executable, str(script), str(recipe), PROMPT], stdout=subprocess.PIPE,
+                                            stderr=subprocess.DEVNULL, text=True))
+            assert select.select([clients[-1].stdout], [], [], 120)[0], "no ranks started"  # (only ends a hang)
+            ranks.append([int(pid) for pid in clients[-1].stdout.readline().split()])
+            assert len(ranks[-1]) == 2
+        killed, control = clients
         killed.kill()
         deadline = time.monotonic() + 60  # (only ends a hang)
         while any(running(pid) for pid in ranks[0]):
-            assert control.poll() is None, "the identical request was decoded to its end first"
+            assert control.poll() is None, "the later client's identical request was decoded to its end first"
             assert time.monotonic() < deadline
             time.sleep(0.1)
         assert control.poll() is None and all(running(pid) for pid in ranks[1])
     finally:
-        for client in (killed, control):
+        for client in clients:
             client.kill()
             client.wait(timeout=30)
+        for pid in (pid for pids in ranks for pid in pids):
+            with contextlib.suppress(ProcessLookupError):  # (ended already)
+                os.kill(pid, signal.SIGKILL)
+        gone([pid for pids in ranks for pid in pids])  # (reaped by the session's init: waited for, not asserted)
 
 
 def test_torchrun_standalone_runs_the_recipe(tmp_path, code_prompts, target_reference):
