@@ -245,10 +245,9 @@ def seeded_generations(program, ids: list[int], samples: int) -> list:
     added to `program`'s engine at once (it decodes max_batch of them a step; each request's draws
     come from its own seed's stream, as they would alone)."""
     engine = program.executor
-    requests = [engine.add_request(ids, 2, engine.sampling.model_copy(update={"seed": seed})) for seed in range(samples)]
-    while engine.busy:
-        engine.step()
-    return [request.generation for request in requests]
+    return [request.generation for request in decode_requests(
+        engine, [{"prompt": ids, "new": 2, "sampling": engine.sampling.model_copy(update={"seed": seed})}
+                 for seed in range(samples)])]
 
 
 def total_variation(p: dict, q: dict) -> float:
@@ -518,16 +517,28 @@ def unwritable_folder(folder: Path) -> tuple[Path, str]:
 BUDGETS = [8, 48, 16, 64, 24, 40, 8, 56, 32, 12, 64, 20]  # new tokens of each of 12 requests: staggered finishes
 
 
-def decode_together(program, reference, budgets=BUDGETS) -> list[list[int]]:
-    """Every request in the engine at once (it admits max_batch of them), each with its own budget."""
-    engine = program.executor
-    requests = [engine.add_request(ids, budget) for (ids, _), budget in zip(reference, budgets)]
-    in_flight = []
+def decode_requests(engine, requests: list[dict], after_step=None) -> list:
+    """Every request ({"prompt": ids, "new": max new tokens} and optionally its "sampling", "stops" and
+    "min_tokens", as Engine.add_request takes them) added to `engine` at once and decoded together
+    (it admits max_batch of them): their handles, once done; `after_step(handles)` after each step."""
+    handles = [engine.add_request(r["prompt"], r["new"], r.get("sampling"), stops=r.get("stops"),
+                                  min_tokens=r.get("min_tokens", 0)) for r in requests]
     while engine.busy:
         engine.step()
-        in_flight.append(sum(r.status == "decode" for r in requests))
-    assert max(in_flight) == program.recipe.serving.max_batch  # the batch was full at times
-    return [r.generation.output_ids for r in requests]
+        if after_step is not None:
+            after_step(handles)
+    return handles
+
+
+def decode_together(program, reference, budgets=BUDGETS) -> list[list[int]]:
+    """Every request in the engine at once (it admits max_batch of them), each with its own budget;
+    the batch must have been full at times."""
+    in_flight = []
+    handles = decode_requests(program.executor, [{"prompt": ids, "new": budget}
+                                                 for (ids, _), budget in zip(reference, budgets)],
+                              lambda handles: in_flight.append(sum(h.status == "decode" for h in handles)))
+    assert max(in_flight) == program.recipe.serving.max_batch
+    return [h.generation.output_ids for h in handles]
 
 
 def as_vision_language(hybrid: Path, folder: Path) -> Path:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 from conftest import EMBEDDED, REPO
-from helpers import chain_logits, law, total_variation, two_stage, two_token_law
+from helpers import chain_logits, decode_requests, law, total_variation, two_stage, two_token_law
 
 from specgraph.models.loader import load_model
 from specgraph.program import Program
@@ -36,13 +36,9 @@ def prompts():
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in ENDINGS]
 
 
-def decode_together(engine, requests: list[dict]) -> list[list[int]]:
-    """Each request's output, all of them added to `engine` at once and decoded together."""
-    handles = [engine.add_request(r["prompt"], r.get("new", NEW), r.get("sampling"), stops=r.get("stops"),
-                                  min_tokens=r.get("min_tokens", 0)) for r in requests]
-    while engine.busy:
-        engine.step()
-    return [h.generation.output_ids for h in handles]
+def outputs_together(engine, requests: list[dict]) -> list[list[int]]:
+    """Each request's output (NEW tokens unless it says), all of them decoded together."""
+    return [h.generation.output_ids for h in decode_requests(engine, [{"new": NEW} | r for r in requests])]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -54,8 +50,8 @@ def test_min_tokens_and_stop_tokens_decode_as_transformers_generate(recipe, hf, 
     assert expected[0] == [EOS] and len(expected[1]) > 4 and expected[1][:4] != [EOS] * 4  # min_tokens changes it
     assert any(len(e) < NEW and e[-1] == NEWLINE for e in expected[3:])  # a stop token past min_tokens ends one
     program = Program.from_recipe(Recipe.from_yaml(REPO / "recipes" / f"{recipe}.yaml", speculating(recipe)))
-    got = decode_together(program.executor, [{"prompt": prompts[p], "min_tokens": m, "stops": (EOS, *stops)}
-                                             for p, m, stops in REQUESTS])
+    got = outputs_together(program.executor, [{"prompt": prompts[p], "min_tokens": m, "stops": (EOS, *stops)}
+                                              for p, m, stops in REQUESTS])
     assert got == expected
     modes = program.executor.totals.modes
     assert recipe == "autoregressive" or (modes and "ar" not in modes)  # every step drafted
@@ -77,7 +73,7 @@ def test_ignore_eos_decodes_past_the_end_of_sequence(hf, prompts):
     expected = ids[len(prompts[0]):]
     assert expected[0] == EOS
     program = Program.from_recipe(Recipe.from_yaml(REPO / "recipes" / "tree.yaml", speculating("tree")))
-    assert decode_together(program.executor, [{"prompt": prompts[0], "stops": ()}]) == [expected]
+    assert outputs_together(program.executor, [{"prompt": prompts[0], "stops": ()}]) == [expected]
     assert set(program.executor.totals.modes) == {"depth 4"}  # every step drafted the whole tree
 
 
@@ -107,9 +103,9 @@ def test_sampled_min_tokens_follow_the_target_law_without_eos(prompts):
     program = Program.from_recipe(two_stage(TARGET, EMBEDDED / "draft", {"shape": "static", "branching": [2, 1]},
                                             sampling=sampling, max_new_tokens=2, serving={"max_batch": 16}))
     engine, draws = program.executor, 1200
-    outputs = decode_together(engine, [{"prompt": prompts[0], "new": 2, "min_tokens": 2,
-                                        "sampling": engine.sampling.model_copy(update={"seed": seed})}
-                                       for seed in range(draws)])
+    outputs = outputs_together(engine, [{"prompt": prompts[0], "new": 2, "min_tokens": 2,
+                                         "sampling": engine.sampling.model_copy(update={"seed": seed})}
+                                        for seed in range(draws)])
     observed = law(outputs)
     exact = masked_law(prompts[0], sampling)
     assert sum(p for (first, _), p in two_token_law(TARGET, prompts[0], sampling).items() if first == EOS) > 0.3
