@@ -5,6 +5,7 @@ five at a time with staggered finishes, give each the tokens transformers' greed
 
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 from conftest import EMBEDDED, REPO
@@ -246,14 +247,21 @@ def test_bench_measures_each_batch_size(tmp_path, code_prompts):
     assert report["systems"]["specgraph"]["2"]["nodes_per_step"] > 0 == report["systems"]["ar"]["2"]["nodes_per_step"]
 
 
+def written_report(tmp_path, result: str, change=lambda report: None) -> tuple[dict, Path]:
+    """A GPU run's `bench --batch` report from docs/results, changed by `change`, written to tmp_path."""
+    report, path = json.loads((REPO / "docs" / "results" / result).read_text()), tmp_path / "batch.json"
+    change(report)
+    path.write_text(json.dumps(report))
+    return report, path
+
+
 def test_report_prints_a_batch_report_alone_and_merges_none(tmp_path, capsys):
     """`report` prints a `bench --batch` report given alone as bench printed it (and writes it back
     with --json); with another part it refuses in one line (batch reports are not merged)."""
     from specgraph.bench.batched import print_batched
 
-    batch = json.loads((REPO / "docs" / "results" / "run111-llama-3-8b-policy.json").read_text())
-    path, again = tmp_path / "batch.json", tmp_path / "again.json"
-    path.write_text(json.dumps(batch))
+    batch, path = written_report(tmp_path, "run111-llama-3-8b-policy.json")
+    again = tmp_path / "again.json"
     print_batched(batch)
     printed = capsys.readouterr().out
     assert main(["report", str(path), "--json", str(again)]) == 0
@@ -269,9 +277,7 @@ def test_report_plots_a_batch_report_by_batch_size(tmp_path, monkeypatch):
     sorted before "8" and was drawn as a category)."""
     import matplotlib.axes
 
-    batch = json.loads((REPO / "docs" / "results" / "run108-llama-3-8b-always.json").read_text())
-    path = tmp_path / "batch.json"
-    path.write_text(json.dumps(batch))
+    batch, path = written_report(tmp_path, "run108-llama-3-8b-always.json")
     drawn = []
     plot = matplotlib.axes.Axes.plot
     monkeypatch.setattr(matplotlib.axes.Axes, "plot",
@@ -290,10 +296,7 @@ def test_report_plots_a_batch_report_by_batch_size(tmp_path, monkeypatch):
     (lambda r: r["systems"]["ar"]["8"].update(tokens_per_second=0), "system 'ar' at batch 8 has tokens_per_second 0"),
 ])
 def test_a_damaged_batch_report_is_one_line(tmp_path, capsys, damage, expected):
-    batch = json.loads((REPO / "docs" / "results" / "run108-llama-3-8b-always.json").read_text())
-    damage(batch)
-    path = tmp_path / "batch.json"
-    path.write_text(json.dumps(batch))
+    _, path = written_report(tmp_path, "run108-llama-3-8b-always.json", damage)
     assert main(["report", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"specgraph: error: report: {path}") and expected in err and err.count("\n") == 1
