@@ -80,9 +80,21 @@ def on_this_machine(host: str) -> bool:
     return True
 
 
-async def _first_model(client, url: str) -> str:
+async def _served_model(client, url: str, given: str | None) -> str:
+    """The model to ask for: `given`, or the first the server lists at `url` (its /v1/models); a
+    one-line error where no server answers there, or (none given) it lists none."""
+    import httpx
+
     try:
         response = await client.get(url)
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        raise SpecgraphError(f"URL: no server answers at {url.removesuffix('/v1/models')} ({exc or type(exc).__name__}); "
+                             "start one (`specgraph serve RECIPE`), or give the URL it listens at") from None
+    except httpx.HTTPError as exc:
+        raise SpecgraphError(f"URL: GET {url} failed ({type(exc).__name__}: {exc})") from None
+    if given is not None:
+        return given
+    try:
         response.raise_for_status()
         return response.json()["data"][0]["id"]
     except Exception as exc:  # noqa: BLE001 - any failure here: the server does not list a model
@@ -126,17 +138,24 @@ async def _request(client, url: str, payload: dict, began: float) -> Outcome:
     return out
 
 
-async def _drive(spec: LoadSpec, completions: str, models: str, bar) -> tuple[str, list[Outcome], float]:
-    """Send every request as the spec paces them -> (model, outcomes in sending order, seconds from
-    the first sent to the last answered)."""
+def _client(spec: LoadSpec):
     import httpx
 
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-    timeout = httpx.Timeout(TIMEOUT, connect=10.0)
     # no pool limit: a request waiting for a connection would count the wait as the server's
-    async with httpx.AsyncClient(headers=headers, timeout=timeout,
-                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as client:
-        model = spec.model or await _first_model(client, models)
+    return httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(TIMEOUT, connect=10.0),
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+
+
+async def _model(spec: LoadSpec, models: str) -> str:
+    async with _client(spec) as client:
+        return await _served_model(client, models, spec.model)
+
+
+async def _drive(spec: LoadSpec, completions: str, model: str, bar) -> tuple[list[Outcome], float]:
+    """Send every request as the spec paces them -> (outcomes in sending order, seconds from the
+    first sent to the last answered)."""
+    async with _client(spec) as client:
         gate = asyncio.Semaphore(spec.concurrency) if spec.concurrency else None
         arrivals = random.Random(spec.seed)
 
@@ -158,7 +177,7 @@ async def _drive(spec: LoadSpec, completions: str, models: str, bar) -> tuple[st
                 await asyncio.sleep(max(0.0, due - (time.perf_counter() - began)))
             tasks.append(asyncio.ensure_future(one(i)))
         outcomes = await asyncio.gather(*tasks)
-        return model, outcomes, time.perf_counter() - began
+        return outcomes, time.perf_counter() - began
 
 
 def _stats(values: list[float]) -> dict[str, float] | None:
@@ -251,8 +270,9 @@ def run_loadgen(spec: LoadSpec, json_out: Path | None, plot_out: Path | None) ->
     if not spec.allow_remote and not on_this_machine(host):
         raise SpecgraphError(f"URL: {host} is not this machine; loadgen sends load only here unless given "
                              "--allow-remote")
-    with tqdm(total=spec.requests, desc="requests", unit="req", file=sys.stderr) as bar:
-        model, outcomes, seconds = asyncio.run(_drive(spec, completions, models, bar))
+    model = asyncio.run(_model(spec, models))  # (before the bar: an error is a line of its own)
+    with tqdm(total=spec.requests, desc="requests", unit="req", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
+        outcomes, seconds = asyncio.run(_drive(spec, completions, model, bar))
     report = summarize(spec, completions, model, outcomes, seconds)
     print_report(report)
     if json_out is not None:

@@ -263,6 +263,75 @@ def test_vllms_stop_extensions_are_served_streamed_and_whole(server, program):
     assert text == program.decode(cut)
 
 
+def test_min_tokens_holds_stop_strings_back_too(server, program):
+    """The issue's request: "def f():" with stop "\\n" ends at once, before any text; with min_tokens
+    it ends at the first newline that a token past the first min_tokens brought (the demo target's
+    20th token is a newline: it ends the text at min_tokens 19 and is passed over at 20)."""
+    client = server.client()
+    prompt, new = "def f():", 60
+    plain = client.completions.create(model="demo", prompt=prompt, max_tokens=new, stop=["\n"])
+    assert (plain.choices[0].text, plain.choices[0].finish_reason, plain.choices[0].stop_reason) == ("", "stop", "\n")
+    for min_tokens in (19, 20):
+        ids = engine_ids(program, prompt, new, min_tokens=min_tokens)
+        full, held = program.decode(ids), program.decode(ids[:min_tokens])
+        assert "\n" in held and full.find("\n", len(held)) > 0  # newlines held back, and one after them
+        cut = full[: full.find("\n", len(held))]
+        ask = dict(model="demo", prompt=prompt, max_tokens=new, stop=["\n"], extra_body={"min_tokens": min_tokens})
+        whole = client.completions.create(**ask).choices[0]
+        assert (whole.text, whole.finish_reason, whole.stop_reason) == (cut, "stop", "\n")
+        text, finish, usage = streamed(client.completions.create(**ask, stream=True,
+                                                                 stream_options={"include_usage": True}))
+        assert (text, finish) == (cut, "stop") and min_tokens <= usage.completion_tokens < new
+        assert ids[19] == NEWLINE and (cut == held) == (min_tokens == 19)
+
+
+def raw_answer(server, path: str, body: dict) -> list[dict]:
+    """The JSON objects of an answer as they come over HTTP: the whole answer, or each streamed chunk."""
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=WAIT)
+    assert response.status_code == 200, response.text
+    if not body.get("stream"):
+        return [response.json()]
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event) for event in events[:-1]]
+
+
+def test_answers_have_the_openai_types_and_vllms_stop_reason(server, program):
+    """Every answer, whole or streamed, validates as the `openai` client's types (Completion,
+    ChatCompletion, ChatCompletionChunk: the fields clients read, usage and finish_reason among
+    them); each choice's stop_reason is vLLM's: the stop string or stop token id that ended it, null
+    where the end-of-sequence token (even one given in stop_token_ids) or the budget did."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    second = engine_ids(program, ENDING, NEW, min_tokens=4)[1]  # (test_vllms_stop_extensions...: not EOS)
+    stop = expected(program, PROMPT, 24)[0][9:12]
+    cases = [({"prompt": ENDING}, "stop", None), ({"prompt": PROMPT, "max_tokens": 2}, "length", None),
+             ({"prompt": PROMPT, "max_tokens": 24, "stop": [stop]}, "stop", stop),
+             ({"prompt": ENDING, "min_tokens": 1, "stop_token_ids": [second]}, "stop", second),
+             ({"prompt": ENDING, "stop_token_ids": [EOS, second]}, "stop", None)]
+    for fields, finish, reason in cases:
+        for stream in (False, True):
+            body = {"model": "demo", "max_tokens": NEW, "stream": stream, **fields}
+            objects = raw_answer(server, "/v1/completions", body | {"stream_options": {"include_usage": True}}
+                                 if stream else body)
+            # (the type declares a finish reason, which OpenAI's streams too leave null until their end)
+            answers = [Completion.model_validate(o) for o in objects if all(c["finish_reason"] for c in o["choices"])]
+            last = [choice for answer in answers for choice in answer.choices][-1]
+            assert {frozenset(c) for o in objects for c in o["choices"]} == {frozenset(last.model_dump())}
+            assert (last.finish_reason, objects[-1 - stream]["choices"][0]["stop_reason"]) == (finish, reason), body
+            assert answers[-1].usage.total_tokens == answers[-1].usage.prompt_tokens + answers[-1].usage.completion_tokens
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "def add(a, b):"}], "max_tokens": NEW}
+    whole = raw_answer(server, "/v1/chat/completions", chat)[0]
+    assert ChatCompletion.model_validate(whole).choices[0].message.role == "assistant"
+    text = whole["choices"][0]["message"]["content"]
+    assert whole["choices"][0]["stop_reason"] is None and len(text) > 2
+    cut = raw_answer(server, "/v1/chat/completions", chat | {"stop": [text[1:3]], "stream": True})
+    chunks = [ChatCompletionChunk.model_validate(c) for c in cut]
+    assert chunks[-1].choices[0].finish_reason == "stop" and cut[-1]["choices"][0]["stop_reason"] == text[1:3]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text[:1]
+
+
 def test_stop_strings_can_stay_in_the_text(server, program):
     full, _ = expected(program, PROMPT, 24)
     stop = full[9:12]
@@ -319,6 +388,26 @@ def test_text_is_handed_out_whole_characters_and_never_a_stop_strings_start():
     unstopped = TextStream(decode, ["</end>"])
     assert "".join(unstopped.add(ids, last=i == 3) for i, ids in enumerate(steps[:4])) == "café </e"  # all, at the end
     assert not unstopped.stopped
+
+
+def test_min_tokens_holds_stop_strings_back_as_vllm_does():
+    """vLLM's rule (its detokenizer, PR 22014): a stop string counts only where it ends in text that
+    a token after the first min_tokens brought, streamed in any steps."""
+    def decode(ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def text(stops: list[str], min_tokens: int, steps: list[bytes]) -> tuple[str, str | None]:
+        stream = TextStream(decode, stops, min_tokens=min_tokens)
+        pieces = [stream.add(list(step), last=i == len(steps) - 1) for i, step in enumerate(steps)]
+        return "".join(pieces), stream.stop
+
+    assert text(["\n"], 0, [b"a\nb\nc"]) == ("a", "\n")
+    assert text(["\n"], 2, [b"a\nb\nc"]) == ("a\nb", "\n")  # the first two tokens' newline does not count
+    assert text(["\n"], 2, [b"a", b"\n", b"b", b"\nc"]) == ("a\nb", "\n")
+    assert text(["\n"], 1, [b"a\nb"]) == ("a", "\n")  # the second token's does
+    assert text(["ab"], 1, [b"a", b"b"]) == ("", "ab")  # one that ends past them counts from where it begins
+    assert text(["a"], 1, [b"a", b"b"]) == ("ab", None)
+    assert text(["\n"], 5, [b"a\nb\nc"]) == ("a\nb\nc", None)  # the request ended before min_tokens
 
 
 def error_of(response: httpx.Response) -> dict:
@@ -608,6 +697,14 @@ def test_command_line_mistakes_are_one_line_before_any_work(tmp_path, capsys):
     one_line_error(capsys, "not this machine")
     assert main(["loadgen", "ftp://127.0.0.1", "--prompts", str(prompts), "--requests", "1"]) == 2
     one_line_error(capsys, "not an http(s) URL")
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # (a port of this machine where nothing listens)
+        down = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        for model in ([], ["--model", "demo"]):
+            assert main(["loadgen", down, "--prompts", str(prompts), "--requests", "1", *model]) == 2
+            assert capsys.readouterr().err.splitlines() == [
+                f"specgraph: error: URL: no server answers at {down} (All connection attempts failed); start one "
+                "(`specgraph serve RECIPE`), or give the URL it listens at"]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -619,6 +716,27 @@ def test_command_line_mistakes_are_one_line_before_any_work(tmp_path, capsys):
     one_line_error(capsys, "--chat-template")
     assert main(["serve", str(DEMO), "--batch", "2", "--set", "execution=disaggregated"]) == 2
     one_line_error(capsys, "one request at a time")
+
+
+def test_a_request_the_stop_cuts_short_is_told_when_to_retry(tmp_path):
+    """SIGTERM with --grace 0 while a whole answer is decoded: a 503 in OpenAI's shape, with
+    Retry-After (a client retries another server, or this one once it is back)."""
+    served = Served([str(DEMO), "--grace", "0"], tmp_path / "server.log")
+    try:
+        answers = []
+        long = {"model": "demo", "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}  # (no early end)
+        asking = threading.Thread(target=lambda: answers.append(
+            httpx.post(f"{served.url}/v1/completions", json=long, timeout=WAIT)), daemon=True)
+        asking.start()
+        served.until(lambda now: now["specgraph_requests_running"] == 1)
+        served.proc.send_signal(signal.SIGTERM)
+        asking.join(WAIT)
+        [refused] = answers
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1", refused.text
+        assert "shutting down" in error_of(refused)["message"]
+        assert served.proc.wait(timeout=WAIT) == 0, served.log.read_text()
+    finally:
+        served.kill()
 
 
 def test_sigterm_ends_a_multi_process_server_and_every_process_it_started(tmp_path, program):

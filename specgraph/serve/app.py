@@ -8,6 +8,8 @@ prompt tokens in flight (what their waiting costs is host memory), or serving.ma
 requests where the recipe sets it; past that a 503 with Retry-After. Streamed or not, a request's
 text is a TextStream's pieces; a client that leaves (mid-stream, or while a whole answer is
 decoded) has its job aborted, which frees its place in the batch at the engine's next message.
+Each choice carries vLLM's `stop_reason` beside `finish_reason`: the stop string or stop token id
+that ended it, null where none did (an end-of-sequence token, the token budget).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from specgraph.text import Tokenizer
 log = logging.getLogger("specgraph.serve")
 MAX_BODY = 16 << 20  # bytes of a request body at most (a 413 past it)
 QUEUED_TOKENS = 1 << 22  # prompt tokens of the requests in flight at most (some 150 MB of the host's memory)
-RETRY_AFTER = 1  # seconds a client refused for a full queue is told to wait
+RETRY_AFTER = 1  # seconds a client refused with a 503 (a full queue, the server stopping) is told to wait
 
 
 class _Completion:
@@ -48,8 +50,8 @@ class _Completion:
     prompt_field = "prompt"
 
     @staticmethod
-    def choice(text: str, finish: str | None, streamed: bool) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def choice(text: str, finish: str | None, streamed: bool, stop_reason: str | int | None = None) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
 
     opening = None  # a stream's first chunk, before any text
 
@@ -61,12 +63,13 @@ class _Chat:
     prompt_field = "messages"
 
     @staticmethod
-    def choice(text: str, finish: str | None, streamed: bool) -> dict:
+    def choice(text: str, finish: str | None, streamed: bool, stop_reason: str | int | None = None) -> dict:
         said = {"delta": {"content": text} if text or finish is None else {}} if streamed else {
             "message": {"role": "assistant", "content": text}}
-        return {"index": 0, **said, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, **said, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
 
-    opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
+               "stop_reason": None}
 
 
 class _Decoding:
@@ -79,9 +82,11 @@ class _Decoding:
         self.id = uuid.uuid4().hex
         self.events: asyncio.Queue = asyncio.Queue()
         skip = body.skip_special_tokens
-        self.text = TextStream(lambda ids: api.tokenizer.decode(ids, skip), body.stop, body.include_stop_str_in_output)
+        self.text = TextStream(lambda ids: api.tokenizer.decode(ids, skip), body.stop, body.include_stop_str_in_output,
+                               body.min_tokens)
         self.arrival, self.first = time.perf_counter(), None
         self.finish: str | None = None  # "stop" | "length" once the text is done
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if one did
         self.in_engine = False  # accepted and not yet finished there
         self.closed = False
         sampling, loop = api.sampling(body), asyncio.get_running_loop()
@@ -105,7 +110,7 @@ class _Decoding:
                                                                                           event.error.field)
             raise ApiError(400, str(event.error), field)
         if isinstance(event, Failed):
-            raise ApiError(event.status, event.message, kind="server_error")
+            raise _failure(event)
         assert isinstance(event, Accepted), event
         self.in_engine = True
         self.api.metrics.admitted(len(self.prompt))
@@ -116,7 +121,7 @@ class _Decoding:
         if isinstance(event, Failed):
             self.in_engine = False
             self.api.metrics.ended("failed" if event.status == 500 else "aborted")
-            raise ApiError(event.status, event.message, kind="server_error")
+            raise _failure(event)
         assert isinstance(event, Tokens), event
         if self.first is None and event.ids:
             self.first = time.perf_counter()
@@ -126,9 +131,10 @@ class _Decoding:
         ended_by_token = gen is not None and gen.finish_reason == "stop"  # (a stop token: Output's "stop")
         piece = self.text.add(event.ids, last=gen is not None, stop_token=ended_by_token)
         if self.text.stopped:
-            self.finish = "stop"
+            self.finish, self.stop_reason = "stop", self.text.stop
         elif gen is not None:
             self.finish = "stop" if gen.finish_reason == "stop" else "length"  # ("clipped": max_seq_len's length)
+            self.stop_reason = event.stop_token
         if self.finish is not None:
             tokens = len(self.text.ids)
             after_first = time.perf_counter() - self.first
@@ -311,7 +317,7 @@ class Api:
                 piece = await decoding.next()
                 if piece:
                     yield _event(chunk | {"choices": [shape.choice(piece, None, True)]})
-            yield _event(chunk | {"choices": [shape.choice("", decoding.finish, True)]})
+            yield _event(chunk | {"choices": [shape.choice("", decoding.finish, True, decoding.stop_reason)]})
             if usage:
                 yield _event(chunk | {"choices": [], "usage": decoding.usage()})
         except ApiError as exc:
@@ -339,9 +345,14 @@ class Api:
                 task.cancel()
         if not decoded.done() or decoded.cancelled():
             return Response(status_code=499)  # (nobody reads it: the client is gone)
-        return JSONResponse(head | {"object": shape.whole, "choices": [shape.choice(decoded.result(), decoding.finish,
-                                                                                    False)],
-                                    "usage": decoding.usage()})
+        choice = shape.choice(decoded.result(), decoding.finish, False, decoding.stop_reason)
+        return JSONResponse(head | {"object": shape.whole, "choices": [choice], "usage": decoding.usage()})
+
+
+def _failure(event: Failed) -> ApiError:
+    """A job the engine ended unfinished, as its error: a 503 (the server stops) says when to retry."""
+    return ApiError(event.status, event.message, kind="server_error",
+                    headers={"Retry-After": str(RETRY_AFTER)} if event.status == 503 else None)
 
 
 async def _body(http: Request) -> bytes:

@@ -41,6 +41,7 @@ class Refused:
 class Tokens:
     ids: list[int]  # the step's new tokens
     generation: Generation | None  # the job's, once it is finished (its finish_reason); else None
+    stop_token: int | None = None  # the one of its stop_token_ids that ended it, if one did (vLLM's stop_reason)
 
 
 @dataclass
@@ -68,13 +69,21 @@ class Job:
         """Whether it asks for a stopping rule of its own."""
         return self.ignore_eos or bool(self.stop_token_ids) or self.min_tokens > 0
 
+    def stop_token(self, generation: Generation, eos_ids: tuple[int, ...]) -> int | None:
+        """The token of its stop_token_ids that ended it, as vLLM reports it: None where it ended
+        otherwise, or by an end-of-sequence token that ends it anyway (`eos_ids`: the model's)."""
+        last = generation.output_ids[-1] if generation.output_ids else None
+        if generation.finish_reason != "stop" or last not in self.stop_token_ids:
+            return None
+        return None if last in eos_ids and not self.ignore_eos else last
+
 
 class Batched:
     """A serial program's engine: every running job decoded in each step."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.limit = engine.limit
+        self.limit, self.eos_ids = engine.limit, engine.eos_ids
 
     def add(self, job: Job) -> None:
         stops = None if not job.own_stops else (*(() if job.ignore_eos else self.engine.eos_ids), *job.stop_token_ids)
@@ -111,6 +120,7 @@ class OneAtATime:
     settings (only the seed is the job's). A job aborted while they decode it finishes unheard."""
 
     limit = 1
+    eos_ids = ()  # (the only stop tokens of its jobs, which have none of their own: see add)
 
     def __init__(self, program: Program):
         self.program = program
@@ -240,7 +250,7 @@ class EngineLoop:
                 continue
             if finished is not None:
                 del self._jobs[job_id]
-            job.send(Tokens(new, finished))
+            job.send(Tokens(new, finished, None if finished is None else job.stop_token(finished, self.backend.eos_ids)))
 
     def _fail_all(self, failure: Failed) -> None:
         for job_id, job in list(self._jobs.items()):
