@@ -207,8 +207,10 @@ def read_prompts(args: argparse.Namespace, default: str | None) -> list[dict]:
 
 
 def _text_argument(text: str, flag: str) -> str:
-    """A command-line argument as text; Python hands over bytes that are not UTF-8 as lone
-    surrogates (U+DC80-U+DCFF), which no tokenizer takes: refused in one line."""
+    """A command-line argument as text, refused in one line where it is empty, or not UTF-8 (Python
+    hands over such bytes as lone surrogates, U+DC80-U+DCFF, which no tokenizer takes)."""
+    if not text:
+        raise SpecgraphError(f"{flag}: empty; give the text to continue (a prompt needs at least one token)")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -327,12 +329,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         with program:
             encoded = [program.encode(row["prompt"]) for row in prompts]
             began = time.perf_counter()
-            with tqdm(total=len(prompts), desc="prompts", unit="prompt", disable=len(prompts) == 1,
-                      file=sys.stderr) as bar:
+            # (a bar redrawn in place: only where a terminal shows it, not in a log's lines)
+            with tqdm(total=len(prompts), desc="prompts", unit="prompt", file=sys.stderr,
+                      disable=len(prompts) == 1 or not sys.stderr.isatty()) as bar:
                 for index, gen in program.generate_many(encoded, args.max_new_tokens):
                     row = prompts[index]
                     if isinstance(gen, PromptError):
-                        print(f"specgraph: error: prompt {row['id']}: {gen}; skipped", file=sys.stderr)
+                        if len(prompts) > 1:  # (one prompt: its error ends the command, below)
+                            bar.write(f"specgraph: error: prompt {row['id']}: {gen}; skipped", file=sys.stderr)
                         errors.append((index, {"id": row["id"], "error": str(gen)}))
                     else:
                         done[index] = {"id": row["id"], "prompt_tokens": len(encoded[index]),
@@ -344,8 +348,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                                        **({"stats": gen.stats} if gen.stats else {}),
                                        **({"clipped": True} if gen.clipped else {})}
                         if gen.clipped:
-                            print(f"specgraph: note: prompt {row['id']}: max_seq_len {recipe.max_seq_len} cut it to "
-                                  f"{len(gen.output_ids)} new tokens", file=sys.stderr)
+                            bar.write(f"specgraph: note: prompt {row['id']}: max_seq_len {recipe.max_seq_len} cut it "
+                                      f"to {len(gen.output_ids)} new tokens", file=sys.stderr)
                     bar.update()  # (after the prompt is kept: what the bar counts, a Ctrl-C still writes)
     except KeyboardInterrupt:
         stop = {"interrupted": True}
@@ -357,9 +361,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         errors = [error for _, error in sorted(errors, key=lambda e: e[0])]
         _report_run(args, recipe.name, prompts, [done[i] for i in sorted(done)], errors, stop,
                     time.perf_counter() - began)
+    if errors and len(prompts) == 1:
+        where = ("--prompt" if args.prompt is not None else f"--prompts: prompt {errors[0]['id']}"
+                 if args.prompts is not None else "the recipe's prompt")
+        raise SpecgraphError(f"{where}: {errors[0]['error']}")
     if errors:
-        raise SpecgraphError(f"{len(errors)} of {len(prompts)} prompts failed (first: prompt {errors[0]['id']}: "
-                             f"{errors[0]['error']})")
+        raise SpecgraphError(f"{len(errors)} of {len(prompts)} prompts could not be decoded and were skipped (each "
+                             "named above)")
     return 0
 
 
@@ -527,12 +535,16 @@ def _served_recipe(args: argparse.Namespace):
             raise SpecgraphError(f"--draft: {source} is a recipe, which names its own drafter; give a MODEL to serve "
                                  "with --draft, or put the drafter in the recipe")
         return Recipe.from_yaml(source, _overrides(args))
-    models = [(source, "MODEL")] + ([(Path(args.draft), "--draft")] if args.draft is not None else [])
-    for given, flag in models:
-        if not given.exists() and not (is_hub_id(given.as_posix()) and cached_snapshot(given.as_posix())):
-            raise SpecgraphError(f"{flag}: {given} is neither a recipe file, a checkpoint folder nor a model in the "
-                                 f"Hugging Face cache ({cache_folder()}); give one of them (download a model there "
-                                 "with `hf download ORG/NAME`)")
+    if not source.exists() and not (is_hub_id(source.as_posix()) and cached_snapshot(source.as_posix())):
+        raise SpecgraphError(f"MODEL: {source} is neither a recipe file, a checkpoint folder nor a model in the "
+                             f"Hugging Face cache ({cache_folder()}); give one of them (download a model there "
+                             "with `hf download ORG/NAME`)")
+    draft = None if args.draft is None else Path(args.draft)
+    if draft is not None and not draft.is_dir() and not (is_hub_id(args.draft) and cached_snapshot(args.draft)):
+        found = "a file" if draft.exists() else f"neither a folder nor a model in the Hugging Face cache ({cache_folder()})"
+        raise SpecgraphError(f"--draft: {draft} is {found}; a drafter is a checkpoint folder or a hub id (ORG/NAME, "
+                             "downloaded with `hf download ORG/NAME`), not a recipe (a recipe names its own drafter: "
+                             "serve the recipe)")
     return Recipe.of_models(source.as_posix(), args.draft, _overrides(args))
 
 
@@ -757,6 +769,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecgraphError(f"--batch: must be at least 1 (got {args.batch})")
         if getattr(args, "max_new_tokens", None) is not None and args.max_new_tokens < 1:
             raise SpecgraphError(f"--max-new-tokens: must be at least 1 (got {args.max_new_tokens})")
+        if getattr(args, "prompt", None) is not None:  # (before any work, whichever command takes it)
+            _text_argument(args.prompt, "--prompt")
         commands = {"run": cmd_run, "bench": cmd_bench, "compile": cmd_compile, "export": cmd_compile,
                     "inspect": cmd_inspect, "tune": cmd_tune, "report": cmd_report, "serve": cmd_serve,
                     "loadgen": cmd_loadgen, "train-draft": cmd_train_draft,

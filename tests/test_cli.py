@@ -139,12 +139,34 @@ def test_a_drafter_larger_than_its_target_is_warned_of_in_one_line(capsys):
     (["run", str(DEMO), "--set", "max_seq_len=1"], "max_seq_len: Input should be greater than or equal to 2 (got 1)"),
     (["run", str(DEMO), "--set", "serving.block_size=17"],
      "serving.block_size: must be a power of two of at least 16, e.g. 64 (got 17)"),
+    (["serve", str(REPO / "recipes" / "models" / "target"), "--draft", "/nonexistent"], "--draft: /nonexistent is "
+     "neither a folder nor a model in the Hugging Face cache"),
+    (["serve", str(REPO / "recipes" / "models" / "target"), "--draft", str(DEMO)], f"--draft: {DEMO} is a file; a "
+     "drafter is a checkpoint folder or a hub id (ORG/NAME, downloaded with `hf download ORG/NAME`), not a recipe"),
 ])
 def test_bad_input_exits_with_one_line(args, expected, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("specgraph: error: ") and expected in err[-1]
     assert err[-1].count("(got") <= 1 and not any("Traceback" in line for line in err)
+
+
+@pytest.mark.parametrize("command", ["run", "bench", "tune"])
+def test_an_empty_prompt_is_one_line_before_loading(command, tmp_path, monkeypatch, capsys):
+    reads = weight_reads(monkeypatch)
+    assert main([command, str(DEMO), "--prompt", "", *(["-o", str(tmp_path / "t.yaml")] if command == "tune" else [])
+                 ]) == 2
+    assert reads == []
+    assert capsys.readouterr().err.splitlines() == [
+        "specgraph: error: --prompt: empty; give the text to continue (a prompt needs at least one token)"]
+
+
+def test_a_prompt_that_does_not_fit_is_one_line(capsys):
+    """(after loading: the tokenizer counts its tokens)"""
+    assert main(["run", str(DEMO), "--set", "max_seq_len=8", "--prompt", "x = 1 + 2 + 3 + 4 + 5 + 6 + 7 + 8"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("specgraph: loading")]
+    assert len(err) == 1 and re.fullmatch(r"specgraph: error: --prompt: a prompt of \d+ tokens does not fit: prompts "
+                                          r"need 1 to 7 tokens \(max_seq_len 8\)", err[0]), err
 
 
 def test_a_batch_whose_pool_outgrows_memory_is_refused_before_loading(monkeypatch, capsys):

@@ -121,8 +121,12 @@ def test_a_failing_prompt_is_skipped_and_the_others_kept(tmp_path, capsys):
     out = tmp_path / "out.json"
     assert main(["run", str(DEMO), "--prompts", str(prompts), "--max-new-tokens", "4", "--set", "max_seq_len=64",
                  "--json", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert "prompt long: a prompt of" in err and "skipped" in err and "1 of 3 prompts failed" in err
+    err = capsys.readouterr().err.splitlines()  # (standard error is no terminal here: no progress bar in the lines)
+    assert all(line.startswith("specgraph: ") for line in err), err
+    [named] = [line for line in err if "long" in line]  # once, with why
+    assert re.fullmatch(r"specgraph: error: prompt long: a prompt of \d+ tokens does not fit: prompts need 1 to 63 "
+                        r"tokens \(max_seq_len 64\); skipped", named), named
+    assert err[-1] == "specgraph: error: 1 of 3 prompts could not be decoded and were skipped (each named above)"
     data = json.loads(out.read_text())
     assert [r["id"] for r in data["results"]] == ["short", "also"] and data["errors"][0]["id"] == "long"
     assert "interrupted" not in data and "failed" not in data  # (a skipped prompt does not stop the run)
