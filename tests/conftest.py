@@ -20,7 +20,9 @@ import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDED = REPO / "recipes" / "models"  # the demo pair: target + draft, shipped in the repository
-SHARED = REPO.parent / "shared" / "fixtures"  # mid, hybrid and the prompt file live only here
+SHARED = REPO.parent / "shared" / "fixtures"  # mid, hybrid and the whole prompt file live only here
+# the first 16 prompts of ../shared/fixtures/prompts_code.jsonl, shipped: tests over the demo pair run in any clone
+SHIPPED_PROMPTS = REPO / "tests" / "prompts_code.jsonl"
 
 
 LOCAL = REPO / ".fixtures"  # what a GPU machine, which gets only the checkout, has of ../shared/fixtures
@@ -50,9 +52,20 @@ def shared_prompts() -> Path:
     absent("../shared/fixtures/prompts_code.jsonl")
 
 
+def _read_prompts(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 @pytest.fixture(scope="session")
 def code_prompts() -> list[dict]:
-    return [json.loads(line) for line in shared_prompts().read_text().splitlines()]
+    """The shipped code prompts (SHIPPED_PROMPTS), the same in every checkout."""
+    return _read_prompts(SHIPPED_PROMPTS)
+
+
+@pytest.fixture(scope="session")
+def all_code_prompts() -> list[dict]:
+    """All 64 code prompts of ../shared (a test that needs more than the 16 shipped)."""
+    return _read_prompts(shared_prompts())
 
 
 PROMPTS, NEW_TOKENS = 16, 128  # the greedy-equivalence tests: held-out code prompts x new tokens

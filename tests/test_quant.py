@@ -465,11 +465,11 @@ def divergences(reference, quantized: list, prompts: list[dict]) -> list[float]:
 
 
 def test_awq_writes_what_transformers_loads_and_we_decode_alike_and_errs_less_than_round_to_nearest(tmp_path,
-                                                                                                     code_prompts):
+                                                                                                     all_code_prompts):
     """Scales and clips searched on half the code prompts: on 16 others the int4 model's next-token
     laws are nearer the full-precision model's than round to nearest's (measured: KL 0.027 against
     0.037)."""
-    calibration, held_out = code_prompts[:32], code_prompts[32:48]
+    calibration, held_out = all_code_prompts[:32], all_code_prompts[32:48]
     awq, rtn = tmp_path / "awq", tmp_path / "rtn"
     assert main(["quantize", str(TARGET), "-o", str(awq), "--scheme", "w4a16", "--method", "awq",
                  "--calibration", str(calibration_file(tmp_path, calibration))]) == 0

@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from conftest import EMBEDDED, REPO, SHARED, shared_model
+from conftest import EMBEDDED, REPO, SHIPPED_PROMPTS, shared_model
 from helpers import hf_greedy
 
 from specgraph.bench.tune import Candidate, Measurement, bole_candidates, choose, grid
@@ -16,7 +16,6 @@ from specgraph.program import Program
 from specgraph.recipe import DynamicTree, Recipe
 
 DEMO = REPO / "recipes" / "demo.yaml"
-PROMPTS = SHARED / "prompts_code.jsonl"
 TINY = ["--max-prompts", "2", "--max-new-tokens", "16", "--widths", "1,2", "--depths", "2", "--nodes", "2,4"]
 
 
@@ -77,7 +76,7 @@ def test_bole_candidates_are_the_largest_trees_within_the_budget_known_before_an
 def test_tune_by_bole_rule_stops_before_measuring_drafts_when_no_tree_fits(tmp_path, capsys):
     """The budget is checked once verification is timed: no candidate is decoded, nothing is written."""
     out = tmp_path / "tuned.yaml"
-    assert main(["tune", str(DEMO), "--prompts", str(PROMPTS), "-o", str(out), "--max-prompts", "1",
+    assert main(["tune", str(DEMO), "--prompts", str(SHIPPED_PROMPTS), "-o", str(out), "--max-prompts", "1",
                  "--max-new-tokens", "16", "--widths", "4", "--depths", "2", "--nodes", "8,16",
                  "--rule", "bole", "--epsilon", "1e-9"]) == 2
     err = capsys.readouterr().err
@@ -110,7 +109,7 @@ def tune_and_run(recipe, out, tmp_path, capsys, *flags, measured=("w1 d2 n2", "w
     """`specgraph tune` with a tiny grid, then `specgraph run` of the tuned recipe on the first two
     prompts: (the tuned recipe's drafting tree, the output ids of each prompt, each candidate's mean
     accepted length as tune printed it). `measured`: the candidates whose drafting tune measures."""
-    assert main(["tune", str(recipe), "--prompts", str(PROMPTS), "-o", str(out), *TINY, *flags]) == 0
+    assert main(["tune", str(recipe), "--prompts", str(SHIPPED_PROMPTS), "-o", str(out), *TINY, *flags]) == 0
     captured = capsys.readouterr()
     accepted = {}
     for number, candidate in enumerate(measured, start=1):
@@ -124,7 +123,7 @@ def tune_and_run(recipe, out, tmp_path, capsys, *flags, measured=("w1 d2 n2", "w
     assert out.read_text().startswith(f"# {Recipe.from_yaml(recipe).name}, tuned by `specgraph tune` ({chosen[1]} rule)")
     assert f"epsilon {chosen[5]}" in out.read_text().splitlines()[0]
     prompts = tmp_path / "two.jsonl"
-    prompts.write_text("".join(PROMPTS.read_text().splitlines(keepends=True)[:2]))
+    prompts.write_text("".join(SHIPPED_PROMPTS.read_text().splitlines(keepends=True)[:2]))
     result = tmp_path / "run.json"
     assert main(["run", str(out), "--prompts", str(prompts), "--max-new-tokens", "32", "--json", str(result)]) == 0
     return tree, [r["output_ids"] for r in json.loads(result.read_text())["results"]], accepted
