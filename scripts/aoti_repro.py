@@ -56,6 +56,7 @@ print('RAN', tuple(out[0].shape if isinstance(out, (list, tuple)) else out.shape
 
 def child(code: str, *args, timeout=120, env=None, prefix=()) -> tuple[int, str]:
     cmd = [*prefix, sys.executable, "-c", code, *args]
+    env = {**(env or os.environ), "TORCH_SHOW_CPP_STACKTRACES": "1"}
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -64,8 +65,9 @@ def child(code: str, *args, timeout=120, env=None, prefix=()) -> tuple[int, str]
     return p.returncode, text
 
 
-def tail(text: str, lines=14) -> str:
-    kept = [line for line in text.splitlines() if "UserWarning" not in line and "warnings.warn" not in line]
+def tail(text: str, lines=22) -> str:
+    kept = [line[:300] for line in text.splitlines() if "UserWarning" not in line and "warnings.warn" not in line
+            and not line.startswith("Extension modules")]
     return "\n      ".join(kept[-lines:])
 
 
