@@ -22,12 +22,15 @@ pool of nodes (`_DynamicPlan`); which leaves, and which nodes are kept, are chos
 per request — or, with a verification budget (engine/budget.py), the most likely nodes over the
 whole batch.
 
-Children are chosen per node either deterministically (top-k of the draft logits: greedy and
-typical rules, and dynamic trees) or, for the sampling rule on chain and static trees, drawn
-without replacement from the draft distribution q (a request at temperature 0 draws its argmax
-first). `Tree.proposals` records the distribution each node was drawn from, which is what
-lossless verification needs: q minus the earlier siblings for draws; deterministic choices carry
-none (each node's own one-hot).
+Children are chosen per node in one of three ways. Greedy and typical rules: the top-k of the
+draft logits (dynamic trees: the most likely leaves expanded first). Sampling rule: the top-k of
+the perturbed scores log q + g(seed, t, ·), t the children's sequence index (sampling.py): Gumbel
+top-k, draws without replacement from q with the noise the target samples with, so that the
+target's token is often among them; a dynamic tree expands the leaves whose perturbed scores fall
+least below their best sibling's, summed over their path (`perturbed_children`). Residual rule on
+chain and static trees: drawn without replacement from q with the request's stream, and
+`Tree.proposals` records the distribution each node was drawn from, which that rule needs: q
+minus the earlier siblings; deterministic choices carry none (each node's own one-hot).
 """
 
 from __future__ import annotations
@@ -40,8 +43,11 @@ import torch
 from specgraph.draws import Draws
 from specgraph.recipe import DynamicTree
 from specgraph.runtime.stage import Stage
-from specgraph.sampling import SamplingRows, draw_without_replacement, forbid_stops, probs_from_logits
+from specgraph.sampling import SamplingRows, draw_without_replacement, forbid_stops, perturbed_top, probs_from_logits
 from specgraph.tree import CATCH_UP, Tree, TreeStructure, TreeTopology
+
+
+UNLIKELY = -1e4  # a dynamic tree's score step for a child that cannot be sampled
 
 
 class _DynamicPlan:
@@ -150,6 +156,17 @@ def best_children(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch
     return tokens, logits.float().log_softmax(-1).gather(-1, tokens)
 
 
+def perturbed_children(logits: torch.Tensor, width: int, sampling: SamplingRows, positions: torch.Tensor,
+                       kernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampling rule's children of each node (logits [R, E, V], their tokens at sequence indices
+    positions [R, E]): the `width` best by perturbed score [R, E, W], and each one's score less the
+    best's (<= 0, so a path's sum never grows: a selection by it is ancestor-closed; a child past
+    the filters' tokens, which the target never samples, gets UNLIKELY, finite, so that it stays a
+    leaf to expand last)."""
+    tokens, scores = perturbed_top(logits, sampling, positions, width, kernel)
+    return tokens, (scores - scores[..., :1]).clamp(min=UNLIKELY)
+
+
 @dataclass
 class Draft:
     """The grown trees and where their nodes were fed: the handle that `Drafter.commit` takes, so
@@ -228,7 +245,7 @@ class Drafter:
         if self.static is not None:
             return Draft(self._grow_static(roots, root_logits, requests, feed, sampling, draws),
                          self.static.fed_at.expand(requests.size, -1), requests.feeds)
-        grown = self._grow_dynamic(roots, root_logits, requests, feed)
+        grown = self._grow_dynamic(roots, root_logits, requests, feed, sampling)
         return select(grown, self.dynamic.nodes, self.dynamic.depth, self.dynamic.width, budget, requests.feeds, live)
 
     def commit(self, draft: Draft, paths: torch.Tensor, requests: Requests) -> None:
@@ -284,12 +301,15 @@ class Drafter:
         last = feeds[:, None] + f - new + torch.arange(new, device=device)  # [R, new]: the new nodes' columns
         return logits.gather(1, last[..., None].expand(-1, -1, logits.shape[-1]))
 
-    def _choose(self, logits: torch.Tensor, k: int, sampling: SamplingRows | None,
-                draws: Draws | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """k children of each of E nodes of R static trees with draft logits [R, E, V]: tokens [R, E,
-        k] and, where they are drawn (the sampling rule), the distribution each was drawn from [R, E,
-        k, V] (None for the top-k)."""
-        if self.rule != "sampling":
+    def _choose(self, logits: torch.Tensor, k: int, sampling: SamplingRows | None, draws: Draws | None,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """k children of each of E nodes of R static trees with draft logits [R, E, V], their tokens at
+        sequence indices positions [R, E]: tokens [R, E, k] and, where they are drawn from the
+        requests' streams (the residual rule), the distribution each was drawn from [R, E, k, V]
+        (None for the top-k, perturbed or not)."""
+        if self.rule == "sampling":
+            return perturbed_top(logits, sampling, positions, k, self.stage.kernels.perturbed_top)[0], None
+        if self.rule != "residual":
             return logits.topk(k, dim=-1).indices, None  # [R, E, k]
         remaining = probs_from_logits(logits, sampling)  # [R, E, V]
         tokens = draw_without_replacement(remaining, k, draws)  # [R, E, k]
@@ -316,7 +336,8 @@ class Drafter:
                 logits = feed(tokens[:, fed], plan.fed_depths[: level.fed].expand(r, -1),
                               plan.lineage[: level.fed, : level.fed].expand(r, -1, -1),
                               plan.sources[: level.fed].expand(r, -1), level.expanding.numel())  # [R, E, V]
-            chosen, drawn_from = self._choose(logits, level.width, sampling, draws)
+            positions = (requests.lengths + depth)[:, None].expand(r, logits.shape[1])  # [R, E]: the children's
+            chosen, drawn_from = self._choose(logits, level.width, sampling, draws, positions)
             tokens[:, level.kids] = chosen[:, level.rows, level.ranks]
             if drawn_from is not None:
                 if proposals is None:
@@ -324,10 +345,11 @@ class Drafter:
                 proposals[:, level.kids] = drawn_from[:, level.rows, level.ranks]
         return Tree(tokens, plan.parents.expand(r, -1), proposals, plan.structure.expand(r))
 
-    def _grow_dynamic(self, roots: torch.Tensor, root_logits: torch.Tensor, requests: Requests, feed) -> _Grown:
+    def _grow_dynamic(self, roots: torch.Tensor, root_logits: torch.Tensor, requests: Requests, feed,
+                      sampling: SamplingRows | None) -> _Grown:
         """Maximum-likelihood expansion, per request: each step feeds the W leaves of highest
         cumulative draft log-probability (ties: the earlier created) and gives each its W most
-        likely children."""
+        likely children; under the sampling rule, by perturbed scores (`perturbed_children`)."""
         plan, device, r = self.dynamic, self.stage.device, requests.size
         w, size = plan.width, plan.pool
         rows = torch.arange(r, device=device)[:, None]
@@ -354,7 +376,11 @@ class Drafter:
                 seen = lineage[rows, so_far].gather(2, so_far[:, None, :].expand(-1, s * w, -1))  # [R, F, F]
                 logits = feed(tokens.gather(1, so_far), depths.gather(1, so_far), seen,
                               fed_at.gather(1, parents.gather(1, so_far)), w)
-            chosen, gained = best_children(logits, w)  # [R, E, W]
+            if self.rule == "sampling":  # (children of nodes at depth d take sequence index L + d)
+                positions = requests.lengths[:, None] + depths.gather(1, expanding)  # [R, E]
+                chosen, gained = perturbed_children(logits, w, sampling, positions, self.stage.kernels.perturbed_top)
+            else:
+                chosen, gained = best_children(logits, w)  # [R, E, W]
             kids = slice(plan.first_child(s), plan.first_child(s) + chosen.shape[1] * w)
             parent = expanding.repeat_interleave(w, dim=1)  # [R, E W]
             tokens[:, kids], parents[:, kids] = chosen.flatten(1), parent

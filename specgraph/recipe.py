@@ -130,10 +130,14 @@ class BudgetSpec(_Strict):
 class VerifySpec(_Strict):
     """How a stage accepts the drafts of the stage it verifies."""
 
-    rule: Literal["greedy", "sampling", "typical"] | None = Field(
+    rule: Literal["greedy", "sampling", "residual", "typical"] | None = Field(
         None,
-        description="greedy (exact, temperature 0), sampling (lossless speculative sampling, temperature > 0), "
-        "typical (lossy typical acceptance, opt-in); default: greedy at temperature 0, else sampling",
+        description="greedy (exact, temperature 0); sampling (temperature > 0: each token the argmax of the "
+        "target's log-probabilities plus Gumbel noise keyed by the seed, its position and the token, so every recipe "
+        "samples exactly the tokens of the target alone with the same seed; the drafter proposes with the same "
+        "noise); residual (lossless SpecInfer speculative sampling: the target's distribution, but the tokens "
+        "depend on the drafts); typical (lossy typical acceptance, opt-in); default: greedy at temperature 0, "
+        "else sampling",
     )
     typical_threshold: float = Field(0.09, gt=0, le=1, description="typical: hard probability floor epsilon")
     typical_alpha: float = Field(0.3, gt=0, le=1, description="typical: entropy-scaled floor delta")
@@ -181,10 +185,11 @@ class SamplingSpec(_Strict):
     temperature: float = Field(0.0, ge=0, description="0: greedy (the argmax); above 0: sampled at this temperature")
     top_p: float = Field(1.0, gt=0, le=1, description="keep the most likely tokens until their mass reaches top_p")
     top_k: NonNegativeInt = Field(0, description="keep the k most likely tokens; 0 = no top-k filter")
-    seed: int = Field(0, description="the seed of each request's random stream: sampled "
-                      "tokens are reproducible where every step's tree is fixed (`serving.speculation: always`, or "
-                      "no drafter); `adaptive` picks each step's tree from measured times, so its draws differ run "
-                      "to run, from the same distribution")
+    seed: int = Field(0, description="what keys a request's sampling: under the sampling rule a prompt, its "
+                      "settings and a seed give the tokens the target alone samples with that seed, whatever the "
+                      "drafter, tree, batch, budget or executor (on a GPU in bf16, where the target's logits are the "
+                      "same bits: `lowering.row_invariant`); under residual and typical, tokens repeat only where "
+                      "every step's tree is fixed. A server request without a seed gets a fresh one")
 
 
 KernelKind = Literal["auto", "reference", "triton"]
@@ -240,7 +245,7 @@ class ServingSpec(_Strict):
         "depths, whichever is expected to give the batch the most tokens per second (step times measured when the "
         "program loads, acceptance as the requests go); always: every step speculates with the recipe's tree. An "
         "EAGLE-3 head, fed by every target step, always speculates. Either way sampled output follows the target's "
-        "distribution; a seed reproduces its tokens only under always")
+        "distribution, and under the sampling rule a seed gives the same tokens whichever steps speculate")
     max_waiting: NonNegativeInt | None = Field(None, description="specgraph serve: requests waiting for a place in "
                                                "the batch at most, more refused (503, Retry-After) until some finish; "
                                                "default: every request waits its turn (its prompt in host memory)")

@@ -2,7 +2,13 @@
 tree's accepted path and bonus token.
 
 - greedy: exact; accepts a child whose token is the target's argmax at its parent.
-- sampling: lossless multi-candidate speculative sampling (SpecInfer/Sequoia): a node's children
+- sampling: lossless and drafter-invariant: the target's token at each node is its perturbed
+  argmax, argmax_v(log p(v) + g(seed, t, v)) with t the sequence index it would take (sampling.py),
+  and a child is accepted where it is that token (greedy's walk on those argmaxes). Each token
+  follows p exactly and depends on the seed alone, so a request decodes the tokens the target
+  alone samples with its seed, whatever drafted them.
+- residual: lossless multi-candidate speculative sampling (SpecInfer/Sequoia), whose tokens depend
+  on the drafts and the order of draws: a node's children
   are tried in rank order; child c is accepted with probability min(1, p(x_c) / r_c(x_c)), where
   r_c is the distribution c was drawn from (`Tree.proposals`; a chosen child's is its one-hot);
   each rejection replaces p by the normalised residual max(0, p - r_c). If no child is accepted
@@ -11,11 +17,11 @@ tree's accepted path and bonus token.
   than min(threshold, alpha * exp(-entropy(p))); the bonus is drawn from p. Opt-in only.
 
 The logits come packed, as the target's forward gave them ([T, V], `grid` [R, N + 1] each node's
-row): greedy takes the argmax of the packed rows before gathering. Every rule runs on the device
+row): greedy and sampling take the (perturbed) argmax of the packed rows before gathering. Every rule runs on the device
 with no host synchronisation (greedy and sampling acceptance are kernels, see kernels/accept;
 typical is max_depth x max children steps of tensor operations): the verdict stays in device
 buffers until the executor reads it once per step. Random numbers come from each request's own
-stream (draws.py), so a request's verdicts do not depend on the batch it is in.
+stream or key (draws.py), so a request's verdicts do not depend on the batch it is in.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from specgraph.draws import Draws
 from specgraph.kernels import Kernels
 from specgraph.kernels.accept.reference import draw, rows_at, walk_tree
 from specgraph.recipe import VerifySpec
-from specgraph.sampling import SamplingRows, probs_from_logits
+from specgraph.sampling import SamplingRows, perturbed_top, probs_from_logits
 from specgraph.tree import Tree
 
 
@@ -48,17 +54,24 @@ class Verdict:
 
 
 def verify(tree: Tree, logits: torch.Tensor, grid: torch.Tensor, spec: VerifySpec, sampling: SamplingRows,
-           draws: Draws | None, kernels: Kernels = Kernels()) -> Verdict:
+           draws: Draws | None, kernels: Kernels = Kernels(), segments: torch.Tensor | None = None,
+           positions: torch.Tensor | None = None) -> Verdict:
     """logits [T, V] packed; grid [R, N + 1]: the row of each tree node (-1: padding, never tried);
-    `draws`: the requests' random streams (None where nothing draws: greedy)."""
+    `draws`: the requests' random streams (the residual and typical rules); segments [T]: each
+    packed row's request, positions [T]: the sequence index of the token its logits choose (the
+    sampling rule)."""
     node = grid.clamp(min=0)
     index = torch.arange(tree.size, device=grid.device)
     tokens = torch.where(index < tree.counts()[:, None], tree.tokens, -1)  # padding matches nothing
-    if spec.rule == "greedy":
-        best = logits.argmax(-1)[node]  # [R, N + 1]
-        return Verdict(*kernels.accept_greedy(tokens, tree.parents, tree.ancestors, tree.depths, best, tree.max_depth))
+    if spec.rule in ("greedy", "sampling"):
+        if spec.rule == "greedy":
+            best = logits.argmax(-1)  # [T]
+        else:
+            best = perturbed_top(logits, sampling.take(segments), positions, 1, kernels.perturbed_top)[0][:, 0]
+        return Verdict(*kernels.accept_greedy(tokens, tree.parents, tree.ancestors, tree.depths, best[node],
+                                              tree.max_depth))
     probs = probs_from_logits(logits[node], sampling)  # [R, N + 1, V]
-    if spec.rule == "sampling":
+    if spec.rule == "residual":
         uniforms = draws.uniform(tree.max_depth * tree.child_table.shape[2] + 1)
         proposals = None if tree.proposals is None else tree.proposals.float()
         return Verdict(*kernels.accept_sampling(tokens, tree.child_table, probs, proposals, uniforms, tree.max_depth))

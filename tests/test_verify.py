@@ -1,6 +1,6 @@
-"""Verification rules. Sampling is tested statistically: output frequencies of the engine over
-Markov-chain models with known distributions approach the target's, one request at a time and
-many at once."""
+"""Verification rules. The residual rule is tested statistically: output frequencies of the engine
+over Markov-chain models with known distributions approach the target's, one request at a time and
+many at once (the sampling rule's tests: tests/test_seeded.py)."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from specgraph.tree import Tree, TreeTopology
 from specgraph.verify import verify
 
 V = 6
-GREEDY, SAMPLING, TYPICAL = (VerifySpec(rule=rule) for rule in ("greedy", "sampling", "typical"))
+GREEDY, SAMPLING, RESIDUAL, TYPICAL = (VerifySpec(rule=rule) for rule in ("greedy", "sampling", "residual", "typical"))
 
 
 def one(tokens, parents, proposals=None) -> Tree:
@@ -68,10 +68,11 @@ def test_verification_makes_no_host_reads():
     tree = one([0, 1, 2, 3, 4], [-1, 0, 0, 1, 3], torch.full((1, 5, V), 1.0 / V))
     logits, grid = torch.randn(5, V), grid_of(tree)
     sampling = SamplingRows.of([SamplingSpec(temperature=1.0, top_k=3)], "cpu")
-    streams = [Draws.of([0], "cpu") for _ in range(3)]
+    streams = [Draws.of([0], "cpu") for _ in range(4)]
+    segments, positions = torch.zeros(5, dtype=torch.long), torch.arange(5) + 7
     with HostReads() as reads:
-        verdicts = [verify(tree, logits, grid, spec, sampling, draws)
-                    for spec, draws in zip((GREEDY, SAMPLING, TYPICAL), streams)]
+        verdicts = [verify(tree, logits, grid, spec, sampling, draws, segments=segments, positions=positions)
+                    for spec, draws in zip((GREEDY, SAMPLING, RESIDUAL, TYPICAL), streams)]
         counts = [v.accepted(tree) for v in verdicts]
     assert reads.seen == [] and all(new.shape == (1, 4) for _, new in counts)
     assert all(v.paths.shape == (1, 4) and v.bonus.shape == (1,) for v in verdicts)
@@ -103,7 +104,7 @@ def two_token_frequencies(plan, sampling, samples: int, batch: int = 1) -> tuple
     """Empirical joint of the first two generated tokens after prompt [0], over `samples` seeds
     decoded `batch` at a time, and the exact target and draft joints."""
     p, q = markov_tables(11)
-    engine = markov_engine(p, None if plan is None else q, plan, "sampling", sampling, batch=batch)
+    engine = markov_engine(p, None if plan is None else q, plan, "residual", sampling, batch=batch)
     requests = [engine.add_request([0], 2, sampling.model_copy(update={"seed": seed})) for seed in range(samples)]
     while engine.busy:
         engine.step()
@@ -150,8 +151,8 @@ def test_a_request_samples_the_same_tokens_alone_and_in_a_batch():
     p, q = markov_tables(3)
     sampling = SamplingSpec(temperature=1.0)
     plan = TreeTopology.from_spec(StaticTree(branching=[2, 2]))
-    alone = markov_engine(p, q, plan, "sampling", sampling).generate([1, 2], 24, seed=7).output_ids
-    engine = markov_engine(p, q, plan, "sampling", sampling, batch=4)
+    alone = markov_engine(p, q, plan, "residual", sampling).generate([1, 2], 24, seed=7).output_ids
+    engine = markov_engine(p, q, plan, "residual", sampling, batch=4)
     requests = [engine.add_request([1, 2] if seed == 7 else [seed % V], 24, sampling.model_copy(update={"seed": seed}))
                 for seed in (3, 7, 11, 5)]
     while engine.busy:

@@ -16,6 +16,7 @@ from torch import nn
 
 from specgraph.kernels.accept import accept_greedy_reference, accept_sampling_reference
 from specgraph.kernels.attention import attention_reference
+from specgraph.kernels.gumbel import perturbed_top_reference
 from specgraph.kernels.gated_delta import gated_delta_commit_reference, gated_delta_step_reference
 from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.kernels.linear import linear_reference
@@ -31,6 +32,7 @@ TRITON = {"attention": ("attention", "attention"), "rope_write": ("rope", "rope_
           "add_rmsnorm": ("norm", "add_rmsnorm"), "rmsnorm": ("norm", "rmsnorm"),
           "swiglu": ("swiglu", "swiglu"), "kv_move": ("kv_move", "kv_move"),
           "accept_greedy": ("accept", "accept_greedy"), "accept_sampling": ("accept", "accept_sampling"),
+          "perturbed_top": ("gumbel", "perturbed_top"),
           "gated_delta_step": ("gated_delta", "gated_delta_step"), "gated_delta_commit": ("gated_delta", "gated_delta_commit")}
 
 # what a row-invariant stage runs: `{op}_invariant` from invariant.py where the Triton kernel's
@@ -64,6 +66,7 @@ class Kernels:
     kv_move: Callable = kv_move_reference
     accept_greedy: Callable = accept_greedy_reference
     accept_sampling: Callable = accept_sampling_reference
+    perturbed_top: Callable = perturbed_top_reference
     gated_delta_step: Callable = gated_delta_step_reference
     gated_delta_commit: Callable = gated_delta_commit_reference
 

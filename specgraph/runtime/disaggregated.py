@@ -112,6 +112,7 @@ class VerifySide:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
         start = time.perf_counter()
         draws = Draws.of([seed], self.device) if self.verifier.draws else None
+        self.sampling.seed.fill_(seed)  # (the sampling rule's key)
         prompt = torch.tensor(prompt_ids, device=self.device)
         self.sequence.start(prompt)
         features = self.verifier.prefill(prompt)
@@ -248,7 +249,8 @@ class DraftSide:
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
         growing = isinstance(self.drafter, GrowingDrafter)
-        draws = None if growing else Draws.of([seed + 1], self.device)
+        draws = None if growing else Draws.of([seed + 1], self.device)  # (the residual rule's: not the target's)
+        self.sampling.seed.fill_(seed)  # (the sampling rule's key: the target's)
         prompt = torch.tensor(prompt_ids, device=self.device)
         self.sequence.start(prompt)
         if self.head:

@@ -380,6 +380,7 @@ class DraftingPeer(PipelinePeer):
         self.drafter.prefill(prompt)
         self.fed = max(0, len(prompt_ids) - CATCH_UP)
         self.stream = stream(seed, self.index, self.device) if self.draws else None
+        self.sampling.seed.fill_(seed)  # (the sampling rule's key: every stage's)
         self.tree_out = False  # a tree is out, its CHECK not in yet
 
     def can_step(self) -> bool:
@@ -445,6 +446,7 @@ class VerifyingPeer(PipelinePeer):
         self.verifier.prefill(torch.tensor(prompt_ids, device=self.device))
         self.fed = len(prompt_ids) - 1
         self.stream = stream(seed, self.index, self.device) if self.verifier.draws else None
+        self.sampling.seed.fill_(seed)  # (the sampling rule's key: every stage's)
         self.tree: tuple[list[int], list[int], torch.Tensor | None] | None = None  # a tree from below, unverified
 
     def can_step(self) -> bool:

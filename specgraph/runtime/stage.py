@@ -41,6 +41,7 @@ class Stage:
         self.name = name
         self.model = model
         self.device = device
+        self.kernels = kernels
         self.vocab = vocab
         self.capacity, self.block_size = capacity, block_size
         per_request = -(-capacity // block_size)

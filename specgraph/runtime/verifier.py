@@ -30,8 +30,8 @@ class Verifier:
 
     @property
     def draws(self) -> bool:
-        """Whether verification draws random numbers (then it needs each request's stream)."""
-        return self.spec.rule != "greedy"
+        """Whether verification draws from each request's stream (the residual and typical rules)."""
+        return self.spec.rule in ("residual", "typical")
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor | None:
@@ -71,9 +71,11 @@ class Verifier:
                 draws: Draws | None) -> Verdict:
         """The verdict on the trees from their logits [T, V]; where `sampling` is given, no request's
         stop token is chosen before its min_length (the token a node's logits choose sits one past it)."""
+        segments, positions = layout.token_segments(), layout.positions + 1  # [T] each
         if sampling is not None and sampling.forbids:
-            logits = forbid_stops(logits, sampling.take(layout.token_segments()), layout.positions + 1)
-        return verify(tree, logits, layout.grid[:, : tree.size], self.spec, sampling, draws, self.kernels)
+            logits = forbid_stops(logits, sampling.take(segments), positions)
+        return verify(tree, logits, layout.grid[:, : tree.size], self.spec, sampling, draws, self.kernels, segments,
+                      positions)
 
     def commit(self, paths: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> None:
         """Keep each request's accepted path (paths [R, D + 1], root first, -1 padded): its K/V move to
