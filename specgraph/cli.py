@@ -185,7 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (default 1e-3)")
     train.add_argument("--batch", type=int, default=8, help="windows per step (default 8)")
     train.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
-    train.add_argument("--ttt", type=int, default=4, help="rounds of the training-time test (default 4)")
+    train.add_argument("--ttt", type=int, default=5, help="rounds of the training-time test: the deepest tree's "
+                       "depth at least (default 5)")
+    train.add_argument("--decay-steps", type=int, help="after the warm-up, a cosine from --lr to a tenth of it by this "
+                       "step (default: none, --lr throughout)")
+    train.add_argument("--init", type=Path, metavar="HEAD", help="start from this head's weights (its vocabulary, "
+                       "layers and MLP width) instead of random ones")
     train.add_argument("--draft-vocab", type=int, help="the head's vocabulary: the data's most frequent tokens, at "
                        "most the target's vocabulary (default: 32000 or the target's, whichever is fewer)")
     train.add_argument("--intermediate-size", type=int, help="the head's MLP width (default: the target's)")
@@ -622,7 +627,8 @@ def cmd_train_draft(args: argparse.Namespace) -> None:
         except ValueError:
             raise SpecgraphError(f"--layers: three layer indices, as 2,4,5 (got {args.layers!r})") from None
     for flag, value in (("--steps", args.steps), ("--batch", args.batch), ("--ttt", args.ttt),
-                        ("--draft-vocab", args.draft_vocab), ("--seq-len", args.seq_len - 2)):
+                        ("--draft-vocab", args.draft_vocab), ("--seq-len", args.seq_len - 2),
+                        ("--decay-steps", args.decay_steps)):
         if value is not None and value < 1:
             raise SpecgraphError(f"{flag}: must be at least {3 if flag == '--seq-len' else 1}")
     if not args.lr > 0:
@@ -634,7 +640,8 @@ def cmd_train_draft(args: argparse.Namespace) -> None:
         raise SpecgraphError(f"--intermediate-size: must be at least 1 (got {args.intermediate_size})")
     device = str(device_flag(args.device))
     out = train(TrainSpec(args.target, args.data, args.output, args.steps, layers, args.lr, args.batch, args.seq_len,
-                          args.ttt, args.draft_vocab, args.intermediate_size, args.dtype, args.seed, device=device))
+                          args.ttt, args.draft_vocab, args.intermediate_size, args.dtype, args.seed,
+                          args.decay_steps, args.init, device=device))
     print(f"wrote {out}")
 
 

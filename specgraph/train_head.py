@@ -3,11 +3,17 @@
 Each step draws `batch` windows of `seq_len` tokens from the data (its texts tokenized by the
 target's tokenizer, joined end to end), runs the target over them once, through our own model, for
 the features a head drafts from (the inputs of its three layers: what verification hands over at
-inference), and trains the head with EAGLE-3's training-time test: `ttt` rounds, round j feeding
-at each position p the head's own output of round j - 1 (round 0: the fused features) with token
-p + 1 + j, attending to the round-0 pairs up to p and to its own earlier rounds at p — what a
-draft node at depth j sees at inference (head.py) — and predicting token p + 2 + j; round j's loss
-weighs 0.8^j. The draft vocabulary is the data's most frequent tokens.
+inference) and its next-token distributions, and trains the head with EAGLE-3's training-time
+test: `ttt` rounds, round j feeding at each position p the head's own output of round j - 1
+(round 0: the fused features) with token p + 1 + j, attending to the round-0 pairs up to p and to
+its own earlier rounds at p — what a draft node at depth j sees at inference (head.py) — and
+predicting token p + 2 + j. Its label is the target's own distribution of that token (softmax of
+the target's logits over the draft vocabulary), not the data's token, as EAGLE-3 trains: the head
+must predict what the target would say; positions where the target's choice lies outside the draft
+vocabulary are left out (their share is reported as the vocabulary's coverage). Round j's loss
+weighs 0.8^j. The draft vocabulary is the data's most frequent tokens. The learning rate warms up
+linearly (over min(100, steps / 10) steps), then follows a cosine to a tenth of --lr by
+`decay_steps` where one is given, else stays.
 
 OUT gets the published layout (config.json naming LlamaForCausalLMEagle3; model.safetensors
 without embed_tokens: the target's), and OUT/training/ what a later run resumes from:
@@ -19,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -50,11 +57,13 @@ class TrainSpec:
     lr: float = 1e-3
     batch: int = 8
     seq_len: int = 256
-    ttt: int = 4  # rounds of the training-time test
+    ttt: int = 5  # rounds of the training-time test (at least the deepest tree's depth)
     draft_vocab: int | None = None  # at most the target's vocabulary (None: DRAFT_VOCAB or the target's, fewer)
     intermediate_size: int | None = None  # the head's MLP width (None: the target's)
     dtype: str = "float32"  # of the weights written to OUT/model.safetensors
     seed: int = 0
+    decay_steps: int | None = None  # the cosine's length (None: a constant rate after the warm-up)
+    init: Path | None = None  # a head to start from (its vocabulary, layers and width): None, a random one
     save_every: int = 100
     device: str = "cpu"
 
@@ -62,7 +71,8 @@ class TrainSpec:
         """What a resumed run must share with the one it resumes (all but the step count and where saves go)."""
         kept = {k: v for k, v in asdict(self).items() if k not in ("steps", "out", "save_every", "device", "dtype")}
         kept |= {"target": str(self.target), "data": hashlib.sha256(self.data.read_bytes()).hexdigest(),
-                 "layers": list(self.layers) if self.layers else None}
+                 "layers": list(self.layers) if self.layers else None,
+                 "init": hashlib.sha256((self.init / "model.safetensors").read_bytes()).hexdigest() if self.init else None}
         return kept
 
 
@@ -157,12 +167,26 @@ def rounds(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, ttt: 
     return out
 
 
+def _start(init: Path, target: Path, device: torch.device) -> Eagle3Head:
+    """--init: a head for `target` to start from."""
+    config = read_config(init)
+    if not is_head(config):
+        raise SpecgraphError(f"--init: {init} is not an EAGLE-3 head ({config.architectures[0]})")
+    head = load_model(init, torch.float32, device)
+    if head.target_vocab != read_config(target).vocab_size:
+        raise SpecgraphError(f"--init: {init} is a head for a vocabulary of {head.target_vocab}, not the target's")
+    if head.head.features is None:
+        raise SpecgraphError(f"--init: {init} names no target layers (eagle_aux_hidden_state_layer_ids)")
+    return head
+
+
 class Trainer:
     def __init__(self, spec: TrainSpec):
         self.spec, device = spec, torch.device(spec.device)
         draft_vocab = check_target(spec.target, spec.draft_vocab)
         target = load_model(spec.target, torch.float32, device)
-        layers = spec.layers or eagle.default_features(target.shape.num_layers)
+        start = _start(spec.init, spec.target, device) if spec.init else None
+        layers = start.head.features if start else spec.layers or eagle.default_features(target.shape.num_layers)
         if len(layers) != 3 or not all(0 <= i < target.shape.num_layers for i in layers):
             raise SpecgraphError(f"--layers: three layers of the target's {target.shape.num_layers} (0.."
                                  f"{target.shape.num_layers - 1}) (got {','.join(map(str, layers))})")
@@ -175,10 +199,13 @@ class Trainer:
         resumed = self._resumed()
         vocab = target.shape.vocab_size
         ids = resumed["d2t"].to(device) + torch.arange(resumed["d2t"].numel(), device=device) if resumed else (
-            torch.bincount(self.stream, minlength=vocab).argsort(descending=True, stable=True)[:draft_vocab]
+            start.target_ids() if start else torch.bincount(self.stream, minlength=vocab).argsort(descending=True, stable=True)[:draft_vocab]
             .sort().values)  # [Vd] the target ids the head covers
         spec.out.mkdir(parents=True, exist_ok=True)
-        write_output(spec.out / "config.json", json.dumps(head_config(spec.target, spec, layers, ids.numel()), indent=2))
+        config = head_config(spec.target, spec, layers, ids.numel())
+        if start:
+            config["intermediate_size"] = start.shape.intermediate_size
+        write_output(spec.out / "config.json", json.dumps(config, indent=2))
         config = read_config(spec.out)
         with torch.device(device):
             self.head = Eagle3Head(head_shape(config, spec.out))
@@ -193,6 +220,10 @@ class Trainer:
         self.step = 0
         if resumed:
             self._resume(resumed)
+        elif start:
+            with torch.no_grad():
+                for name, param in self.params.items():
+                    param.copy_(start.state_dict()[name])
         else:
             self._initialise()
         self.target = Stage("target", target, spec.seq_len, device, requests=spec.batch, capture=tuple(layers))
@@ -253,36 +284,54 @@ class Trainer:
         return self.stream[starts[:, None] + torch.arange(self.spec.seq_len, device=self.stream.device)]
 
     @torch.no_grad()
-    def features(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The target's features at every token of the windows tokens [B, S] -> [B, S, C H]."""
+    def features(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's features and logits at every token of the windows tokens [B, S] -> [B, S, C H], [B, S, V]."""
         b, s = tokens.shape
         device = tokens.device
         offsets = torch.arange(s, device=device).expand(b, -1)
         causal = torch.ones(s, s, dtype=torch.bool, device=device).tril().expand(b, -1, -1)
         packed, layout = self.target.pack(tokens, offsets, torch.arange(b, device=device),
                                           torch.zeros(b, dtype=torch.long, device=device), offsets, causal, s)
-        return self.target.forward_features(packed, layout)[1].view(b, s, -1)
+        logits, features = self.target.forward_features(packed, layout)
+        return features.view(b, s, -1), logits.view(b, s, -1)
 
-    def train_step(self) -> tuple[float, float]:
-        """One optimizer step -> round 0's loss and top-1 accuracy."""
+    def rate(self) -> float:
+        """This step's learning rate: the warm-up, then the cosine where `decay_steps` is given."""
+        spec = self.spec
+        warm = max(1, min(100, spec.steps // 10))
+        if self.step < warm or spec.decay_steps is None:
+            return spec.lr * min(1.0, (self.step + 1) / warm)
+        done = min(1.0, (self.step - warm) / max(1, spec.decay_steps - warm))
+        return spec.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
+
+    def train_step(self) -> tuple[float, float, float]:
+        """One optimizer step -> round 0's loss, its top-1 agreement with the target, and the share of
+        the target's choices the draft vocabulary covers."""
         spec = self.spec
         tokens = self.windows()
-        logits = rounds(self.head, self.features(tokens), tokens, spec.ttt)
+        features, target_logits = self.features(tokens)
+        logits = rounds(self.head, features, tokens, spec.ttt)
+        ids = self.head.d2t + torch.arange(self.head.d2t.numel(), device=tokens.device)  # [Vd] their target ids
+        chosen = self.draft_ids[target_logits.argmax(-1)]  # [B, S]: the target's choice as a draft id (-100: none)
+        wanted = target_logits.index_select(-1, ids).softmax(-1)  # [B, S, Vd]
         losses, accuracy = [], 0.0
         for j, round_logits in enumerate(logits):
-            labels = self.draft_ids[tokens[:, 2 + j :]]  # [B, S - 2 - j]
-            predicted = round_logits[:, : labels.shape[1]]
-            losses.append(DECAY ** j * F.cross_entropy(predicted.flatten(0, 1), labels.flatten(), ignore_index=-100))
+            n = tokens.shape[1] - 2 - j  # round j at p predicts token p + 2 + j: the target's logits at p + 1 + j
+            covered = (chosen[:, 1 + j : 1 + j + n] >= 0).float()
+            predicted = round_logits[:, :n].log_softmax(-1)
+            loss = -((wanted[:, 1 + j : 1 + j + n] * predicted).sum(-1) * covered).mean()
+            losses.append(DECAY ** j * loss)
             if j == 0:
-                accuracy = float((predicted.argmax(-1) == labels).float().mean())
+                accuracy = float((predicted.argmax(-1) == chosen[:, 1 : 1 + n]).float().mean())
+                coverage = float(covered.mean())
         for group in self.optimizer.param_groups:
-            group["lr"] = spec.lr * min(1.0, (self.step + 1) / max(1, min(100, spec.steps // 10)))  # warm-up
+            group["lr"] = self.rate()
         self.optimizer.zero_grad(set_to_none=True)
         sum(losses).backward()
         nn.utils.clip_grad_norm_(self.params.values(), 1.0)
         self.optimizer.step()
         self.step += 1
-        return float(losses[0].detach()), accuracy
+        return float(losses[0].detach()), accuracy, coverage
 
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -296,14 +345,22 @@ def train(spec: TrainSpec) -> Path:
     from tqdm import tqdm
 
     trainer = Trainer(spec)
+    first, began, covered = trainer.step, time.perf_counter(), []
+    window = spec.batch * spec.seq_len
     with tqdm(total=spec.steps, initial=min(trainer.step, spec.steps), desc="train-draft", unit="step") as bar:
         while trainer.step < spec.steps:
-            loss, accuracy = trainer.train_step()
+            loss, accuracy, coverage = trainer.train_step()
+            covered.append(coverage)
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{accuracy:.3f}")
+            rate = (trainer.step - first) * window / (time.perf_counter() - began)
+            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{accuracy:.3f}", tok_s=f"{rate:.0f}")
             if trainer.step % spec.save_every == 0 or trainer.step == spec.steps:
                 trainer.save()
     if not (spec.out / "model.safetensors").is_file():  # (resumed at or past --steps: nothing trained, all written)
         trainer.save()
+    if covered:
+        seconds = time.perf_counter() - began
+        print(f"trained steps {first + 1}-{trainer.step}: {(trainer.step - first) * window} tokens in {seconds:.0f} s, "
+              f"{(trainer.step - first) * window / seconds:.0f} tokens/s; the draft vocabulary ({trainer.head.d2t.numel()} "
+              f"ids) covers {100 * sum(covered) / len(covered):.1f}% of the target's next tokens on the data")
     return spec.out
-

@@ -6,6 +6,7 @@ resumes exactly; heads and training data we do not support are refused in one li
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -272,6 +273,25 @@ def test_train_draft_refuses_bad_data_and_targets_in_one_line(tmp_path, capsys, 
     assert "holds a run with other settings (lr)" in capsys.readouterr().err
 
 
+def test_train_draft_starts_from_a_head_and_reports_its_rate_and_coverage(tmp_path, capsys, trained):
+    """--init HEAD: the run starts from HEAD's weights and vocabulary (one step at a negligible rate
+    leaves them); the last line reports tokens/s and the vocabulary's coverage of the target's
+    choices; --init of a model that is no head is refused in one line."""
+    data = training_data(tmp_path / "data.jsonl")
+    capsys.readouterr()
+    assert main(["train-draft", str(TARGET), "--data", str(data), "-o", str(tmp_path / "out"), "--batch", "2",
+                 "--seq-len", "32", "--steps", "1", "--lr", "1e-12", "--init", str(trained)]) == 0
+    report = capsys.readouterr().out.splitlines()[-2]
+    assert re.fullmatch(r"trained steps 1-1: 64 tokens in \d+ s, \d+ tokens/s; the draft vocabulary \(512 ids\) "
+                        r"covers \d+\.\d% of the target's next tokens on the data", report), report
+    before, after = load_file(trained / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert all(torch.allclose(before[k].float(), after[k].float(), atol=1e-6) for k in before)
+    assert main(["train-draft", str(TARGET), "--data", str(data), "-o", str(tmp_path / "bad"), "--init", str(TARGET)]) == 2
+    assert capsys.readouterr().err.strip() == (f"specgraph: error: --init: {TARGET} is not an EAGLE-3 head "
+                                               "(LlamaForCausalLM)")
+
+
 @pytest.mark.parametrize("shape", list(TREES))
 def test_the_shipped_head_decodes_as_the_target_alone(target_reference, shape):
     program = Program.from_recipe(two_stage(TARGET, SHIPPED, TREES[shape], max_new_tokens=128))
@@ -363,3 +383,39 @@ def test_the_head_drafts_in_a_process_of_its_own(target_reference):
         assert program.generate(one, 24).output_ids == alone.generate(one).output_ids
     assert max(len(ids) for ids, _ in target_reference[:4]) > 64  # (prompts of several feature messages)
     assert sum(accepted) / len(accepted) > 1.5  # the head's drafts are really being accepted
+
+
+def test_head_data_writes_the_targets_continuations_and_keeps_the_validation_split_out(tmp_path, capsys):
+    """`python3 -m specgraph.head_data`: batched, left-padded, the target's greedy continuations are
+    transformers' unbatched greedy ones; a validation text gives only its opening to VAL; a run cut
+    short resumes to the same file."""
+    from helpers import hf_greedy
+
+    from specgraph.head_data import cut, is_validation, main as head_data
+    from specgraph.text import Tokenizer
+
+    sources = sorted((REPO / "specgraph").glob("*.py"), key=lambda f: f.name)
+    texts = [f.read_text() for f in sources]
+    held = next(t for t in (f.read_text() for f in sorted((REPO / "specgraph").rglob("*.py"))) if is_validation(t)
+                and len(Tokenizer(TARGET).encode(t)) >= 64)
+    data = tmp_path / "split.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in [held, *texts]))
+    args = ["--data", str(data), "--val", str(tmp_path / "val.jsonl"), "--prompts", "5", "--prompt-tokens", "32",
+            "--new-tokens", "12", "--temperatures", "0", "--batch", "2"]
+    assert head_data([str(TARGET), "-o", str(tmp_path / "whole.jsonl"), *args]) == 0
+    written = [json.loads(line)["text"] for line in (tmp_path / "whole.jsonl").read_text().splitlines()]
+    prompts, val = cut([held, *texts], Tokenizer(TARGET), 32, 2)
+    assert len(written) == 5 and val[0] == Tokenizer(TARGET).encode(held)[:32]
+    assert [json.loads(line)["prompt"] for line in (tmp_path / "val.jsonl").read_text().splitlines()][0] == \
+        Tokenizer(TARGET).decode(val[0])
+    expected = hf_greedy(TARGET, [{"prompt": Tokenizer(TARGET).decode(p)} for p in prompts[:5]], 12)
+    assert written == [Tokenizer(TARGET).decode(ids + new) for ids, new in expected]
+    assert not any(held[:200] in text for text in written)
+    lines = (tmp_path / "whole.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "parts.jsonl").write_text("".join(lines[:2]))  # a run stopped after its first batch
+    assert head_data([str(TARGET), "-o", str(tmp_path / "parts.jsonl"), *args]) == 0
+    assert (tmp_path / "parts.jsonl").read_text() == (tmp_path / "whole.jsonl").read_text()
+    capsys.readouterr()
+    assert head_data([str(TARGET), "-o", str(tmp_path / "x.jsonl"), *args[:-4], "--temperatures", "hot"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "head_data: error: --temperatures: numbers, as 0,0.7 (got 'hot')"
