@@ -113,6 +113,18 @@ def probe_package(path: Path, device: str, model, x, gdb: str | None) -> list[st
     """Each loader in a fresh process -> the names that loaded and ran."""
     import torch
     worked = []
+    so = so_of(path, Path(tempfile.mkdtemp()))
+    if so is not None:
+        rc, text = child("import torch, ctypes, sys; ctypes.CDLL(sys.argv[1]); print('DLOPEN ok')", str(so))
+        say(f"  dlopen of {so.name} after import torch: rc {rc} {tail(text, 4)}")
+        ldd = subprocess.run(["ldd", str(so)], capture_output=True, text=True).stdout
+        say("  ldd: " + " | ".join(line.strip() for line in ldd.splitlines()))
+        site = Path(torch.__file__).parent
+        lib = [str(site / "lib"), *map(str, sorted(site.parent.glob("nvidia/**/lib")))]
+        ldd = subprocess.run(["ldd", str(so)], capture_output=True, text=True,
+                             env={**os.environ, "LD_LIBRARY_PATH": ":".join(lib)}).stdout
+        say("  ldd with torch's lib dirs: " + " | ".join(line.strip() for line in ldd.splitlines()
+                                                          if "cuda" in line or "torch" in line or "not found" in line))
     for name, (before, load) in LOADERS.items():
         if device != "cuda" and name in ("cuda-init", "cuda-tensor"):
             continue
@@ -138,18 +150,6 @@ def probe_package(path: Path, device: str, model, x, gdb: str | None) -> list[st
             frames = [line for line in text.splitlines() if line.startswith("#") or "signal" in line.lower()
                       or "libcuda" in line]
             say("  gdb, plain load:\n      " + "\n      ".join(f[:220] for f in frames[:45]))
-    so = so_of(path, Path(tempfile.mkdtemp()))
-    if so is not None:
-        rc, text = child("import torch, ctypes, sys; ctypes.CDLL(sys.argv[1]); print('DLOPEN ok')", str(so))
-        say(f"  dlopen of {so.name} after import torch: rc {rc} {tail(text, 4)}")
-        ldd = subprocess.run(["ldd", str(so)], capture_output=True, text=True).stdout
-        say("  ldd: " + " | ".join(line.strip() for line in ldd.splitlines()))
-        site = Path(torch.__file__).parent
-        lib = [str(site / "lib"), *map(str, sorted(site.parent.glob("nvidia/**/lib")))]
-        ldd = subprocess.run(["ldd", str(so)], capture_output=True, text=True,
-                             env={**os.environ, "LD_LIBRARY_PATH": ":".join(lib)}).stdout
-        say("  ldd with torch's lib dirs: " + " | ".join(line.strip() for line in ldd.splitlines()
-                                                          if "cuda" in line or "torch" in line or "not found" in line))
     try:  # in the compiling process (CUDA initialised, inductor imported)
         runner = torch._inductor.aoti_load_package(str(path))
         out = runner(x)
@@ -210,6 +210,8 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seconds", type=float, default=240)
     ap.add_argument("--no-program", action="store_true")
+    ap.add_argument("--cases", default="linear,pointwise,linear-embed-cubin",
+                    help="which packages, in order (a package takes ~80 s to compile on the H200)")
     args = ap.parse_args()
     import torch
     say("torch", torch.__version__, "cuda", torch.version.cuda, "python", sys.version.split()[0],
@@ -217,12 +219,20 @@ def main():
     cc = shutil.which("g++") or shutil.which("c++")
     cc_version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[0] if cc else "none"
     say("compiler", cc, cc_version, "| gdb", shutil.which("gdb"), "| nvcc", shutil.which("nvcc"))
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        release = [l for l in subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.splitlines()
+                   if "release" in l]
+        say("nvcc:", release[:1], "| CUDA_HOME", os.environ.get("CUDA_HOME"), "| torch's cuda_home",
+            getattr(__import__("torch.utils.cpp_extension", fromlist=["CUDA_HOME"]), "CUDA_HOME", None))
     gdb = shutil.which("gdb")
     folder = Path(tempfile.mkdtemp())
     worked = {}
     cases = [("linear", Linear(), None), ("pointwise", Pointwise(), None)]
     if args.device == "cuda":
         cases.append(("linear-embed-cubin", Linear(), {"aot_inductor.embed_kernel_binary": True}))
+    wanted = args.cases.split(",")
+    cases = sorted((c for c in cases if c[0] in wanted), key=lambda c: wanted.index(c[0]))
     for name, model, options in cases:
         if time.time() - T0 > args.seconds * 0.6:
             say(f"{name}: skipped (time)")
