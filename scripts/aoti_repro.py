@@ -81,6 +81,18 @@ class Linear(__import__("torch").nn.Module):
         return self.l(x)
 
 
+class MatMul(__import__("torch").nn.Module):
+    """x @ w alone: one extern matmul, no Triton kernel at all (Linear's bias add becomes one, a .cubin)."""
+
+    def __init__(self):
+        import torch
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return x @ self.w
+
+
 class Pointwise(__import__("torch").nn.Module):
     def forward(self, x):
         return (x * 2 + 1).sin() * x.cos()
@@ -210,7 +222,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seconds", type=float, default=240)
     ap.add_argument("--no-program", action="store_true")
-    ap.add_argument("--cases", default="linear,pointwise,linear-embed-cubin",
+    ap.add_argument("--cases", default="matmul,linear,pointwise,linear-embed-cubin",
                     help="which packages, in order (a package takes ~80 s to compile on the H200)")
     args = ap.parse_args()
     import torch
@@ -228,7 +240,7 @@ def main():
     gdb = shutil.which("gdb")
     folder = Path(tempfile.mkdtemp())
     worked = {}
-    cases = [("linear", Linear(), None), ("pointwise", Pointwise(), None)]
+    cases = [("matmul", MatMul(), None), ("linear", Linear(), None), ("pointwise", Pointwise(), None)]
     if args.device == "cuda":
         cases.append(("linear-embed-cubin", Linear(), {"aot_inductor.embed_kernel_binary": True}))
     wanted = args.cases.split(",")
@@ -243,7 +255,7 @@ def main():
         except Exception as e:  # noqa: BLE001
             say(f"{name}: compile failed: {type(e).__name__}: {str(e)[:400]}")
             continue
-        worked[name] = probe_package(path, args.device, model, x, gdb if name == "linear" else None)
+        worked[name] = probe_package(path, args.device, model, x, gdb if name in ("matmul", "linear") else None)
         say(f"{name}: loaders that loaded and ran: {worked[name] or 'none'}")
     usable = [w for w in LOADERS if all(w in v for v in worked.values())] if worked else []
     say("loaders that worked for every package:", usable or "none")
