@@ -1,6 +1,7 @@
 """Parallel tree generation (SwiftSpec): the drafter of asynchronous executors keeps one tree that
-outlives each step. It grows by maximum-likelihood expansion while the target verifies what was
-sent, and each verdict re-roots it at the last accepted token: if the bonus token is already a
+outlives each step. It grows by maximum-likelihood expansion (under the sampling rule, by the
+perturbed scores of draft.perturbed_children, keyed by each node's absolute position, which a
+re-root does not change) while the target verifies what was sent, and each verdict re-roots it at the last accepted token: if the bonus token is already a
 (grown) node, the subtree under it survives — its K/V kept and compacted in place, nothing
 recomputed — and the next tree can be sent at once; otherwise the drafter restarts from the bonus.
 
@@ -23,16 +24,19 @@ from __future__ import annotations
 
 import torch
 
-from specgraph.draft import Requests, best_children, catch_up
+from specgraph.draft import Requests, best_children, catch_up, perturbed_children
 from specgraph.runtime.stage import Stage
+from specgraph.sampling import SamplingRows
 from specgraph.tree import CATCH_UP, Growth
 
 UNUSED, LEAF, EXPANDED = 0, 1, 2
 
 
 class GrowingDrafter:
-    def __init__(self, stage: Stage, growth: Growth):
-        self.stage, self.growth = stage, growth
+    def __init__(self, stage: Stage, growth: Growth, sampling: SamplingRows | None = None):
+        """`sampling`: the request's settings and seed where the sampling rule verifies (children
+        and scores are then the perturbed ones: draft.perturbed_children), else None (the most likely)."""
+        self.stage, self.growth, self.sampling = stage, growth, sampling
         p, f, device = growth.pool, growth.region, stage.device
         self.tokens = torch.zeros(p, dtype=torch.long, device=device)  # [P]
         self.parents = torch.full((p,), -1, dtype=torch.long, device=device)  # [P]
@@ -69,7 +73,7 @@ class GrowingDrafter:
         self.size.fill_(1)
         self.fed_count.fill_(1)
         self._children(torch.zeros(1, dtype=torch.long, device=self.stage.device), torch.ones(1, dtype=torch.bool,
-                                                                                              device=self.stage.device), logits)
+                                                                                              device=self.stage.device), logits, length)
         for _ in range(self.growth.first - 1):
             self.expand(length, width)
 
@@ -93,12 +97,19 @@ class GrowingDrafter:
                                         start, offsets, visible, width)  # [B, V]
         self.status.index_put_((pick,), torch.where(valid, EXPANDED, self.status.index_select(0, pick)))
         self.fed_count += b
-        self._children(pick, valid, logits)
+        self._children(pick, valid, logits, length)
 
-    def _children(self, parents: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor) -> None:
-        """Make the W most likely children of each of `parents` [E] (logits [E, V]) at the next free indices."""
+    def _children(self, parents: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor, length: torch.Tensor) -> None:
+        """Make the W most likely children of each of `parents` [E] (logits [E, V]; `length` [] tokens
+        committed, the root the last) at the next free indices (the sampling rule: the W best by perturbed score)."""
         w = self.growth.width
-        tokens, gained = best_children(logits, w)  # [E, W]
+        if self.sampling is None:
+            tokens, gained = best_children(logits, w)  # [E, W]
+        else:  # (a child of a node at depth d takes sequence index length + d)
+            positions = length + self.depths.index_select(0, parents)  # [E]
+            tokens, gained = perturbed_children(logits[None], w, self.sampling, positions[None],
+                                                self.stage.kernels.perturbed_top)
+            tokens, gained = tokens[0], gained[0]
         new = self.size + torch.arange(parents.numel() * w, device=self.stage.device)  # [E W]
         parent = parents.repeat_interleave(w)  # [E W]
         self.tokens.index_put_((new,), tokens.flatten())
