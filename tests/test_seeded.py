@@ -11,12 +11,13 @@ power check: an acceptance rule biased by 0.02 fails the same bound."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
 import torch
 import transformers
-from conftest import EMBEDDED, shared_model
+from conftest import EMBEDDED, REPO, shared_model
 from helpers import decode_requests, markov_engine, simulated_distances, total_variation, two_stage
 
 from specgraph.draws import gumbel
@@ -195,6 +196,33 @@ def test_pipeline_execution_samples_the_target_alone_tokens(alone):
                                  "stages": stages})
     with Program.from_recipe(pipeline) as program:
         assert decoded(program, 9) == expected(alone, 9)
+
+
+def test_the_server_streams_each_seed_the_target_alone_tokens_whatever_shares_its_batch(alone, tmp_path):
+    """`specgraph serve` of a sampling recipe under the adaptive policy, four requests at once: two
+    identical ones of the same seed stream the same text, and each of mixed seeds, temperatures and
+    top-p streams the text of the target alone's tokens for its settings."""
+    from test_server import serving
+
+    asks = [({"temperature": 0.8}, 7), ({"temperature": 0.8}, 7), ({"temperature": 1.0, "top_p": 0.9}, 3),
+            ({"temperature": 0.6, "top_p": 0.8}, 5)]
+    args = [str(REPO / "recipes" / "demo.yaml"), "--batch", "4", "--set", "sampling.temperature=0.8",
+            "--set", "stages.1.verify.rule=sampling", "--set", f"max_new_tokens={NEW}"]
+    for server in serving(args, tmp_path / "server.log"):
+        client = server.client()
+
+        def streamed(ask) -> str:
+            settings, seed = ask
+            stream = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=NEW, seed=seed, stream=True,
+                                               **settings)
+            return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+
+        with ThreadPoolExecutor(len(asks)) as pool:
+            texts = list(pool.map(streamed, asks))
+    ids = alone.encode(PROMPTS[0])
+    wanted = [alone.tokenizer.decode(alone.sample(ids, NEW, seed, **settings), skip_special_tokens=True)
+              for settings, seed in asks]
+    assert texts[0] == texts[1] and texts == wanted
 
 
 # -- top-k, top-p, min_tokens and stop tokens
