@@ -90,8 +90,8 @@ def test_dynamic_tree_keeps_the_most_likely_nodes():
         lambda ids: chain_logits(d.stage.model, ids)[-1], committed, spec)
 
 
-def test_sampling_drafts_record_their_proposals():
-    d = drafter(TreeTopology.from_spec(StaticTree(branching=[3])), rule="sampling")
+def test_residual_drafts_record_their_proposals():
+    d = drafter(TreeTopology.from_spec(StaticTree(branching=[3])), rule="residual")
     tree = draft(d, torch.randint(0, 4096, (5,)), seed=3, sampling=SamplingSpec(temperature=1.0, top_k=50))
     q, tokens = tree.proposals[0], tree.tokens[0]  # [4, V], [4]
     assert torch.allclose(q[1:].sum(-1), torch.ones(3))
@@ -102,7 +102,8 @@ def test_sampling_drafts_record_their_proposals():
 @pytest.mark.parametrize("plan, size", [(TreeTopology.from_spec(StaticTree(branching=[3, 2, 1])), 1 + 3 + 6 + 6),
                                         (DynamicTree(width=3, depth=3, nodes=10), 11)], ids=["static", "dynamic"])
 def test_drafting_reads_nothing_on_the_host(plan, size):
-    for rule, sampling in (("greedy", SamplingSpec()), ("sampling", SamplingSpec(temperature=0.9, top_k=40))):
+    for rule, sampling in (("greedy", SamplingSpec()), ("sampling", SamplingSpec(temperature=0.9, top_k=40)),
+                           ("residual", SamplingSpec(temperature=0.9, top_k=40))):
         d = drafter(plan, rule)
         committed = torch.randint(0, 4096, (10,))
         d.prefill(committed)
