@@ -90,12 +90,18 @@ def hf_greedy(checkpoint: Path, prompts: list[dict], new_tokens: int) -> list[tu
     """transformers' greedy continuation (fp32) of each prompt's text: [(prompt ids, new ids)]."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
-    out = []
-    for row in prompts:
-        ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-        gen = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
-        out.append((ids, gen[0, len(ids):].tolist()))
-    return out
+    encoded = [tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] for row in prompts]
+    return [(ids, hf_continuation(hf, ids, new_tokens)) for ids in encoded]
+
+
+@torch.no_grad()
+def hf_continuation(hf: nn.Module, ids: list[int], new_tokens: int, served_vocab: int | None = None) -> list[int]:
+    """The new ids of transformers' greedy `generate` after `ids` with the model `hf` (its config's
+    end-of-sequence token ends it), choosing among its first `served_vocab` tokens only where given
+    (a widened model's padding rows past them)."""
+    padding = list(range(served_vocab, hf.config.vocab_size)) if served_vocab else None
+    gen = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, suppress_tokens=padding)
+    return gen[0, len(ids):].tolist()
 
 
 def run_noting_projections(model: nn.Module, run):
@@ -164,6 +170,9 @@ class HostReads(TorchDispatchMode):
 
 
 PROMPT = "def parse(path):\n    with open(path) as f:\n"
+# new tokens after PROMPT of a short check against transformers' greedy tokens (interpreted kernels, several
+# processes): they pass four steps where the demo target's top two logits lie within 1 of each other (one within 0.01)
+ORACLE_TOKENS = 24
 
 
 def _splittable_checkpoint(name: str, folder: Path) -> Path:

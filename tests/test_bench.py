@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 from conftest import EMBEDDED, REPO, shared_model
-from helpers import REDUCED, chain_logits, two_stage
+from helpers import REDUCED, chain_logits, hf_greedy, two_stage
 
 from specgraph.bench.systems import HFSystem, SpecgraphSystem, hf_mirror
 from specgraph.models.widen import SHAPES, draft_shape_for, widen, widened_shape
@@ -267,8 +267,7 @@ def test_widened_recipe_decodes_the_same_tokens():
               "draft": widen(small.stages["draft"].model, LlamaShape(5000, 320, 768, 3, 6, 2, 64, 1e-5), "cpu",
                              torch.float32)}
     wide = Program(graph, models)
-    ids = small.encode("def load(path):\n    with open(path) as f:\n")
-    expected = small.autoregressive().generate(ids, 40).output_ids
+    [(ids, expected)] = hf_greedy(EMBEDDED / "target", [{"prompt": "def load(path):\n    with open(path) as f:\n"}], 40)
     assert wide.generate(ids).output_ids == expected and small.generate(ids).output_ids == expected
 
 
@@ -288,10 +287,8 @@ def test_widened_hybrid_computes_the_same_function():
     with torch.no_grad():
         assert (hf(ids[None]).logits[0, :, :4096] - a).abs().max() < 1e-4
     recipe = two_stage(hybrid, EMBEDDED / "draft", {"shape": "static", "branching": [3, 2, 1]}, max_new_tokens=40)
-    small_program = Program(plan(recipe))
     wide_program = Program(plan(recipe), {"target": wide})
-    prompt = small_program.encode("def load(path):\n    with open(path) as f:\n")
-    expected = small_program.autoregressive().generate(prompt, 40).output_ids
+    [(prompt, expected)] = hf_greedy(hybrid, [{"prompt": "def load(path):\n    with open(path) as f:\n"}], 40)
     assert wide_program.generate(prompt).output_ids == expected
 
 

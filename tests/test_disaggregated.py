@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from conftest import EMBEDDED, REPO, shared_model
-from helpers import (PROMPT, children, descendants, fault_ends_the_run, gone, interruptible, running, sampled_law,
-                     splittable_recipe, total_variation, two_stage, two_token_law)
+from helpers import (ORACLE_TOKENS, PROMPT, children, descendants, fault_ends_the_run, gone, hf_greedy, interruptible,
+                     running, sampled_law, splittable_recipe, total_variation, two_stage, two_token_law)
 
 from specgraph.program import Program
 from specgraph.recipe import Recipe
@@ -112,14 +112,13 @@ def test_the_swiftspec_layouts_plan_on_eight_gpus_and_the_four_gpu_one_decodes_o
 
 def test_a_row_invariant_tensor_parallel_target_decodes_the_target_alone(tmp_path):
     """lowering.row_invariant with the target over two ranks (the invariant kernels, interpreted,
-    in its worker processes; a short prompt): the target's own greedy tokens (ar, reference kernels)."""
-    path = splittable_recipe(tmp_path)
-    recipe = Recipe.from_yaml(path, ["execution=disaggregated", "stages.1.devices=[cpu,cpu]", "max_new_tokens=8",
-                                     "lowering={kernels: reference, row_invariant: true}"])
-    alone = Program.from_recipe(Recipe.from_yaml(path, ["lowering.kernels=reference"]))
-    ids = alone.encode(PROMPT)
+    in its worker processes; a short prompt): transformers' greedy tokens of the (widened) target."""
+    recipe = Recipe.from_yaml(splittable_recipe(tmp_path), [
+        "execution=disaggregated", "stages.1.devices=[cpu,cpu]", f"max_new_tokens={ORACLE_TOKENS}",
+        "lowering={kernels: reference, row_invariant: true}"])
+    [(ids, expected)] = hf_greedy(tmp_path / "target", [{"prompt": PROMPT}], ORACLE_TOKENS)
     with Program.from_recipe(recipe) as program:
-        assert program.generate(ids).output_ids == alone.autoregressive().generate(ids, 8).output_ids
+        assert program.generate(ids).output_ids == expected
 
 
 def test_sampling_through_the_executor_follows_the_target_distribution():

@@ -1,10 +1,10 @@
-"""The Triton kernels wired into a whole program (the interpreter on the CPU) decode the reference
-program's greedy tokens: attention, rotary + cache write, the one-token projection (the drafter's
-steps and autoregressive decoding), add + RMSNorm, SwiGLU, KV moves and acceptance all in use;
-sampled with one seed, they draw the reference's tokens."""
+"""The Triton kernels wired into a whole program (the interpreter on the CPU) decode transformers'
+greedy tokens: attention, rotary + cache write, the one-token projection (the drafter's steps and
+autoregressive decoding), add + RMSNorm, SwiGLU, KV moves and acceptance all in use; sampled with
+one seed, they draw the reference program's tokens."""
 
 from conftest import EMBEDDED
-from helpers import run_noting_projections, two_stage
+from helpers import ORACLE_TOKENS, PROMPT, hf_greedy, run_noting_projections, two_stage
 
 from specgraph.kernels.accept.triton import accept_sampling
 from specgraph.kernels.attention.triton import attention
@@ -12,22 +12,18 @@ from specgraph.kernels.kv_move.triton import kv_move
 from specgraph.program import Program
 
 
-def test_triton_kernels_decode_the_reference_tokens():
-    def program(kernels: str) -> Program:
-        recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "static", "branching": [2, 1]},
-                           max_new_tokens=8, lowering={"kernels": kernels})
-        return Program.from_recipe(recipe)
-
-    fused, reference = program("triton"), program("reference")
+def test_triton_kernels_decode_transformers_tokens():
+    recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "static", "branching": [2, 1]},
+                       max_new_tokens=ORACLE_TOKENS, lowering={"kernels": "triton"})
+    fused = Program.from_recipe(recipe)
     assert fused.stages["target"].model.layers[0].self_attn.kernels.attention is attention
     assert fused.stages["draft"].cache.kernels.kv_move is kv_move
-    ids = fused.encode("def parse(path):\n    with open(path) as f:\n")
+    [(ids, expected)] = hf_greedy(EMBEDDED / "target", [{"prompt": PROMPT}], ORACLE_TOKENS)
     result = fused.generate(ids)
-    assert result.output_ids == reference.generate(ids).output_ids
+    assert result.output_ids == expected
     assert max(result.accepted_lengths) > 1  # drafts were accepted, so KV moves ran on real paths
     # the target's one-token projections (slow in the interpreter: a few steps)
-    single_token = fused.autoregressive().generate(ids, 2).output_ids
-    assert single_token == reference.autoregressive().generate(ids, 2).output_ids == result.output_ids[:2]
+    assert fused.autoregressive().generate(ids, 2).output_ids == expected[:2]
 
 
 def test_triton_kernels_sample_the_reference_tokens():

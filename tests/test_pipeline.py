@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import EMBEDDED, REPO, shared_model
-from helpers import PROMPT, fault_ends_the_run, sampled_law, splittable_recipe, total_variation, two_token_law
+from helpers import (ORACLE_TOKENS, PROMPT, fault_ends_the_run, hf_greedy, sampled_law, splittable_recipe,
+                     total_variation, two_token_law)
 from safetensors.torch import load_file, save_file
 
 from specgraph.bench.pipespec import stage_table, steady_state
@@ -75,12 +76,12 @@ def test_greedy_output_equals_the_last_stage_alone(name, request):
 
 def test_a_row_invariant_last_stage_decodes_the_last_stage_alone():
     """lowering.row_invariant: the last stage verifies windows with the invariant kernels
-    (interpreted; a short prompt): the last stage's own greedy tokens (ar, reference kernels)."""
-    recipe = pipeline(["draft", "target"], max_new_tokens=8, lowering={"kernels": "reference", "row_invariant": True})
-    alone = Program.from_recipe(pipeline(["draft", "target"], max_new_tokens=8, execution="serial"))
-    ids = alone.encode(PROMPT)
+    (interpreted; a short prompt): transformers' greedy tokens of the last stage."""
+    [(ids, expected)] = hf_greedy(EMBEDDED / "target", [{"prompt": PROMPT}], ORACLE_TOKENS)
+    recipe = pipeline(["draft", "target"], max_new_tokens=ORACLE_TOKENS,
+                      lowering={"kernels": "reference", "row_invariant": True})
     with Program.from_recipe(recipe) as program:
-        assert program.generate(ids).output_ids == alone.autoregressive().generate(ids, 8).output_ids
+        assert program.generate(ids).output_ids == expected
 
 
 def test_tensor_parallel_stages_follow_their_leaders(tmp_path, target_reference):

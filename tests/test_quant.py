@@ -15,8 +15,8 @@ import pytest
 import torch
 import transformers
 from conftest import EMBEDDED, REPO, absent, shared_model
-from helpers import (REDUCED, as_vision_language, hf_greedy, law, seeded_generations, simulated_distances,
-                     total_variation, two_stage, two_token_law)
+from helpers import (REDUCED, as_vision_language, hf_continuation, hf_greedy, law, seeded_generations,
+                     simulated_distances, total_variation, two_stage, two_token_law)
 from safetensors.torch import load_file, save_file
 
 from specgraph.models.widen import widen
@@ -612,10 +612,31 @@ def test_quantizing_in_memory_stores_what_the_written_checkpoint_loads_as(tmp_pa
                 tensor != "zeros" else made.zeros is None, (name, tensor)
 
 
+def dequantized(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` whose QuantLinear projections are plain nn.Linear ones of the weights they
+    stand for (fp32): the function the quantized model computes, for transformers to run."""
+    import copy
+
+    from specgraph.quant.linear import dequantize, put
+
+    dense = copy.deepcopy(model)
+    for name, module in list(dense.named_modules()):
+        if isinstance(module, QuantLinear):
+            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            linear.weight.data = dequantize(module.weight, module.scales, module.zeros, module.format, module.group,
+                                            module.in_features, torch.float32)
+            put(dense, name, linear)
+    return dense
+
+
 def test_widening_to_a_quantized_shape_quantizes_each_layer_and_speculation_stays_exact(capsys):
     """`--widen SHAPE:SCHEME` (models/widen.py): an 8B-like layout (REDUCED) built layer by layer with
-    int4 projections; speculation over it decodes what its own autoregressive decoding does."""
-    graph = plan(two_stage(TARGET, DRAFT, DYNAMIC, max_new_tokens=40))
+    int4 projections; speculation over it decodes what transformers' greedy decoding of the same
+    function does (its weights dequantized, run by transformers' Llama)."""
+    from specgraph.bench.systems import hf_mirror
+    from specgraph.models.loader import read_config
+
+    graph = plan(two_stage(TARGET, DRAFT, DYNAMIC, max_new_tokens=NEW))
     small = Program(graph)
     wide = widen(small.stages["target"].model, REDUCED, "cpu", torch.float32, quantize="w4a16")
     projections = [m for m in wide.layers.modules() if isinstance(m, (QuantLinear, torch.nn.Linear))]
@@ -624,7 +645,8 @@ def test_widening_to_a_quantized_shape_quantizes_each_layer_and_speculation_stay
     program = Program(graph, {"target": wide})
     ids = program.encode("def load(path):\n    with open(path) as f:\n")
     generation = program.generate(ids)
-    assert generation.output_ids == program.autoregressive().generate(ids, 40).output_ids
+    transformers_llama = hf_mirror(dequantized(wide), read_config(TARGET))
+    assert generation.output_ids == hf_continuation(transformers_llama, ids, NEW, served_vocab=wide.served_vocab)
     assert sum(generation.accepted_lengths) > 1.3 * len(generation.accepted_lengths)
     assert main(["bench", str(REPO / "recipes" / "demo.yaml"), "--widen", "llama-3-8b:int3"]) != 0
     assert capsys.readouterr().err.strip().endswith("--widen llama-3-8b:int3: unknown quantization scheme 'int3'; "
