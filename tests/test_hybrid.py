@@ -113,14 +113,14 @@ def test_a_hybrid_drafter_grows_its_own_models_trees_after_any_verdicts(small_hy
     """Over steps with random verdicts (nothing, some or a whole branch accepted, a random bonus),
     from a one-token prompt (its first catch-up feeds one token and its first verdict accepts
     nothing, so nothing is folded) and a longer one: every tree is the one its model, run by
-    transformers over the committed tokens and each node's path, defines; with the sampling rule,
+    transformers over the committed tokens and each node's path, defines; with the residual rule,
     each node's first child is drawn from that node's distribution."""
     hf_small = transformers.AutoModelForCausalLM.from_pretrained(small_hybrid, dtype=torch.float32).eval()
     logits_after = torch.no_grad()(lambda ids: hf_small(ids[None]).logits[0, -1])
     d = Drafter(Stage("draft", load_model(small_hybrid, torch.float32, "cpu"), 160, torch.device("cpu")), plan, "greedy")
     sampling = SamplingSpec(temperature=1.0, top_k=20)
     rows, draws = SamplingRows.of([sampling], "cpu"), Draws.of([0], "cpu")
-    sampler = Drafter(d.stage, plan, "sampling") if isinstance(plan, TreeTopology) else None
+    sampler = Drafter(d.stage, plan, "residual") if isinstance(plan, TreeTopology) else None
     rng = random.Random(1)
     for committed in ([17], torch.randint(0, 4096, (30,)).tolist()):
         buffer = torch.zeros(128, dtype=torch.long)
