@@ -297,6 +297,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.json is not None:
         check_output(args.json, "--json")
+    started = time.perf_counter()
     if args.program is not None:
         if args.recipe is not None:
             raise SpecgraphError("--program: give a compiled folder or a recipe, not both")
@@ -365,7 +366,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:  # also on Ctrl-C or a failed process: what finished is kept (in file order), marked as cut short
         errors = [error for _, error in sorted(errors, key=lambda e: e[0])]
         _report_run(args, recipe.name, prompts, [done[i] for i in sorted(done)], errors, stop,
-                    time.perf_counter() - began)
+                    time.perf_counter() - began, began - started)
     if errors and len(prompts) == 1:
         where = ("--prompt" if args.prompt is not None else f"--prompts: prompt {errors[0]['id']}"
                  if args.prompts is not None else "the recipe's prompt")
@@ -377,10 +378,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _report_run(args: argparse.Namespace, name: str, prompts: list[dict], results: list[dict], errors: list[dict],
-                stop: dict, wall: float) -> None:
+                stop: dict, wall: float, build: float) -> None:
     """The summary line, the completion of a single prompt, and the --json report (`stop`: how the run
     was cut short, {} if it was not: {"interrupted": true} for Ctrl-C, {"failed": why} for a fault;
-    `wall`: the seconds the prompts took, from the first one in to the last one out)."""
+    `wall`: the seconds the prompts took, from the first one in to the last one out; `build`: those
+    before, loading and building the program)."""
     from specgraph.bench.pipespec import stage_table
     from specgraph.files import write_output
     from specgraph.runtime.executor import total_stats
@@ -390,7 +392,7 @@ def _report_run(args: argparse.Namespace, name: str, prompts: list[dict], result
     for r in results:
         r.pop("wall_seconds")
     firsts = [r.pop("first_seconds") for r in results]  # prefill; compilation and capture happen in the first steps
-    summary = {"new_tokens": new_tokens, "wall_seconds": round(wall, 4),
+    summary = {"new_tokens": new_tokens, "wall_seconds": round(wall, 4), "build_seconds": round(build, 2),
                "tokens_per_second": round(new_tokens / wall, 2) if wall > 0 else 0.0,
                "mean_accepted_length": round(sum(steps) / len(steps), 3) if steps else 0.0}
     pipeline = stage_table(total_stats(r.get("stats", {}) for r in results))
@@ -403,7 +405,8 @@ def _report_run(args: argparse.Namespace, name: str, prompts: list[dict], result
         first = (f"{firsts[0]:.2f} s to the first token, prefill and any compilation included" if len(firsts) == 1
                  else f"on average {sum(firsts) / len(firsts):.2f} s from the start to a request's first token, its "
                  "wait behind earlier prompts, prefill and any compilation included")
-        print(f"specgraph: {summary['new_tokens']} new tokens in {summary['wall_seconds']:.2f} s{done} ({first}): "
+        print(f"specgraph: {summary['new_tokens']} new tokens in {summary['wall_seconds']:.2f} s{done}, after a "
+              f"{build:.1f} s build ({first}): "
               f"{summary['tokens_per_second']:.1f} tokens/s, mean accepted length {summary['mean_accepted_length']:.2f}",
               file=sys.stderr)
     if args.json is not None:

@@ -28,10 +28,11 @@ from specgraph.tree import TreeTopology
 
 
 class HeadDrafter(Drafter):
-    def __init__(self, stage: Stage, tree: TreeTopology | DynamicTree, rule: str):
-        """A catch-up feeds up to a step's new tokens: the accepted path and the bonus (D + 1)."""
+    def __init__(self, stage: Stage, tree: TreeTopology | DynamicTree, rule: str, max_feeds: int | None = None):
+        """A catch-up feeds up to a step's new tokens: the accepted path and the bonus (D + 1), or
+        `max_feeds` where a deeper tree's steps feed this one's (the shallower modes of a policy)."""
         depth = tree.depth if isinstance(tree, DynamicTree) else tree.max_depth
-        super().__init__(stage, tree, rule, max_feeds=depth + 1)
+        super().__init__(stage, tree, rule, max_feeds=max_feeds or depth + 1)
         self.span = max(self.span, self.max_feeds)  # (a catch-up's padding columns are written past the pairs)
         self.head = stage.model
 
@@ -41,15 +42,16 @@ class HeadDrafter(Drafter):
         return self.head.fc.in_features
 
     def _forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                 starts: torch.Tensor, offsets: torch.Tensor, visible: torch.Tensor, width: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 starts: torch.Tensor, offsets: torch.Tensor, visible: torch.Tensor, width: int, logits: bool = True
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Stage.forward_rows for a head: tokens [R, E] with their hidden inputs [R, E, H] -> logits
-        [R, E, V] and outputs [R, E, H]."""
+        [R, E, V] (None where not `logits`) and outputs [R, E, H]."""
         r, e = tokens.shape
         packed, layout = self.stage.pack(tokens, positions, rows, starts, offsets, visible, width)
-        logits, out = self.head(packed[None], hidden.flatten(0, 1)[None], self.stage.cache, layout)
+        scores, out = self.head(packed[None], hidden.flatten(0, 1)[None], self.stage.cache, layout, logits)
         index = layout.grid[:, :e].clamp(min=0).flatten()
-        return logits[0].index_select(0, index).view(r, e, -1), out[0].index_select(0, index).view(r, e, -1)
+        out = out[0].index_select(0, index).view(r, e, -1)
+        return (None if scores is None else scores[0].index_select(0, index).view(r, e, -1)), out
 
     @torch.inference_mode()
     def prefill_pairs(self, rows: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor, start: int) -> None:
@@ -74,7 +76,15 @@ class HeadDrafter(Drafter):
         last = length - 2 - start
         return features[last] if 0 <= last < features.shape[0] else None
 
-    def _catch_up(self, requests: Requests, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    @torch.inference_mode()
+    def feed(self, requests: Requests, width: int) -> None:
+        """Feed each request's pending pairs and draft nothing: a plain step's share of the head's
+        work (the next step's pairs overwrite `requests.features`, so none may wait past it), one
+        pass of its layer without its vocabulary projection."""
+        self._catch_up(requests, width, logits=False)
+
+    def _catch_up(self, requests: Requests, width: int, logits: bool = True
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Feed each request's last feeds[r] pairs -> the roots' logits [R, V] and the head's outputs
         at the roots [R, H]. Every request feeds max_feeds columns: those past its feeds[r] are
         padding, written past its pairs (where its tree goes) and seen by none of its pairs."""
@@ -84,10 +94,13 @@ class HeadDrafter(Drafter):
         slots = starts[:, None] + columns  # [R, E]
         tokens = requests.tokens[requests.rows[:, None], (slots + 1).clamp(max=requests.tokens.shape[1] - 1)]
         causal = torch.ones(e, e, dtype=torch.bool, device=device).tril()
-        logits, out = self._forward(tokens, self.head.fuse(requests.features), slots, requests.rows, starts,
-                                    columns.expand(requests.size, -1), causal.expand(requests.size, -1, -1), width)
+        scores, out = self._forward(tokens, self.head.fuse(requests.features), slots, requests.rows, starts,
+                                    columns.expand(requests.size, -1), causal.expand(requests.size, -1, -1), width,
+                                    logits)
+        if scores is None:
+            return None, None
         last = (feeds - 1).clamp(min=0)[:, None, None]  # (no pair yet, a one-token prompt: a draft of padding)
-        return (logits.gather(1, last.expand(-1, 1, logits.shape[-1]))[:, 0],
+        return (scores.gather(1, last.expand(-1, 1, scores.shape[-1]))[:, 0],
                 out.gather(1, last.expand(-1, 1, out.shape[-1]))[:, 0])
 
     @torch.inference_mode()

@@ -5,18 +5,21 @@ peers. Below the programs, ranks and benchmarks that use it; above the runtime i
 from __future__ import annotations
 
 import logging
+import sys
+from contextlib import contextmanager
 
 import torch
+from tqdm import tqdm
 from torch import nn
 
 from specgraph.models.widen import draft_shape_for, widen, widened_shape
 from specgraph.draft import Drafter
 from specgraph.engine.budget import Budget, batch_sizes
-from specgraph.engine.calibrate import budget_table, step_costs
+from specgraph.engine.calibrate import budget_table, prompt_shapes, step_costs, step_shapes, warm_up
 from specgraph.engine.engine import Engine
 from specgraph.engine.policy import Policy, StepCosts
 from specgraph.engine.pool import BlockPool
-from specgraph.engine.runner import Runner
+from specgraph.engine.runner import Mode, Runner
 from specgraph.errors import SpecgraphError
 from specgraph.quant.quantize import SCHEMES
 from specgraph.graph import SpecGraph
@@ -36,7 +39,7 @@ from specgraph.runtime.ranks import Ranks
 from specgraph.runtime.stage import Stage
 from specgraph.runtime.verifier import Verifier
 from specgraph.sampling import SamplingRows
-from specgraph.tree import Growth
+from specgraph.tree import Growth, TreeTopology
 
 
 RECOMPILE_LIMIT = 64  # compiled entries of one function in a process (see compile_model)
@@ -118,8 +121,8 @@ def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None, 
                  epsilon: float | None = None, ranks: Ranks = Ranks()) -> Engine:
     """The engine of a serial program over its loaded verifier and drafter (None: the target alone).
     Where the recipe asks for a verification budget and gives no table, it is calibrated here; where
-    a policy chooses each step's mode (`serving.speculation: adaptive`, a drafter that is not a
-    head), the drafter's shallower trees are its other speculative modes and every mode's step is
+    a policy chooses each step's mode (`serving.speculation: adaptive` with a drafter), the drafter's
+    shallower trees (and a head's chains) are its other speculative modes and every mode's step is
     timed here at batch sizes 1, 2, 4, ... up to serving.max_batch. `speculation` and `epsilon`
     stand for the recipe's serving.speculation and its budget's epsilon (then calibrated) where given.
     Every one of the `ranks` running the engine takes the same decisions: on the slowest rank's times."""
@@ -128,7 +131,7 @@ def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None, 
     target = graph.node(graph.target)
     region = max(graph.node(n)["cache_slots"] for n in graph.stages()) - recipe.max_seq_len
     captured = target["step_graphs"] if drafter is not None else target["alone_step_graphs"]
-    adaptive = speculation == "adaptive" and drafter is not None and not isinstance(drafter, HeadDrafter)
+    adaptive = speculation == "adaptive" and drafter is not None
     runner = Runner(verifier, drafter, serving.max_batch, recipe.max_seq_len + region, target["compile"], captured,
                     shallower(drafter) if adaptive else ())
     pool = BlockPool(target["kv_blocks"], target["block_size"])
@@ -143,28 +146,61 @@ def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None, 
             log.info("timing verification at batch sizes %s for the budget (epsilon %g): %s", sizes, epsilon, first)
             table = budget_table(runner, runner.modes[1], sizes, epsilon, context, agree)
         budget = Budget(table, drafter.nodes)
+    if captured or any(graph.node(n)["compile"] for n in graph.stages()):  # (built now, not while serving)
+        steps = step_shapes(runner, serving.max_batch)
+        prompts = prompt_shapes(runner, serving.max_batch, serving.prefill_chunk)
+        with progress_bar(len(runner.modes) * len(steps) + len(prompts), "building steps and prompt forwards") as done:
+            warm_up(runner, runner.modes, steps, prompts, budget, context, done)
     if adaptive:
         log.info("timing %d step modes (%s) at batch sizes %s for the speculation policy: %s", len(runner.modes),
                  ", ".join(mode.name for mode in runner.modes), sizes, first)
-    costs = StepCosts(step_costs(runner, runner.modes, sizes, budget, context, agree)) if adaptive else None
-    policy = Policy(runner.modes, costs, budget=budget, timed=not ranks.split(graph.target)) if adaptive else None
+    policy = None
+    if adaptive:
+        costs = StepCosts(step_costs(runner, runner.modes, sizes, budget, context, agree))
+        timed = [mode for mode in runner.modes if mode.name in costs.table]
+        policy = Policy(timed, costs, budget=budget, timed=not ranks.split(graph.target))
     return Engine(runner, target["eos_ids"], recipe.max_seq_len, serving.max_batch, pool, region,
                   serving.prefill_chunk, recipe.sampling, budget, policy)
 
 
-def shallower(drafter: Drafter) -> tuple[Drafter, ...]:
-    """Drafters of the same stage growing `drafter`'s tree cut to half its depth (rounded up) and to
-    depth 1, deepest first: a dynamic tree keeps its width and verifies its nodes in proportion."""
+@contextmanager
+def progress_bar(total: int, what: str):
+    """A bar of `total` parts on standard error, where the build's steps are shown (cli.py's
+    build_progress) -> a function to call as each part is done (with a note on it)."""
+    with tqdm(total=total, desc=f"specgraph: {what}", unit="shape", file=sys.stderr, leave=False,
+              disable=not log.isEnabledFor(logging.INFO)) as bar:
+        def done(note: str) -> None:
+            bar.set_postfix_str(note, refresh=False)
+            bar.update()
+
+        yield done
+
+
+def shallower(drafter: Drafter) -> tuple[Mode, ...]:
+    """The other speculative modes a policy chooses from: `drafter`'s tree cut to half its depth
+    (rounded up) and to depth 1, deepest first (a dynamic tree keeps its width and verifies its nodes
+    in proportion); for an EAGLE-3 head also chains of those depths, one node a depth (what pays at
+    a full batch, where verifying a tree's siblings costs more than they give). Each feeds as many
+    of the target's tokens as `drafter` (a head's steps in any mode leave the same pending pairs)."""
     tree, depth = drafter.tree, drafter.max_depth
-    levels = []
-    for cut in sorted({-(-depth // 2), 1} - {depth}, reverse=True):
+    head = isinstance(drafter, HeadDrafter)
+    kind = HeadDrafter if head else Drafter
+    cuts = sorted({-(-depth // 2), 1}, reverse=True)
+    modes = []
+    for cut in cuts:
+        if cut == depth:
+            continue
         if isinstance(tree, DynamicTree):
             pool = tree.width + (cut - 1) * tree.width ** 2  # nodes that `cut` expansions make
             shape = DynamicTree(width=tree.width, depth=cut, nodes=min(pool, max(cut, -(-tree.nodes * cut // depth))))
         else:
             shape = tree.cut(cut)
-        levels.append(Drafter(drafter.stage, shape, drafter.rule, drafter.max_feeds))
-    return tuple(levels)
+        modes.append(Mode(f"depth {cut}", kind(drafter.stage, shape, drafter.rule, drafter.max_feeds)))
+    if head and drafter.nodes > depth:  # (a chain recipe's cuts are its chains)
+        for length in cuts:
+            chain = TreeTopology.from_spec(ChainTree(length=length))
+            modes.append(Mode(f"chain {length}", HeadDrafter(drafter.stage, chain, drafter.rule, drafter.max_feeds)))
+    return tuple(modes)
 
 
 CALIBRATION_CONTEXT = 512  # committed tokens of each request while steps are timed (the budget, the policy)
@@ -227,7 +263,7 @@ def _disaggregated_side(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks
     recipe = graph.recipe
     sampling = SamplingRows.of([recipe.sampling], graph.node(target if ranks.runs(target) else drafter)["device"])
     if ranks.runs(target):
-        drawn = not isinstance(tree, Growth) and node["rule"] == "sampling"
+        drawn = not isinstance(tree, Growth) and node["rule"] == "residual"
         return VerifySide(build_verifier(graph, stages), trees, verdicts, drafter, draft_node["tree_nodes"],
                             draft_node["tree_depth"], drawn, node["eos_ids"], recipe.max_seq_len, node["step_graphs"],
                             sampling)
@@ -237,7 +273,7 @@ def _disaggregated_side(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks
             head.tie_embedding(load_embedding(node["model"].path).to(head.embed_tokens.weight))
         grower = HeadDrafter(stages[drafter], tree, node["rule"])
     elif isinstance(tree, Growth):
-        grower = GrowingDrafter(stages[drafter], tree)
+        grower = GrowingDrafter(stages[drafter], tree, sampling if node["rule"] == "sampling" else None)
     else:
         grower = Drafter(stages[drafter], tree, node["rule"])
     return DraftSide(grower, trees, verdicts, target, recipe.max_seq_len, draft_node["step_graphs"], sampling)
@@ -250,7 +286,8 @@ def _pipeline_peer(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks) -> 
     (name,) = [n for n in names if ranks.runs(n)]
     node, recipe = graph.node(name), graph.recipe
     index = node["index"]
-    draws = recipe.sampling.temperature > 0  # then every message up carries its tokens' distributions
+    # then every message up carries its tokens' distributions (the sampling rule's tokens need none)
+    draws = recipe.sampling.temperature > 0 and any(graph.node(n)["rule"] != "sampling" for n in names[1:])
     vocab = stages[name].logits_width if draws else None
     first = graph.node(names[0])
     trees = not isinstance(first["spec"].tree or ChainTree(), ChainTree)  # the first stage drafts trees

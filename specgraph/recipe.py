@@ -243,8 +243,8 @@ class ServingSpec(_Strict):
     speculation: Literal["adaptive", "always"] = Field(
         "adaptive", description="adaptive: each step runs plain decoding or speculation at one of the drafter's tree "
         "depths, whichever is expected to give the batch the most tokens per second (step times measured when the "
-        "program loads, acceptance as the requests go); always: every step speculates with the recipe's tree. An "
-        "EAGLE-3 head, fed by every target step, always speculates. Either way sampled output follows the target's "
+        "program loads, acceptance as the requests go; an EAGLE-3 head's modes add chains); always: every step "
+        "speculates with the recipe's tree. Either way sampled output follows the target's "
         "distribution, and under the sampling rule a seed gives the same tokens whichever steps speculate")
     max_waiting: NonNegativeInt | None = Field(None, description="specgraph serve: requests waiting for a place in "
                                                "the batch at most, more refused (503, Retry-After) until some finish; "

@@ -17,6 +17,7 @@ from specgraph.models.widen import widen
 from specgraph.cache import KVCache
 from specgraph.draft import Drafter
 from specgraph.engine.engine import Engine
+from specgraph.engine.policy import Policy, StepCosts
 from specgraph.engine.pool import BlockPool
 from specgraph.engine.runner import Runner
 from specgraph.layout import Layout
@@ -581,12 +582,18 @@ class Ledger:
     def __init__(self, prices: dict[str, tuple[float, float]]):
         self.prices, self.total = prices, 0.0
 
-    def clock(self, device):
+    @property
+    def clock(self):
+        """A Clock class (runtime/clock.py) on this simulated time."""
         ledger = self
 
         class Clock:
-            def __init__(self):
+            def __init__(self, device=None):
                 self.marks = []
+
+            @staticmethod
+            def now():
+                return ledger.total
 
             def mark(self):
                 self.marks.append(ledger.total)
@@ -594,7 +601,7 @@ class Ledger:
             def seconds(self):
                 return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
-        return Clock()
+        return Clock
 
     def charged(self, forward):
         """`forward(stage, tokens, layout)` (Stage.forward), charging each call its stage's price."""
@@ -605,3 +612,15 @@ class Ledger:
             return forward(stage, tokens, layout)
 
         return charged
+
+
+class Cycling(Policy):
+    """Runs its modes in turn, whatever they cost: mode switches in the middle of every request."""
+
+    def __init__(self, modes: list):
+        super().__init__(modes, StepCosts({m.name: {1: 1.0} for m in modes}))
+        self.turn = 0
+
+    def choose(self, acceptances, rows=None):
+        self.turn += 1
+        return self.modes[self.turn % len(self.modes)]

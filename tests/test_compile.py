@@ -2,7 +2,7 @@
 verifier's work around the target's forward) decode exactly the eager tokens."""
 
 from conftest import EMBEDDED
-from helpers import two_stage
+from helpers import Cycling, two_stage
 
 from specgraph.program import Program
 
@@ -57,30 +57,52 @@ def test_reference_attention_compiles_with_symbolic_grouped_heads():
     assert torch.allclose(compiled(*inputs), attention_reference(*inputs), atol=1e-5)
 
 
-def test_a_compiled_engine_compiles_its_verification_once_for_every_batch_size():
-    """The verifier's compiled work (the target's forward and what follows it) keeps a step's sizes
-    symbolic: with forwards over the whole capacity (static shapes, as a GPU's captured steps run),
-    decoding at every batch size from 1 to 5 compiles it at most three times (the first size, then
-    symbolic sizes, then 1, which Dynamo specializes), not once a size. (It compiled once a size while
-    the stage's test for a captured size put the step's token count in a Python set: on a GPU each
-    compile of the Llama-3-8B shape's forward took tens of seconds, inside timed runs: GPU runs 103-107.)"""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+def test_a_compiled_engine_compiles_nothing_while_serving():
+    """Every shape a run can meet is built with the engine (calibrate.warm_up): with forwards over
+    the whole capacity (static shapes, as a GPU's captured steps run), requests that join one by one
+    until four decode at once, then finish one by one, each step in the next of the policy's modes
+    (plain decoding, chains of 3, 2 and 1), compile nothing more: Dynamo's count of compiled graphs
+    stays where the build left it. (Compiles while serving cost a real model's shape tens of seconds
+    each, inside timed runs: GPU runs 103-107, 111; a compile a batch size would fail this too.)"""
+    from torch._dynamo.utils import counters
 
-    from specgraph.engine.runner import Runner
+    from specgraph.passes import plan
 
     recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "chain", "length": 3}, max_new_tokens=6,
-                       lowering={"compile": True}, serving={"max_batch": 5})
-    before = len(_debug_get_cache_entry_list(Runner._settle.__code__))
-    with Program.from_recipe(recipe) as program:
-        for stage in program.stages.values():
-            stage.static_shapes = True
+                       lowering={"compile": True}, serving={"max_batch": 4, "speculation": "adaptive"})
+    graph = plan(recipe)
+    for name in graph.stages():
+        graph.node(name)["static_shapes"] = True
+    with Program(graph) as program:
         engine = program.executor
-        prompts = [program.encode(text) for text in ("import os\n", "def f(x):\n", "class A:\n", "x = [1, 2]\n",
-                                                     "for i in range(3):\n")]
-        for batch in (5, 3):  # (each pass ends through every size below its own as its requests finish)
-            engine.limit = batch
-            for ids in prompts[:batch]:
-                engine.add_request(ids, 6)
-            while engine.busy:
-                engine.step()
-        assert len(_debug_get_cache_entry_list(Runner._settle.__code__)) - before <= 3  # (fewer after other programs)
+        engine.policy = Cycling(engine.runner.modes)
+        built = counters["stats"]["unique_graphs"]
+        texts = ("import os\n", "def f(x):\n    return x\n", "class A:\n", "x = [1, 2]\n", "for i in range(3):\n")
+        for new, text in zip((12, 10, 8, 6, 3), texts):  # (joining one by one; the first finishes last)
+            engine.add_request(program.encode(text), new)
+            engine.step()
+        while engine.busy:
+            engine.step()
+        assert set(engine.totals.modes) == {"ar", "depth 3", "depth 2", "depth 1"}
+        assert counters["stats"]["unique_graphs"] == built > 0
+
+
+def test_every_captured_shape_a_run_can_meet_is_built_with_the_engine():
+    """Where steps are captured (a GPU), warm_up builds the rows of a step of any batch from 1 to
+    max_batch, and a prompt forward in the bucket of any feed the engine can give: any number of
+    newcomers up to max_batch, each at most the prefill share, at most prefill_chunk tokens in all
+    (checked here for every such feed, at shares and chunks that are and are not powers of two)."""
+    from types import SimpleNamespace
+
+    from specgraph.engine.calibrate import prompt_shapes, step_shapes
+    from specgraph.engine.runner import Runner, prompt_bucket
+
+    for most, chunk, share in ((64, 512, 512), (5, 512, 100), (48, 300, 37), (3, 2048, 2048)):
+        runner = SimpleNamespace(captured=True, stages=[SimpleNamespace(max_step_tokens=share)])
+        runner.step_rows = lambda requests: Runner.step_rows(runner, requests)
+        assert {runner.step_rows(c) for c in range(1, most + 1)} <= set(step_shapes(runner, most))
+        built = {prompt_bucket(*shape) for shape in prompt_shapes(runner, most, chunk)}
+        assert all(chunks <= tokens <= min(chunk, chunks * share) for chunks, tokens in prompt_shapes(runner, most, chunk))
+        met = {prompt_bucket(chunks, tokens) for chunks in range(1, most + 1)
+               for tokens in range(chunks, min(chunk, chunks * min(share, chunk)) + 1)}
+        assert met <= built and len(built) == len(prompt_shapes(runner, most, chunk))

@@ -6,8 +6,8 @@ tokens are transformers' greedy ones whatever it chooses, and sampling keeps the
 
 import pytest
 from conftest import EMBEDDED
-from helpers import (BUDGETS, Ledger, decode_together, law, seeded_generations, total_variation, two_stage,
-                     two_token_law)
+from helpers import (BUDGETS, Cycling, Ledger, decode_requests, decode_together, law, seeded_generations,
+                     total_variation, two_stage, two_token_law)
 
 from specgraph.engine import runner as runner_module
 from specgraph.engine.policy import Acceptance, Policy, StepCosts, expected_tokens
@@ -42,6 +42,9 @@ def test_a_draft_that_costs_more_than_it_gains_is_never_run(priced, target_refer
     program = priced({"draft": (1.0, 0.0), "target": (0.010, 0.0)},
                      serving={"max_batch": 5, "block_size": 16, "speculation": "adaptive"})
     engine = program.executor
+    # depth 1's step took ~2 s of drafts (catch-up, one level): timing depth 2 would take ~(4 + 0.01) s x 4 runs x 4
+    # sizes = 64 s, more than calibrate.TIMING_BUDGET, so it and depth 4 are not timed and not among the policy's modes
+    assert [mode.name for mode in engine.policy.modes] == ["ar", "depth 1"]
     assert decode_together(program, target_reference) == expected(target_reference)
     assert set(engine.totals.modes) == {"ar"} and engine.totals.modes["ar"] == engine.totals.steps > 30
 
@@ -58,18 +61,6 @@ def test_a_draft_that_pays_is_run(priced, target_reference):
     assert modes.get("ar", 0) < 0.1 * engine.totals.steps and modes.get("depth 4", 0) > 0
 
 
-class Cycling(Policy):
-    """Runs its modes in turn, whatever they cost: mode switches in the middle of every request."""
-
-    def __init__(self, modes: list[Mode]):
-        super().__init__(modes, StepCosts({m.name: {1: 1.0} for m in modes}))
-        self.turn = 0
-
-    def choose(self, acceptances, rows=None):
-        self.turn += 1
-        return self.modes[self.turn % len(self.modes)]
-
-
 def test_switching_modes_mid_request_keeps_the_greedy_tokens(target_reference):
     """Plain decoding, then depth 4, 2 and 1 trees in turn, requests five at a time with staggered
     finishes: a drafter that skipped steps is fed what it missed; every request gets transformers' tokens."""
@@ -79,6 +70,26 @@ def test_switching_modes_mid_request_keeps_the_greedy_tokens(target_reference):
     engine.policy = Cycling(engine.runner.modes)
     assert decode_together(program, target_reference) == expected(target_reference)
     assert set(engine.totals.modes) == {"ar", "depth 4", "depth 2", "depth 1"}
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_an_eagle_head_switching_modes_mid_request_keeps_the_greedy_tokens(target_reference, batch):
+    """The shipped EAGLE-3 head under the policy: its modes are plain decoding, its dynamic tree cut
+    to depths 3 and 1, and chains of 3 and 1, run in turn, so requests go through plain steps (which
+    feed the head the pairs the step before left it) between trees and chains of every depth;
+    every request gets transformers' tokens at batch 1, 4 and 16 (staggered finishes)."""
+    recipe = two_stage(EMBEDDED / "target", EMBEDDED / "eagle3", {"shape": "dynamic", "width": 4, "depth": 5, "nodes": 24},
+                       serving={"max_batch": batch, "block_size": 16, "speculation": "adaptive"})
+    program = Program.from_recipe(recipe)
+    engine = program.executor
+    assert [m.name for m in engine.runner.modes] == ["ar", "depth 5", "depth 3", "depth 1", "chain 3", "chain 1"]
+    engine.policy = Cycling(engine.runner.modes)
+    # (at batch 16 each request outlasts the 8 steps that feed all 16 prompts, so that the batch is full at times)
+    budgets = {1: BUDGETS[:2], 4: BUDGETS[:8], 16: [24 + b % 24 for b in BUDGETS + [8, 40, 16, 32]]}[batch]
+    reference = target_reference[: len(budgets)]
+    assert decode_together(program, reference, budgets) == expected(reference, budgets)
+    assert set(engine.totals.modes) == {m.name for m in engine.runner.modes}
+    assert engine.totals.requests < 0.8 * sum(budgets)  # (its drafts are accepted: fewer request-steps than tokens)
 
 
 def test_switching_modes_mid_request_keeps_the_sampled_law():
@@ -170,6 +181,41 @@ def test_a_steps_first_runs_and_its_capture_leave_the_costs(monkeypatch):
     policy = Policy([PLAIN, deep], StepCosts({"ar": {1: 0.010}, "depth 1": {1: 0.018}}))
     policy.observe(deep, [2], [request], 1, None)
     assert policy.costs.seconds("depth 1", 1) == 0.018 and request.hits[1] == 1
+
+
+def test_a_step_is_charged_what_it_cost_the_engine(priced, target_reference):
+    """Plain and depth-1 steps in turn, one request at a time (a drafter forward at 0.5 s, a target
+    forward at 10 ms, by the ledger): each depth-1 step first feeds the drafter the token the plain
+    step before left it (a forward), so it costs the engine ~1 s from one collection to the next
+    (that feed 0.5, the catch-up 0.5, the verification 0.01), twice what its phases cost when the
+    engine started (0.51 s). The policy's cost of depth 1 moves to what the engine lived; ar's stays."""
+    import itertools
+
+    program = priced({"draft": (0.5, 0.0), "target": (0.010, 0.0)},
+                     serving={"max_batch": 1, "block_size": 16, "speculation": "adaptive"})
+    engine = program.executor
+    policy = engine.policy
+    plain, shallow = policy.modes[0], policy.modes[-1]
+    measured = policy.costs.seconds(shallow.name, 1)
+    turns = itertools.cycle([plain, shallow])
+    policy.choose = lambda acceptances, rows=None: next(turns)
+    decode_requests(engine, [{"prompt": ids, "new": 40} for ids, _ in target_reference[:1]])
+    assert shallow.name == "depth 1" and 0.5 < measured < 0.6
+    assert policy.costs.seconds(shallow.name, 1) > 0.9 and policy.costs.seconds("ar", 1) < 0.02
+
+
+def test_a_mode_not_running_drifts_back_to_its_measured_cost():
+    """A stall charged to depth 1 (100 ms against its measured 20) fades while only ar runs: DRIFT of
+    the way back at each step of its size, so after 150 steps within a tenth of the stall's excess."""
+    costs = StepCosts({"ar": {1: 0.010}, "depth 1": {1: 0.020}})
+    costs.observe("depth 1", 1, 0.100)
+    stalled = costs.seconds("depth 1", 1)
+    for _ in range(150):
+        costs.observe("ar", 1, 0.010)
+    assert stalled > 0.03 and costs.seconds("depth 1", 1) - 0.020 < 0.1 * (stalled - 0.020)
+    assert costs.seconds("ar", 1) == pytest.approx(0.010)
+    costs.observe("ar", 2, 0.015)  # (a size a mode was not measured at leaves it alone)
+    assert "depth 1" in costs.table and 2 not in costs.table["depth 1"]
 
 
 def test_step_costs_between_and_past_the_measured_sizes():

@@ -132,6 +132,7 @@ def measure_engine(engine: Engine, encoded: list[list[int]], max_new_tokens: int
     return {"tokens_per_second": sum(len(g.output_ids) for g in gens) / seconds, "seconds": seconds,
             "decode_tokens_per_second": totals.decode_tokens / totals.decode_seconds if totals.decode_seconds else None,
             "steps_per_mode": dict(totals.modes),  # (a policy's choices)
+            "rates_per_mode": totals.rates(),  # (what the policy expected of each mode and what it gave)
             "budget_nodes": None if engine.budget is None else {c: engine.budget(c) for c in range(1, batch + 1)},
             "request_tokens_per_second": statistics.mean(len(g.output_ids) / g.seconds for g in gens),
             "ttft_seconds": statistics.median(g.first_token_seconds - g.queued_seconds for g in gens),  # (from its admission)
@@ -235,24 +236,28 @@ def print_batched(report: dict, console: Console | None = None) -> None:
     table = Table(title=f"{report['recipe']} on {report['device']}" + (f", widened to {report['widen']}"
                   if report["widen"] else "") + f": {report['prompts']} prompts x {report['max_new_tokens']} tokens")
     for column in ("system", "batch", "tok/s", "decode tok/s", "per request", "specgraph ÷", "TTFT ms", "accepted",
-                   "draft ms", "verify ms", "nodes/step", "steps per mode", "peak GiB", "= ar"):
+                   "draft ms", "verify ms", "nodes/step", "steps per mode", "expected/realised tok/s", "peak GiB",
+                   "= ar"):
         table.add_column(column, no_wrap=True)
     for name, by_batch in report["systems"].items():
         for batch, r in by_batch.items():
             ours = report["systems"]["specgraph"][batch]["tokens_per_second"]
             modes = ", ".join(f"{mode} {steps}" for mode, steps in (r.get("steps_per_mode") or {}).items()) or "—"
+            rates = ", ".join(f"{mode} {rate['expected']:.0f}/{rate['realised']:.0f}"
+                              for mode, rate in (r.get("rates_per_mode") or {}).items()) or "—"
             table.add_row(name, str(batch), f"{r['tokens_per_second']:.1f}", _fmt(r.get("decode_tokens_per_second"), ".1f"),
                           _fmt(r["request_tokens_per_second"], ".1f"),
                           "—" if name == "specgraph" else f"{ours / r['tokens_per_second']:.2f}x",
                           _fmt(r["ttft_seconds"], ".1f", 1e3), _fmt(r["mean_accepted_length"], ".2f"),
                           _fmt(r["draft_step_ms"], ".2f"), _fmt(r["verify_step_ms"], ".2f"), _fmt(r["nodes_per_step"], ".1f"),
-                          modes, _fmt(r["peak_memory_bytes"], ".1f", 2 ** -30), _fmt(r["same_tokens_as_ar"], ".0%"))
+                          modes, rates, _fmt(r["peak_memory_bytes"], ".1f", 2 ** -30), _fmt(r["same_tokens_as_ar"], ".0%"))
     console.print(table)
     console.print("tok/s: output tokens per second of the whole run; decode tok/s: those of the steps that fed no "
                   "prompt beside them, over their time; per request: a request's tokens over its own time, averaged; "
                   "specgraph ÷: its tok/s over the row's at the same batch size; TTFT: a request's admission to its "
                   "first tokens (median); nodes/step: draft nodes verified per step over the batch; steps per mode: "
-                  "the policy's choices; = ar: share of prompts whose tokens equal ar's")
+                  "the policy's choices; expected/realised tok/s: by mode, what the policy expected of its steps and what they "
+                  "gave, over their time from the step before's collection; = ar: share of prompts whose tokens equal ar's")
 
 
 def plot_batched(report: dict, path) -> None:

@@ -1,5 +1,7 @@
-"""Timing the engine's own steps before any request runs: the step costs a policy weighs
-(policy.py) and the batch-wide budget's table (budget.py).
+"""The engine's build before any request runs: every shape its steps and prompt forwards can meet
+run until it is compiled and captured (`warm_up`, so that none is built while serving), and its
+own steps timed: the step costs a policy weighs (policy.py) and the batch-wide budget's table
+(budget.py).
 
 A step of c requests is timed on the runner's first c request slots, which borrow blocks of the
 pool and claim `context` committed tokens each (the K/V they read is garbage: a step's cost does
@@ -16,11 +18,12 @@ from contextlib import contextmanager
 
 import torch
 
-from specgraph.engine.runner import Mode, Runner
+from specgraph.engine.runner import CAPTURE_AFTER, PREFILL_BUCKET, Mode, Runner, prompt_bucket
 from specgraph.tree import CATCH_UP
 
 log = logging.getLogger("specgraph.build")  # (cli.py shows it where someone watches)
 WARMUP, TIMINGS = 1, 3  # untimed steps (the first captures), then timed ones: the fastest counts
+TIMING_BUDGET = 30.0  # seconds the timing of one mode may take at most (one that would take longer is not run)
 Agree = Callable[[tuple[float, ...]], tuple[float, ...]]  # measured times -> the times every rank takes
 
 
@@ -49,6 +52,66 @@ def borrowed(runner: Runner, size: int, context: int):
         runner.ends[:size] = 0
 
 
+def powers_of_two(low: int, high: int) -> list[int]:
+    """low, 2 low, 4 low, ... up to the first at least `high`."""
+    values = [low]
+    while values[-1] < high:
+        values.append(2 * values[-1])
+    return values
+
+
+def step_shapes(runner: Runner, most: int) -> list[int]:
+    """The rows a step of 1 to `most` requests may run: each capture size where steps are captured;
+    elsewhere 1 and 2 (a compiled forward keeps sizes from 2 up symbolic: Dynamo specialises 1)."""
+    if runner.captured:
+        return sorted({runner.step_rows(c) for c in range(1, most + 1)})
+    return [1, 2][:most]
+
+
+def prompt_shapes(runner: Runner, most: int, chunk: int) -> list[tuple[int, int]]:
+    """(chunks, tokens) of a prompt forward for each shape that a step feeding at most `chunk` prompt
+    tokens to at most `most` newcomers may run: where they are captured, one for each bucket it can
+    reach (runner.prompt_bucket); elsewhere forwards of one and two chunks, of one token each and of
+    several (what a compiled forward specialises on: a drafter fed one missed token a request)."""
+    if not runner.captured:
+        return [(1, 1), (1, 4), (2, 2), (2, 4)]
+    share = min(chunk, *(stage.max_step_tokens for stage in runner.stages))  # (the engine's prefill share)
+    shapes = []
+    for rows in powers_of_two(1, min(most, chunk)):
+        for bucket in powers_of_two(PREFILL_BUCKET, chunk):
+            chunks = min(rows, most)
+            tokens = min(bucket, chunks * share, chunk)
+            if chunks <= tokens and prompt_bucket(chunks, tokens) == (rows, bucket):
+                shapes.append((chunks, tokens))
+    return shapes
+
+
+def warm_up(runner: Runner, modes: list[Mode], steps: list[int], prompts: list[tuple[int, int]], budget,
+            context: int, progress: Callable[[str], None] = lambda note: None) -> None:
+    """Run each mode's step at each of `steps` rows (`budget`: nodes by batch size, as `step_costs`
+    takes it) and each prompt forward of `prompts` ((chunks, tokens), every stage's) as often as it
+    takes to be compiled and, where steps are captured, captured; `progress(note)` after each shape."""
+    most = max(steps + [rows for rows, _ in prompts])
+    with borrowed(runner, most, context) as rows, torch.inference_mode():
+        for mode in modes:
+            for size in steps:
+                nodes = None if budget is None or mode.drafter is None else budget(size, mode.nodes)
+                for _ in range(CAPTURE_AFTER):
+                    runner.lengths[:size] = context
+                    runner.step(rows[:size], mode, context + mode.depth + 1, nodes)
+                progress(f"{mode.name} at {size} rows")
+        lengths = runner.host_lengths[:most]
+        runner.host_lengths[:most] = [runner.tokens.shape[1] - 1] * most  # (every chunk is within its prompt)
+        for chunks, tokens in prompts:
+            feeds = [(row, 0, tokens // chunks + (row < tokens % chunks)) for row in range(chunks)]
+            for _ in range(CAPTURE_AFTER):
+                runner.drafted[:chunks] = [0] * chunks
+                runner.prefill(feeds)
+            progress(f"prompt forwards of {tokens} tokens in {chunks} chunks")
+        runner.host_lengths[:most] = lengths
+        runner.drafted[:most] = [0] * most
+
+
 def step_seconds(runner: Runner, mode: Mode, size: int, budget: int | None, context: int,
                  agree: Agree = same) -> tuple[float, float]:
     """(draft, verify) seconds of a step of `size` requests at `context` committed tokens in `mode`
@@ -71,16 +134,29 @@ def step_seconds(runner: Runner, mode: Mode, size: int, budget: int | None, cont
 def step_costs(runner: Runner, modes: list[Mode], sizes: list[int], budget, context: int,
                agree: Agree = same) -> dict[str, dict[int, float]]:
     """Seconds of a step of each mode at each batch size (`budget`: nodes by batch size for
-    speculative modes, None: each request its tree's)."""
+    speculative modes, None: each request its tree's). Modes are timed shallowest first; one whose
+    timing would outlast TIMING_BUDGET, by the time the deepest timed so far took a draft level and a
+    verification at the smallest size, is not timed, and has no entry (a policy does not run it)."""
     def nodes(mode: Mode, c: int) -> int | None:
         return None if budget is None or mode.drafter is None else budget(c, mode.nodes)
 
-    costs = {}
-    for mode in modes:
-        costs[mode.name] = {c: sum(step_seconds(runner, mode, c, nodes(mode, c), context, agree)) for c in sizes}
+    costs, phases = {}, {}  # phases: (draft, verify) seconds at the smallest size, by depth timed
+    for mode in sorted(modes, key=lambda m: m.depth):
+        deepest = max((d for d in phases if d > 0), default=None)
+        if deepest is not None and mode.depth > deepest:
+            draft, verify = phases[deepest]
+            predicted = (draft * mode.depth / deepest + verify) * (WARMUP + TIMINGS) * len(sizes)
+            if predicted > TIMING_BUDGET:
+                log.warning("%s is not timed, so the policy will not run it: timing it would take about %.0f s, "
+                            "more than the %.0f s allowed a mode (its drafts alone about %.1f s a step)",
+                            mode.name, predicted, TIMING_BUDGET, draft * mode.depth / deepest)
+                continue
+        timed = {c: step_seconds(runner, mode, c, nodes(mode, c), context, agree) for c in sizes}
+        phases[mode.depth] = timed[sizes[0]]
+        costs[mode.name] = {c: sum(seconds) for c, seconds in timed.items()}
         log.info("a step of %s: %s ms at batch sizes %s", mode.name,
                  ", ".join(f"{1e3 * s:.2f}" for s in costs[mode.name].values()), sizes)
-    return costs
+    return {mode.name: costs[mode.name] for mode in modes if mode.name in costs}
 
 
 def budget_table(runner: Runner, mode: Mode, sizes: list[int], epsilon: float, context: int,

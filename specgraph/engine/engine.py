@@ -44,6 +44,15 @@ class StepTotals:
     modes: dict[str, int] = field(default_factory=dict)  # steps of each mode
     decode_tokens: int = 0  # tokens of the steps launched with no prompt chunk beside them
     decode_seconds: float = 0.0  # from the collection before each such step to its own
+    # by mode, over its steps whose cost the policy charged: [steps, tokens/s the policy expected of them (summed),
+    # their tokens, their seconds as the engine lived them]
+    lived: dict[str, list[float]] = field(default_factory=dict)
+
+    def rates(self) -> dict[str, dict[str, float]]:
+        """Each mode's expected (the policy's mean) and realised output tokens per second, over its
+        steps whose cost the policy charged."""
+        return {mode: {"steps": steps, "expected": expected / steps, "realised": tokens / seconds}
+                for mode, (steps, expected, tokens, seconds) in self.lived.items() if steps and seconds}
 
 
 @dataclass
@@ -54,6 +63,7 @@ class InFlight:
     requests: list[Request]
     nodes: int
     prefilled: bool  # whether a prompt chunk was fed beside it
+    expected: float | None = None  # the output tokens per second the policy expected of it
 
 
 class Engine:
@@ -75,6 +85,7 @@ class Engine:
         self.mode = self.always if policy is None else policy.current  # the last step's
         self._in_flight: InFlight | None = None
         self._collected_at: float | None = None  # when the last step was collected, while steps follow each other
+        self._lived_at: float | None = None  # the same by the runner's clock (what the policy charges a step)
         self.scheduler = Scheduler(pool, slots, self._slots_needed)
         self.device = runner.device
         self.totals = StepTotals()
@@ -153,10 +164,13 @@ class Engine:
         prefilled = self._prefill()
         previous, self._in_flight = self._in_flight, None
         done = []
-        running = self.scheduler.decoding()
+        ending = set() if previous is None else {r.id for r in previous.requests if r.output.room <= 1}
+        running = [r for r in self.scheduler.decoding() if r.id not in ending]  # (the step in flight ends those)
         if running:
             rows = self.runner.step_rows(len(running))
             mode = self.always if self.policy is None else self.policy.choose([r.acceptance for r in running], rows)
+            if mode.drafter is not None and self.budget is not None and self.budget(rows, mode.nodes) == 0:
+                mode = self.runner.modes[0]  # (a budget that verifies no node: nothing to draft for)
             if mode.drafter is not None and any(r.behind for r in running):  # its drafter first fed what it missed
                 done += self._collect(previous) if previous is not None else []
                 previous, running = None, self.scheduler.decoding()  # (exact lengths: nothing in flight)
@@ -168,7 +182,7 @@ class Engine:
         if previous is not None:
             done += self._collect(previous)
         if self._in_flight is None:
-            self._collected_at = None
+            self._collected_at = self._lived_at = None
         return done
 
     def _prefill(self) -> bool:
@@ -195,7 +209,8 @@ class Engine:
         budget = None if self.budget is None or mode.drafter is None else self.budget(rows, mode.nodes)
         launched = self.runner.launch([r.slot for r in running], mode, budget, in_flight)
         nodes = len(running) * mode.nodes  # (a budget's nodes go to live rows only, each at most its tree's)
-        self._in_flight = InFlight(launched, running, nodes if budget is None else min(budget, nodes), prefilled)
+        self._in_flight = InFlight(launched, running, nodes if budget is None else min(budget, nodes), prefilled,
+                                   None if self.policy is None else self.policy.expected)
         self.mode = mode
         if mode.drafter is None:
             for request in running:
@@ -211,10 +226,12 @@ class Engine:
         totals.steps, totals.requests, totals.nodes = totals.steps + 1, totals.requests + len(step.requests), totals.nodes + step.nodes
         totals.draft_seconds, totals.verify_seconds = totals.draft_seconds + draft_s, totals.verify_seconds + verify_s
         totals.modes[mode.name] = totals.modes.get(mode.name, 0) + 1
+        lived = self.runner.clock.now()
+        charged = self._lived(step, lived)
         if self.policy is not None:  # (a request that finished before the step may have run as the padding row)
             self.policy.observe(mode, [len(new) for new, kept in zip(news, keep) if kept],
-                                [r.acceptance for r in running], step.launched.rows,
-                                draft_s + verify_s if step.launched.steady else None)
+                                [r.acceptance for r in running], step.launched.rows, charged)
+        self._lived_at = lived
         now, tokens = time.perf_counter(), 0
         for request, new in ((r, n) for r, n, kept in zip(step.requests, news, keep) if kept):
             gen = request.generation
@@ -233,8 +250,22 @@ class Engine:
                 del self.requests[request.id]
         if self._collected_at is not None and not step.prefilled:
             totals.decode_tokens, totals.decode_seconds = totals.decode_tokens + tokens, totals.decode_seconds + now - self._collected_at
+        if step.expected is not None and charged is not None:
+            entry = totals.lived.setdefault(mode.name, [0, 0.0, 0, 0.0])
+            entry[0], entry[1] = entry[0] + 1, entry[1] + step.expected
+            entry[2], entry[3] = entry[2] + tokens, entry[3] + charged
         self._collected_at = now
         return running
+
+    def _lived(self, step: InFlight, lived: float) -> float | None:
+        """What `step` cost the engine, collected at `lived` (its clock's time): the time since the
+        step before it was collected, while steps follow each other: its device time, any host stall
+        and what ran before it for its sake (a drafter fed the tokens it missed); None where that says
+        nothing of its mode's cost: a prompt chunk fed beside it, its shape's first run or capture,
+        or no step collected just before."""
+        if self._lived_at is None or step.prefilled or not step.launched.steady:
+            return None
+        return lived - self._lived_at
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
         """One request, decoded to its end (with whatever else is in flight) -> its Generation."""

@@ -31,6 +31,7 @@ PROBE_MOST = 1024
 PRIOR = 0.5  # depth 1's acceptance rate before any is seen (a deeper depth's: the rate above it)
 PRIOR_WEIGHT = 4.0  # pseudo-trials of the prior in the batch-wide rates, and of those in a request's
 DECAY = 0.99  # the batch-wide counts' weight after each observation (old requests' acceptance fades)
+DRIFT = 0.02  # share of the way back to its measured time a mode not running moves at each step of its size
 
 
 class Acceptance:
@@ -72,15 +73,22 @@ def expected_tokens(rates: list[float], depth: int) -> float:
 
 class StepCosts:
     """Seconds of a step by mode name and batch size: measured ones, and between them a straight
-    line (past the largest measured, the line through the last two)."""
+    line (past the largest measured, the line through the last two). The engine's steps refine them
+    (`observe`); a mode that stops running drifts back toward what was measured of it when the
+    engine started, since what it last cost (a stall, a busy moment) may no longer hold."""
 
     def __init__(self, table: dict[str, dict[int, float]] | None = None):
         self.table = {name: dict(by_size) for name, by_size in (table or {}).items()}
+        self.measured = {name: dict(by_size) for name, by_size in self.table.items()}
 
     def observe(self, mode: str, size: int, seconds: float, weight: float = 0.2) -> None:
-        """A step's measured time, averaged into what was known of its mode and size."""
+        """A step's time, averaged into what was known of its mode and size; the other modes' times
+        at that size move DRIFT of the way back toward their measured ones."""
         by_size = self.table.setdefault(mode, {})
         by_size[size] = seconds if size not in by_size else (1 - weight) * by_size[size] + weight * seconds
+        for name, measured in self.measured.items():
+            if name != mode and size in measured and size in self.table[name]:
+                self.table[name][size] += DRIFT * (measured[size] - self.table[name][size])
 
     def seconds(self, mode: str, size: int) -> float:
         by_size = self.table[mode]
@@ -108,6 +116,7 @@ class Policy:
         self.batchwide = Acceptance(self.depth)
         self.current = max(self.candidates(1), key=lambda m: self.rate(m, [Acceptance(self.depth)]))  # a priori, alone
         self.plain_steps, self.probe_every = 0, PROBE
+        self.expected: float | None = None  # the output tokens per second it expected of the mode it chose last
 
     def rate(self, mode: Mode, acceptances: list[Acceptance], rows: int | None = None) -> float:
         """Expected output tokens per second of a step in `mode` of requests with these acceptance
@@ -144,6 +153,7 @@ class Policy:
                 mode = max(hopeful, key=lambda m: rates[m.name])
         else:
             self.plain_steps, self.probe_every = 0, PROBE
+        self.expected = rates[mode.name]
         return mode
 
     def observe(self, mode: Mode, counts: list[int], acceptances: list[Acceptance], size: int,

@@ -42,7 +42,7 @@ from specgraph.runtime.clock import Clock
 from specgraph.runtime.graphs import Replays
 from specgraph.runtime.stage import Stage
 from specgraph.runtime.verifier import Verifier
-from specgraph.sampling import SamplingRows, stopping
+from specgraph.sampling import STOP_IDS, SamplingRows, stopping
 from specgraph.tree import CATCH_UP, Tree, TreeStructure
 
 
@@ -70,6 +70,12 @@ CAPTURE_AFTER = 2  # a step's (or prompt forward's) shape is captured the second
 # a captured step's rows (past 64: multiples of 16): few shapes to capture as a run's end drains its batch, and a
 # padding row costs little where they are close (a step of few rows is bound by reading the weights)
 CAPTURE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+def prompt_bucket(chunks: int, tokens: int) -> tuple[int, int]:
+    """(rows, tokens) of the captured prompt forward that replays `chunks` chunks of `tokens` tokens in
+    all: each rounded up to a power of two, the tokens to PREFILL_BUCKET at least."""
+    return 1 << (chunks - 1).bit_length(), max(PREFILL_BUCKET, 1 << (tokens - 1).bit_length())
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -106,22 +112,25 @@ class Launched:
 
 class Runner:
     def __init__(self, verifier: Verifier, drafter: Drafter | None, slots: int, capacity: int, compile: bool = False,
-                 captured: bool = False, levels: tuple[Drafter, ...] = ()):
+                 captured: bool = False, levels: tuple[Mode, ...] = ()):
         """`slots`: request slots (rows of the stages' tables, less the padding row); `capacity`:
         committed tokens a request may reach, and a step's worth past them; `compile`: run what
         follows the target's forward (verdicts, commits, append) through torch.compile where it
         draws nothing, a few fused kernels instead of some twenty; `captured`: each step's phases
-        replay CUDA graphs, one per (mode, batch size, budget); `levels`: drafters of smaller trees
+        replay CUDA graphs, one per (mode, batch size, budget); `levels`: speculation with smaller trees
         over `drafter`'s stage, the other speculative modes a policy may choose."""
         self.verifier, self.drafter = verifier, drafter
         self.device = verifier.device
         self.stages = [verifier.stage] + ([drafter.stage] if drafter is not None else [])
-        self.modes = [PLAIN] + [Mode(f"depth {d.max_depth}", d) for d in ((drafter, *levels) if drafter else ())]
+        self.modes = [PLAIN] + ([Mode(f"depth {drafter.max_depth}", drafter), *levels] if drafter else [])
         self.padding = slots
         rows = slots + 1
         self.tokens = torch.zeros(rows, capacity, dtype=torch.long, device=self.device)  # [rows, capacity]
         self.lengths = torch.full((rows,), CATCH_UP, dtype=torch.long, device=self.device)  # [rows]
         self.ends = torch.zeros(rows, dtype=torch.long, device=self.device)  # [rows] committed tokens a slot stops at
+        self.stops = torch.full((rows, STOP_IDS), -1, dtype=torch.long, device=self.device)  # [rows, S] -1: none
+        self.filtering = [False] * rows  # each slot's request filters by top-k or top-p
+        self.forbidding = [False] * rows  # each slot's request keeps its stop tokens back for a while (min_tokens)
         self.host_lengths = [CATCH_UP] * rows  # as of the last step collected
         self.drafted = [0] * rows  # committed tokens the drafter's cache holds of each slot (exact once all is collected)
         self.sampling = SamplingRows.of([SamplingSpec()] * rows, self.device)
@@ -160,13 +169,14 @@ class Runner:
         self.ends[slot] = end
         self.host_lengths[slot] = len(prompt)
         self.drafted[slot] = 0
-        for name in ("temperature", "top_p", "top_k"):
+        for name in ("temperature", "top_p", "top_k", "seed"):
             getattr(self.sampling, name)[slot] = getattr(sampling, name)
-        self.sampling.filters = self.sampling.filters or sampling.top_k > 0 or sampling.top_p < 1
+        self.filtering[slot] = sampling.top_k > 0 or sampling.top_p < 1
         min_length, row = stopping(stops, len(prompt) + min_tokens)
         self.sampling.min_length[slot] = min_length
         self.sampling.stops[slot] = to_device(row, self.device)
-        self.sampling.forbids = self.sampling.forbids or (min_tokens > 0 and bool(stops))
+        self.forbidding[slot] = min_tokens > 0 and bool(stops)
+        self.stops[slot] = to_device([*stops, *[-1] * (STOP_IDS - len(stops))], self.device)
         self.draws.seeds[slot], self.draws.counters[slot] = sampling.seed, 0
         if self.pending is not None:
             self.pending[slot] = 0
@@ -231,8 +241,7 @@ class Runner:
         if not self.captured:
             self._chunks_forward(stage, *(to_device(list(c), self.device) for c in zip(*chunks)), *self._sizes(chunks))
             return
-        tokens = max(PREFILL_BUCKET, 1 << (sum(stop - start for _, start, stop in chunks) - 1).bit_length())
-        rows = 1 << (len(chunks) - 1).bit_length()
+        rows, tokens = prompt_bucket(len(chunks), sum(stop - start for _, start, stop in chunks))
         longest = min(tokens, stage.max_step_tokens)  # (no chunk is longer: the engine's prefill share)
         padded = chunks + [(self.padding, 0, 0)] * (rows - len(chunks))
         inputs = tuple(to_device(list(column), self.device) for column in zip(*padded))
@@ -295,8 +304,9 @@ class Runner:
         longest = max(self.host_lengths[s] for s in slots) + (step_tokens if in_flight else 0)
         clock = self.clock(self.device)
         rows = slots + [self.padding] * (self.step_rows(len(slots)) - len(slots))
-        phases = ("verify",) if mode.drafter is None else ("draft", "verify")
-        steady = all(self._replays.ready((phase, *self._shape(mode, len(rows), budget))) for phase in phases)
+        self.sampling.filters = any(self.filtering[s] for s in slots)  # (the work only this batch's requests need)
+        self.sampling.forbids = any(self.forbidding[s] for s in slots)
+        steady = all(self._replays.ready((phase, *self._shape(mode, len(rows), budget))) for phase in self._phases(mode))
         result = self.step(to_device(rows, self.device), mode, longest, budget, clock)
         return Launched(slots, mode, result, clock, steady)
 
@@ -323,14 +333,23 @@ class Runner:
         marks()
         drafter = mode.drafter
         shape = self._shape(mode, rows.numel(), budget)
-        drafted = () if drafter is None else self._replays.run(
-            ("draft", *shape), lambda rows: self._draft(drafter, self._alive(rows), longest,
-                                                                         budget).tensors(), rows)
+        drafted = ()
+        if drafter is not None:
+            drafted = self._replays.run(("draft", *shape), lambda rows: self._draft(
+                drafter, self._alive(rows), longest, budget).tensors(), rows)
+        elif self.features is not None:  # a head drafts nothing but takes the pairs the last step left it
+            self._replays.run(("feed", *shape), lambda rows: self._feed_head(self._alive(rows), longest), rows)
         marks()
         result = self._replays.run(("verify", *shape), lambda rows, *drafted: self._verify(
             drafter, self._alive(rows), drafted, longest, budget), rows, *drafted)
         marks()
         return result
+
+    def _phases(self, mode: Mode) -> tuple[str, ...]:
+        """The CUDA graphs a step in `mode` replays (`step`)."""
+        if mode.drafter is not None:
+            return "draft", "verify"
+        return ("feed", "verify") if self.features is not None else ("verify",)
 
     def _shape(self, mode: Mode, rows: int, budget: int | None) -> tuple:
         """What a step's CUDA graphs are keyed on (what a graph holds of the sampling settings too)."""
@@ -340,25 +359,33 @@ class Runner:
         """`rows` [R], each whose request reached its end replaced by the padding row."""
         return torch.where(self.lengths[rows] < self.ends[rows], rows, self.padding)
 
-    def _requests(self, rows: torch.Tensor, drafter: Drafter | None) -> tuple[Requests, SamplingRows, Draws]:
-        """The step's requests (table rows `rows` [R]), their settings and random streams."""
+    def _requests(self, rows: torch.Tensor) -> tuple[Requests, SamplingRows, Draws]:
+        """The step's requests (table rows `rows` [R]), their settings and random streams (a head's:
+        with their pending pairs, as many columns as the deepest of its trees feeds)."""
         lengths = self.lengths[rows]
         if self.features is None:
             requests = Requests(rows, self.tokens, lengths, lengths.clamp(max=CATCH_UP), CATCH_UP)
         else:
-            requests = Requests(rows, self.tokens, lengths, self.pending[rows], drafter.max_feeds, self.features[rows])
+            requests = Requests(rows, self.tokens, lengths, self.pending[rows], self.drafter.max_feeds,
+                                self.features[rows])
         return requests, self.sampling.take(rows), Draws(self.draws.seeds[rows], self.draws.counters[rows])
 
     def _draft(self, drafter: Drafter, rows: torch.Tensor, longest: int, budget: int | None) -> Draft:
-        requests, sampling, draws = self._requests(rows, drafter)
+        requests, sampling, draws = self._requests(rows)
         width = drafter.stage.width(longest, drafter.span)
         draft = drafter.draft(requests, width, sampling, draws, budget, rows != self.padding)
         self.draws.counters.index_copy_(0, rows, draws.counters)
         return draft
 
+    def _feed_head(self, rows: torch.Tensor, longest: int) -> None:
+        """A plain step's head work: each request's pending pairs fed (rows [R]), none left pending."""
+        head = self.drafter
+        head.feed(self._requests(rows)[0], head.stage.width(longest, head.span))
+        self.pending.index_fill_(0, rows, 0)
+
     def _verify(self, drafter: Drafter | None, rows: torch.Tensor, drafted: tuple[torch.Tensor, ...], longest: int,
                 budget: int | None) -> torch.Tensor:
-        requests, sampling, draws = self._requests(rows, drafter)
+        requests, sampling, draws = self._requests(rows)
         draft = None
         if drafted:
             packed = None if budget is None else rows.numel() + min(budget, rows.numel() * drafter.nodes)
@@ -383,7 +410,7 @@ class Runner:
         counts, new = verdict.accepted(tree)
         if self.features is not None:  # the head's next pairs: the accepted path's features, with the new tokens
             nodes = layout.grid.gather(1, verdict.paths.clamp(min=0))  # [R, D + 1] packed row of each path node
-            self.features.index_copy_(0, requests.rows, features[nodes])
+            self.features[:, : nodes.shape[1]].index_copy_(0, requests.rows, features[nodes])
             self.pending.index_copy_(0, requests.rows, counts)
         verifier.commit(verdict.paths, requests.rows, requests.lengths)
         if draft is not None:
@@ -391,6 +418,9 @@ class Runner:
         at = requests.lengths[:, None] + torch.arange(new.shape[1], device=self.device)  # [R, D + 1]
         self.tokens[requests.rows[:, None], at] = new  # (past the count: garbage the next step overwrites)
         self.lengths.index_copy_(0, requests.rows, requests.lengths + counts)
+        kept = torch.arange(new.shape[1], device=self.device) < counts[:, None]  # [R, D + 1]
+        stopped = ((new[..., None] == self.stops[requests.rows][:, None]).any(-1) & kept).any(1)  # [R] drew a stop
+        self.ends.index_copy_(0, requests.rows, torch.where(stopped, requests.lengths + counts, self.ends[requests.rows]))
         return torch.cat([counts[:, None], new], 1)
 
     def _roots(self, requests: Requests) -> Tree:

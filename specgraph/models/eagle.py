@@ -104,14 +104,17 @@ class Eagle3Head(DecoderModel):
         """The target's features [..., 3 Ht] -> the head's hidden input [..., H]."""
         return self.kernels.project(features, self.fc)
 
-    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, cache, layout: Layout
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, cache, layout: Layout, logits: bool = True
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """tokens [1, T] and the hidden input of each [1, T, H] (fused target features, or the
         head's own output at the token before), placed as `layout` says -> logits [1, T, V] in
-        fp32 over the target's vocabulary (-inf where the head has no id) and the output [1, T, H]."""
+        fp32 over the target's vocabulary (-inf where the head has no id; None where not `logits`:
+        a feed that only fills the cache) and the output [1, T, H]."""
         embeds, _, cos, sin = self.stem(tokens, layout.positions[None])
         out = self.layers[0](embeds, hidden, cos, sin, cache.k[0], cache.v[0], layout.slots,
                              layout.attention_inputs(self.shape.num_heads))
+        if not logits:
+            return None, out
         draft = self.logits(out, torch.zeros_like(out))  # [1, T, Vd]
         logits = draft.new_full((*draft.shape[:-1], self.target_vocab), float("-inf"))
         return logits.index_copy_(-1, self.target_ids(), draft), out

@@ -16,6 +16,11 @@ class Clock:
         self.cuda = device.type == "cuda"
         self.marks = []
 
+    @staticmethod
+    def now() -> float:
+        """The host's time in seconds (what the engine charges a step: one collection to the next)."""
+        return time.perf_counter()
+
     def mark(self) -> None:
         if self.cuda:
             self.marks.append(torch.cuda.Event(enable_timing=True))
