@@ -257,6 +257,7 @@ def test_train_draft_refuses_bad_data_and_targets_in_one_line(tmp_path, capsys, 
         (data, ["--layers", "a,b"], "--layers: three layer indices"),
         (data, ["--ttt", "63"], "--ttt: at most --seq-len - 2 rounds (62)"),
         (data, ["--device", "gpu0"], "--device: 'gpu0' is not a device; valid: cpu, cuda, cuda:N"),
+        (data, ["--decay-steps", "0"], "--decay-steps: must be at least 1"),
     ]
     (tmp_path / "bad.jsonl").write_text('{"text": "x = 1"}\nnot json\n')
     (tmp_path / "field.jsonl").write_text('{"code": "x = 1"}\n')
@@ -271,6 +272,20 @@ def test_train_draft_refuses_bad_data_and_targets_in_one_line(tmp_path, capsys, 
     capsys.readouterr()
     assert train_draft(data, tmp_path / "out", "--steps", "2", "--lr", "0.5") == 2
     assert "holds a run with other settings (lr)" in capsys.readouterr().err
+
+
+def test_the_learning_rate_warms_up_then_follows_the_cosine(tmp_path):
+    """--decay-steps N: linear warm-up over min(100, steps / 10) steps, then lr (0.1 + 0.9 (1 + cos(pi t)) / 2),
+    t going from 0 at the warm-up's end to 1 at step N, and a tenth of lr after it."""
+    from specgraph.train_head import Trainer, TrainSpec
+
+    spec = TrainSpec(TARGET, training_data(tmp_path / "data.jsonl"), tmp_path / "out", steps=1000, lr=2e-3, batch=2,
+                     seq_len=32, draft_vocab=512, intermediate_size=64, decay_steps=600)
+    trainer = Trainer(spec)
+    expected = {0: 2e-3 / 100, 49: 2e-3 / 2, 99: 2e-3, 100: 2e-3, 350: 2e-3 * 0.55, 600: 2e-4, 900: 2e-4}
+    for step, rate in expected.items():
+        trainer.step = step
+        assert trainer.rate() == pytest.approx(rate, rel=1e-9), step
 
 
 def test_train_draft_starts_from_a_head_and_reports_its_rate_and_coverage(tmp_path, capsys, trained):
