@@ -6,6 +6,9 @@ prompts_code.jsonl is cut; this writes that same training split (its `collect`, 
 as JSON lines with a `text` field, up to MAX_BYTES of text. The held-out files are never written.
 
     python3 scripts/eagle3_data.py OUT.jsonl [MAX_BYTES]
+
+`python3 -m specgraph.head_data TARGET --data OUT.jsonl ...` then has the target continue prompts cut
+from it (the training text EAGLE-3 trains on) and keeps a validation split apart (docs/eagle.md).
 """
 
 from __future__ import annotations
@@ -31,4 +34,6 @@ def main(out: Path, max_bytes: int) -> None:
 
 
 if __name__ == "__main__":
+    if not 2 <= len(sys.argv) <= 3 or (len(sys.argv) == 3 and not sys.argv[2].isdigit()):
+        sys.exit("usage: python3 scripts/eagle3_data.py OUT.jsonl [MAX_BYTES]")
     main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 8_000_000)
