@@ -222,7 +222,8 @@ def test_hybrid_recipe_runs_from_the_cli_and_its_exported_program_decodes_the_sa
                            "--max-new-tokens", "24", "--json", str(result)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(result.read_text())["results"][0]["output_ids"] == expected
-    assert load_program(program).autoregressive().generate(ids, 16).output_ids == expected[:16]
+    loaded = load_program(program)  # (held: its packages must outlive the engine that runs them)
+    assert loaded.autoregressive().generate(ids, 16).output_ids == expected[:16]
 
 
 def test_a_hybrid_drafter_starts_each_request_from_a_fresh_state(small_hybrid):
