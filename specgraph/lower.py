@@ -139,21 +139,22 @@ def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None, 
     context = min(CALIBRATION_CONTEXT, recipe.max_seq_len // 2)
     spec, budget = target["spec"].verify.budget, None
     agree = ranks.slowest(graph.target, runner.device)
-    first = "a size's first steps compile (and on a GPU capture) them: minutes at a real model's shape"
     if spec is not None and drafter is not None:
         table, epsilon = (spec.nodes, spec.epsilon) if epsilon is None else (None, epsilon)
         if not table:
-            log.info("timing verification at batch sizes %s for the budget (epsilon %g): %s", sizes, epsilon, first)
+            log.info("timing verification at batch sizes %s for the budget (epsilon %g)", sizes, epsilon)
             table = budget_table(runner, runner.modes[1], sizes, epsilon, context, agree)
         budget = Budget(table, drafter.nodes)
     if captured or any(graph.node(n)["compile"] for n in graph.stages()):  # (built now, not while serving)
         steps = step_shapes(runner, serving.max_batch)
         prompts = prompt_shapes(runner, serving.max_batch, serving.prefill_chunk)
-        with progress_bar(len(runner.modes) * len(steps) + len(prompts), "building steps and prompt forwards") as done:
+        log.info("building %d step shapes (%d modes) and %d prompt forwards: compiled%s now, not while serving",
+                 len(runner.modes) * len(steps), len(runner.modes), len(prompts), " and captured" if captured else "")
+        with progress_bar(len(runner.modes) * len(steps) + len(prompts), "building") as done:
             warm_up(runner, runner.modes, steps, prompts, budget, context, done)
     if adaptive:
-        log.info("timing %d step modes (%s) at batch sizes %s for the speculation policy: %s", len(runner.modes),
-                 ", ".join(mode.name for mode in runner.modes), sizes, first)
+        log.info("timing %d step modes (%s) at batch sizes %s for the speculation policy", len(runner.modes),
+                 ", ".join(mode.name for mode in runner.modes), sizes)
     policy = None
     if adaptive:
         costs = StepCosts(step_costs(runner, runner.modes, sizes, budget, context, agree))
@@ -166,9 +167,10 @@ def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None, 
 @contextmanager
 def progress_bar(total: int, what: str):
     """A bar of `total` parts on standard error, where the build's steps are shown (cli.py's
-    build_progress) -> a function to call as each part is done (with a note on it)."""
+    build_progress) and a terminal redraws it (not in a log's lines) -> a function to call as each
+    part is done (with a note on it)."""
     with tqdm(total=total, desc=f"specgraph: {what}", unit="shape", file=sys.stderr, leave=False,
-              disable=not log.isEnabledFor(logging.INFO)) as bar:
+              disable=not (log.isEnabledFor(logging.INFO) and sys.stderr.isatty())) as bar:
         def done(note: str) -> None:
             bar.set_postfix_str(note, refresh=False)
             bar.update()

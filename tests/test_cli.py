@@ -49,19 +49,27 @@ def test_run_prints_the_completion_of_one_prompt_and_its_summary_apart(tmp_path,
     assert "loading stage" not in printed.err  # (the build's steps: where someone watches, or asked)
 
 
-def test_the_build_s_long_steps_are_shown_where_asked(monkeypatch, capsys):
-    """SPECGRAPH_PROGRESS=1 (or a terminal) shows each stage's loading and the policy's timing of
-    steps as they start, a line each, on standard error."""
+def test_the_build_s_long_steps_are_shown(monkeypatch, capsys):
+    """By default each stage's loading and the policy's timing of steps are shown as they start, a
+    line each on standard error, then the summary with the build's seconds; SPECGRAPH_PROGRESS=1 adds
+    each mode's measured times; SPECGRAPH_PROGRESS=0 (as conftest sets for the other tests) silences them."""
+    steps = ["specgraph: loading demo (draft, target)"] + [
+        f"specgraph: loading stage {name}: {REPO / 'recipes' / 'models' / name} (float32) on cpu"
+        for name in ("draft", "target")] + [
+        "specgraph: timing 4 step modes (ar, depth 5, depth 3, depth 1) at batch sizes [1] for the speculation policy"]
+    monkeypatch.delenv("SPECGRAPH_PROGRESS")
+    assert main(["run", str(DEMO), "--prompt", "import os\n", "--max-new-tokens", "2"]) == 0
+    shown = capsys.readouterr().err.splitlines()
+    assert shown[:4] == steps and re.fullmatch(r"specgraph: 2 new tokens in \d+\.\d\d s, after a \d+\.\d s build .*", shown[4])
     monkeypatch.setenv("SPECGRAPH_PROGRESS", "1")
     assert main(["run", str(DEMO), "--prompt", "import os\n", "--max-new-tokens", "2"]) == 0
     shown = capsys.readouterr().err.splitlines()
-    assert shown[:4] == ["specgraph: loading demo (draft, target)"] + [
-        f"specgraph: loading stage {name}: {REPO / 'recipes' / 'models' / name} (float32) on cpu"
-        for name in ("draft", "target")] + [
-        "specgraph: timing 4 step modes (ar, depth 5, depth 3, depth 1) at batch sizes [1] for the speculation policy: "
-        "a size's first steps compile (and on a GPU capture) them: minutes at a real model's shape"]
     timed = [re.fullmatch(r"specgraph: a step of (.+): (\d+\.\d\d) ms at batch sizes \[1\]", line) for line in shown[4:-1]]
-    assert [m and m[1] for m in timed] == ["ar", "depth 5", "depth 3", "depth 1"]  # (each as its timing ends)
+    assert shown[:4] == steps and [m and m[1] for m in timed] == ["ar", "depth 1", "depth 3", "depth 5"]  # (shallowest first)
+    monkeypatch.setenv("SPECGRAPH_PROGRESS", "0")
+    assert main(["run", str(DEMO), "--prompt", "import os\n", "--max-new-tokens", "2"]) == 0
+    quiet = capsys.readouterr().err.splitlines()
+    assert quiet[0] == steps[0] and len(quiet) == 2 and "new tokens in" in quiet[1]
 
 
 def test_json_dash_is_standard_output(tmp_path, monkeypatch, capsys):
