@@ -35,21 +35,22 @@ def same(seconds: tuple[float, ...]) -> tuple[float, ...]:
 @contextmanager
 def borrowed(runner: Runner, size: int, context: int):
     """Table rows 0 .. size - 1 of every stage with blocks of the pool and `context` committed
-    tokens, decodable -> those rows [size]; all put back after."""
-    device = runner.device
-    rows = torch.arange(size, device=device)
+    tokens, decodable -> those rows [size] (past the request slots, the padding row: a step's rows
+    may pass them where steps are captured, as the engine's do); all put back after."""
+    device, real = runner.device, min(size, runner.padding)
+    rows = torch.tensor([*range(real), *[runner.padding] * (size - real)], device=device)
     saved = [stage.table.clone() for stage in runner.stages]
     for stage in runner.stages:
         blocks = stage.table.shape[1]
-        stage.table[:size] = 1 + torch.arange(size * blocks, device=device).view(size, blocks) % (stage.cache.blocks - 1)
-    runner.ends[:size] = runner.tokens.shape[1]
+        stage.table[:real] = 1 + torch.arange(real * blocks, device=device).view(real, blocks) % (stage.cache.blocks - 1)
+    runner.ends[:real] = runner.tokens.shape[1]
     try:
         yield rows
     finally:
         for stage, table in zip(runner.stages, saved):
             stage.table.copy_(table)
-        runner.lengths[:size] = CATCH_UP
-        runner.ends[:size] = 0
+        runner.lengths[:real] = CATCH_UP
+        runner.ends[:real] = 0
 
 
 def powers_of_two(low: int, high: int) -> list[int]:
@@ -97,19 +98,20 @@ def warm_up(runner: Runner, modes: list[Mode], steps: list[int], prompts: list[t
             for size in steps:
                 nodes = None if budget is None or mode.drafter is None else budget(size, mode.nodes)
                 for _ in range(CAPTURE_AFTER):
-                    runner.lengths[:size] = context
+                    runner.lengths[rows[:size]] = context
                     runner.step(rows[:size], mode, context + mode.depth + 1, nodes)
                 progress(f"{mode.name} at {size} rows")
-        lengths = runner.host_lengths[:most]
-        runner.host_lengths[:most] = [runner.tokens.shape[1] - 1] * most  # (every chunk is within its prompt)
+        fed = max((chunks for chunks, _ in prompts), default=0)  # (request slots: at most max_batch chunks)
+        lengths = runner.host_lengths[:fed]
+        runner.host_lengths[:fed] = [runner.tokens.shape[1] - 1] * fed  # (every chunk is within its prompt)
         for chunks, tokens in prompts:
             feeds = [(row, 0, tokens // chunks + (row < tokens % chunks)) for row in range(chunks)]
             for _ in range(CAPTURE_AFTER):
                 runner.drafted[:chunks] = [0] * chunks
                 runner.prefill(feeds)
             progress(f"prompt forwards of {tokens} tokens in {chunks} chunks")
-        runner.host_lengths[:most] = lengths
-        runner.drafted[:most] = [0] * most
+        runner.host_lengths[:fed] = lengths
+        runner.drafted[:fed] = [0] * fed
 
 
 def step_seconds(runner: Runner, mode: Mode, size: int, budget: int | None, context: int,
@@ -120,7 +122,7 @@ def step_seconds(runner: Runner, mode: Mode, size: int, budget: int | None, cont
     best = None
     with borrowed(runner, size, context) as rows, torch.inference_mode():
         for attempt in range(WARMUP + TIMINGS):
-            runner.lengths[:size] = context
+            runner.lengths[rows] = context
             clock = runner.clock(runner.device)
             runner.step(rows, mode, context + mode.depth + 1, budget, clock)
             if runner.device.type == "cuda":
@@ -154,7 +156,7 @@ def step_costs(runner: Runner, modes: list[Mode], sizes: list[int], budget, cont
         timed = {c: step_seconds(runner, mode, c, nodes(mode, c), context, agree) for c in sizes}
         phases[mode.depth] = timed[sizes[0]]
         costs[mode.name] = {c: sum(seconds) for c, seconds in timed.items()}
-        log.info("a step of %s: %s ms at batch sizes %s", mode.name,
+        log.debug("a step of %s: %s ms at batch sizes %s", mode.name,
                  ", ".join(f"{1e3 * s:.2f}" for s in costs[mode.name].values()), sizes)
     return {mode.name: costs[mode.name] for mode in modes if mode.name in costs}
 
@@ -175,6 +177,6 @@ def budget_table(runner: Runner, mode: Mode, sizes: list[int], epsilon: float, c
             else:
                 high = middle - 1
         table[c] = c * low
-        log.info("batch size %d verifies at most %d nodes", c, c * low)
+        log.debug("batch size %d verifies at most %d nodes", c, c * low)
     return table
 
