@@ -209,6 +209,19 @@ def test_a_step_is_charged_what_it_cost_the_engine(priced, target_reference):
     assert policy.costs.seconds(shallow.name, 1) > 0.9 and policy.costs.seconds("ar", 1) < 0.02
 
 
+def test_a_prompt_fed_beside_the_steps_is_charged_to_no_mode(priced, target_reference):
+    """Newcomers join while others decode (four requests, two at a time); by the ledger a plain step
+    of two rows costs 12 ms, a prompt forward of a newcomer's 255 tokens 265 ms. On a CPU the prompt
+    forward runs before the engine collects the step in flight, but it is that step's cost no more
+    than the next one's: ar's cost stays what its own forwards cost."""
+    program = priced({"draft": (1.0, 0.0), "target": (0.010, 1e-3)},
+                     serving={"max_batch": 2, "block_size": 16, "speculation": "adaptive"})
+    engine, charged = program.executor, []
+    decode_requests(engine, [{"prompt": ids, "new": 16} for ids, _ in target_reference[:4]],
+                    lambda handles: charged.append(max(engine.policy.costs.seconds("ar", c) for c in (1, 2))))
+    assert set(engine.totals.modes) == {"ar"} and 0.005 < min(charged) and max(charged) < 0.02, charged
+
+
 def test_a_mode_not_running_drifts_back_to_its_measured_cost():
     """A stall charged to depth 1 (100 ms against its measured 20) fades while only ar runs: DRIFT of
     the way back at each step of its size, so after 150 steps within a tenth of the stall's excess."""

@@ -62,7 +62,7 @@ class InFlight:
     launched: Launched
     requests: list[Request]
     nodes: int
-    prefilled: bool  # whether a prompt chunk was fed beside it
+    prefilled: bool  # whether a prompt chunk was fed beside it (before it, or before its collection)
     expected: float | None = None  # the output tokens per second the policy expected of it
 
 
@@ -163,6 +163,8 @@ class Engine:
                 request.acceptance = Acceptance(self.policy.depth)
         prefilled = self._prefill()
         previous, self._in_flight = self._in_flight, None
+        if prefilled and previous is not None:  # (its collection comes after that prompt forward: on a CPU, behind it)
+            previous.prefilled = True
         done = []
         ending = set() if previous is None else {r.id for r in previous.requests if r.output.room <= 1}
         running = [r for r in self.scheduler.decoding() if r.id not in ending]  # (the step in flight ends those)
