@@ -612,7 +612,7 @@ def test_quantizing_in_memory_stores_what_the_written_checkpoint_loads_as(tmp_pa
                 tensor != "zeros" else made.zeros is None, (name, tensor)
 
 
-def dequantized(model: torch.nn.Module) -> torch.nn.Module:
+def with_plain_linears(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of `model` whose QuantLinear projections are plain nn.Linear ones of the weights they
     stand for (fp32): the function the quantized model computes, for transformers to run."""
     import copy
@@ -645,7 +645,7 @@ def test_widening_to_a_quantized_shape_quantizes_each_layer_and_speculation_stay
     program = Program(graph, {"target": wide})
     ids = program.encode("def load(path):\n    with open(path) as f:\n")
     generation = program.generate(ids)
-    transformers_llama = hf_mirror(dequantized(wide), read_config(TARGET))
+    transformers_llama = hf_mirror(with_plain_linears(wide), read_config(TARGET))
     assert generation.output_ids == hf_continuation(transformers_llama, ids, NEW, served_vocab=wide.served_vocab)
     assert sum(generation.accepted_lengths) > 1.3 * len(generation.accepted_lengths)
     assert main(["bench", str(REPO / "recipes" / "demo.yaml"), "--widen", "llama-3-8b:int3"]) != 0
