@@ -14,6 +14,8 @@ from specgraph.kernels.accept.triton import accept_greedy, accept_sampling
 from specgraph.kernels.attention import attention_reference
 from specgraph.kernels.attention.triton import attention
 from specgraph.kernels.gated_delta import gated_delta_commit_reference, gated_delta_tree_reference
+from specgraph.kernels.gumbel import perturbed_top_reference
+from specgraph.kernels.gumbel.triton import perturbed_top
 from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.kernels.kv_move.triton import kv_move
 from specgraph.kernels.linear import linear_reference
@@ -528,3 +530,25 @@ def test_quantized_projection_kernels_match_the_reference_and_keep_rows_invarian
     alone = qlinear_invariant(x[3:4], *args)
     for rows in (5, 17, 64, 70):
         assert torch.equal(qlinear_invariant(x[:rows], *args)[3:4], alone), rows  # the same bits in any row count
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_fused_gumbel_kernel_picks_what_the_reference_picks(k):
+    """The sampling rule's perturbed top-k (kernels/gumbel, tests/test_seeded.py uses it): Two blocks of the vocabulary, a row at temperature 0, filtered rows, huge seeds and positions."""
+    generator = torch.Generator().manual_seed(k)
+    t, v = 7, 5000
+    logits = torch.randn(t, v, generator=generator) * 3
+    temperature = torch.tensor([1.0, 0.7, 0.0, 1.0, 2.0, 1.0, 0.3])
+    cut = torch.tensor([float("-inf"), float("-inf"), float("-inf"), 2.0, float("-inf"), 0.0, 1.0])
+    cut[5] = logits[5].topk(2).values[-1]  # two tokens kept
+    seeds = torch.tensor([0, 1, 2, 3, -5, 2 ** 62, 7])
+    positions = torch.tensor([0, 10, 20, 30, 40, 2 ** 40, 4999])
+    tokens, scores = perturbed_top(logits, temperature, cut, seeds, positions, k)
+    ref_tokens, ref_scores = perturbed_top_reference(logits, temperature, cut, seeds, positions, k)
+    assert torch.isinf(ref_scores[5]).sum() == k - min(k, 2)  # (past a filter's tokens, picks score -inf)
+    finite = torch.isfinite(ref_scores)
+    assert torch.equal(tokens[finite], ref_tokens[finite])
+    assert torch.allclose(scores, ref_scores, atol=1e-5, rtol=0) and torch.equal(torch.isfinite(scores), finite)
+    assert torch.equal(tokens[2], logits[2].topk(k).indices)  # temperature 0: the logits' own top k
+    torch.library.opcheck(perturbed_top, (logits, temperature, cut, seeds, positions, k),
+                          test_utils=("test_faketensor",))

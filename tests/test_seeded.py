@@ -21,8 +21,6 @@ from conftest import EMBEDDED, REPO, shared_model
 from helpers import decode_requests, markov_engine, simulated_distances, total_variation, two_stage
 
 from specgraph.draws import gumbel
-from specgraph.kernels.gumbel import perturbed_top_reference
-from specgraph.kernels.gumbel.triton import perturbed_top
 from specgraph.program import Program
 from specgraph.recipe import ChainTree, DynamicTree, Recipe, SamplingSpec, StaticTree
 from specgraph.tree import TreeTopology
@@ -110,28 +108,6 @@ def test_the_keyed_noise_is_a_standard_gumbel_of_its_key_alone():
     upper = torch.distributions.Gumbel(0.0, 1.0).cdf(torch.tensor(8.0))  # the upper tail, which decides argmaxes
     assert abs(float((g > 8).float().mean()) - float(1 - upper)) < 2e-4
     assert float(g.max()) > 10  # past what 24 bits of a uniform can reach (16.6 at most: the tail is resolved)
-
-
-@pytest.mark.parametrize("k", [1, 3])
-def test_the_fused_kernel_picks_what_the_reference_picks(k):
-    """Two blocks of the vocabulary, a row at temperature 0, filtered rows, huge seeds and positions."""
-    generator = torch.Generator().manual_seed(k)
-    t, v = 7, 5000
-    logits = torch.randn(t, v, generator=generator) * 3
-    temperature = torch.tensor([1.0, 0.7, 0.0, 1.0, 2.0, 1.0, 0.3])
-    cut = torch.tensor([float("-inf"), float("-inf"), float("-inf"), 2.0, float("-inf"), 0.0, 1.0])
-    cut[5] = logits[5].topk(2).values[-1]  # two tokens kept
-    seeds = torch.tensor([0, 1, 2, 3, -5, 2 ** 62, 7])
-    positions = torch.tensor([0, 10, 20, 30, 40, 2 ** 40, 4999])
-    tokens, scores = perturbed_top(logits, temperature, cut, seeds, positions, k)
-    ref_tokens, ref_scores = perturbed_top_reference(logits, temperature, cut, seeds, positions, k)
-    assert torch.isinf(ref_scores[5]).sum() == k - min(k, 2)  # (past a filter's tokens, picks score -inf)
-    finite = torch.isfinite(ref_scores)
-    assert torch.equal(tokens[finite], ref_tokens[finite])
-    assert torch.allclose(scores, ref_scores, atol=1e-5, rtol=0) and torch.equal(torch.isfinite(scores), finite)
-    assert torch.equal(tokens[2], logits[2].topk(k).indices)  # temperature 0: the logits' own top k
-    torch.library.opcheck(perturbed_top, (logits, temperature, cut, seeds, positions, k),
-                          test_utils=("test_faketensor",))
 
 
 # -- every recipe samples the target alone's tokens
