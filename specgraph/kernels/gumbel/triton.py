@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-_M1, _M2, _GOLDEN = 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0x9E3779B97F4A7C15
+_M1, _M2, _GOLDEN = tl.constexpr(0xFF51AFD7ED558CCD), tl.constexpr(0xC4CEB9FE1A85EC53), tl.constexpr(0x9E3779B97F4A7C15)
 
 
 @triton.jit
