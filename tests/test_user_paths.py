@@ -147,19 +147,31 @@ def test_generating_an_id_outside_the_vocabulary_names_it():
 
 
 def test_ctrl_c_writes_the_finished_prompts(tmp_path):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": str(i), "prompt": PROMPT}) + "\n" for i in range(200)))
     out = tmp_path / "out.json"
+    terminal, stderr = pty.openpty()  # stderr on a terminal, as a user at one sees it: the bar is drawn
+    fcntl.ioctl(stderr, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # (a new pty is 0 columns wide)
     proc = subprocess.Popen([sys.executable, "-m", "specgraph", "run", str(DEMO), "--prompts", str(prompts),
-                             "--max-new-tokens", "24", "--json", str(out)], stderr=subprocess.PIPE, text=True,
+                             "--max-new-tokens", "24", "--json", str(out)], stderr=stderr, stdout=subprocess.DEVNULL,
                             preexec_fn=interruptible)
+    os.close(stderr)
     seen = ""
-    while max(map(int, re.findall(r"(\d+)/200", seen)), default=0) < 2:  # the progress bar: two prompts done
-        seen += proc.stderr.read(1)
-        assert proc.poll() is None, seen
-    proc.send_signal(signal.SIGINT)
-    _, rest = proc.communicate(timeout=60)
-    assert proc.returncode == 130, rest[-3000:]
+    try:
+        while max(map(int, re.findall(r"(\d+)/200", seen)), default=0) < 2:  # the progress bar: two prompts done
+            seen += os.read(terminal, 4096).decode(errors="replace")
+            assert proc.poll() is None, seen
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        os.close(terminal)
+    assert proc.returncode == 130, seen[-3000:]
     report = json.loads(out.read_text())
     results = report["results"]
     assert 2 <= len(results) < 200 and [r["id"] for r in results] == [str(i) for i in range(len(results))]
