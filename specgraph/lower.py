@@ -16,6 +16,7 @@ from specgraph.models.widen import draft_shape_for, widen, widened_shape
 from specgraph.draft import Drafter
 from specgraph.engine.budget import Budget, batch_sizes
 from specgraph.engine.calibrate import budget_table, prompt_shapes, step_costs, step_shapes, warm_up
+from specgraph.engine.saved import device_identity, remembered
 from specgraph.engine.engine import Engine
 from specgraph.engine.policy import Policy, StepCosts
 from specgraph.engine.pool import BlockPool
@@ -139,11 +140,24 @@ def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None, 
     context = min(CALIBRATION_CONTEXT, recipe.max_seq_len // 2)
     spec, budget = target["spec"].verify.budget, None
     agree = ranks.slowest(graph.target, runner.device)
+
+    def kept(what: str, identity: dict, measure):
+        """A timing of this engine's steps, saved for the next build of it (engine/saved.py); where
+        the target runs over several ranks, measured each time (every rank must time, or none)."""
+        if ranks.split(graph.target):
+            return measure()
+        identity = {**identity, "stages": {name: graph.node(name) for name in graph.stages()}, "sizes": sizes,
+                    "serving": serving, "context": context, "modes": [(m.name, m.nodes) for m in runner.modes],
+                    **device_identity(runner.device)}
+        return remembered(what, identity, measure)
     if spec is not None and drafter is not None:
         table, epsilon = (spec.nodes, spec.epsilon) if epsilon is None else (None, epsilon)
         if not table:
-            log.info("timing verification at batch sizes %s for the budget (epsilon %g)", sizes, epsilon)
-            table = budget_table(runner, runner.modes[1], sizes, epsilon, context, agree)
+            def measure() -> dict[int, int]:
+                log.info("timing verification at batch sizes %s for the budget (epsilon %g)", sizes, epsilon)
+                return budget_table(runner, runner.modes[1], sizes, epsilon, context, agree)
+
+            table = kept("budget", {"epsilon": epsilon}, measure)
         budget = Budget(table, drafter.nodes)
     if captured or any(graph.node(n)["compile"] for n in graph.stages()):  # (built now, not while serving)
         steps = step_shapes(runner, serving.max_batch)
@@ -152,12 +166,14 @@ def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None, 
                  len(runner.modes) * len(steps), len(runner.modes), len(prompts), " and captured" if captured else "")
         with progress_bar(len(runner.modes) * len(steps) + len(prompts), "building") as done:
             warm_up(runner, runner.modes, steps, prompts, budget, context, done)
-    if adaptive:
-        log.info("timing %d step modes (%s) at batch sizes %s for the speculation policy", len(runner.modes),
-                 ", ".join(mode.name for mode in runner.modes), sizes)
     policy = None
     if adaptive:
-        costs = StepCosts(step_costs(runner, runner.modes, sizes, budget, context, agree))
+        def measure() -> dict[str, dict[int, float]]:
+            log.info("timing %d step modes (%s) at batch sizes %s for the speculation policy", len(runner.modes),
+                     ", ".join(mode.name for mode in runner.modes), sizes)
+            return step_costs(runner, runner.modes, sizes, budget, context, agree)
+
+        costs = StepCosts(kept("step costs", {"budget": budget and budget.table}, measure))
         timed = [mode for mode in runner.modes if mode.name in costs.table]
         policy = Policy(timed, costs, budget=budget, timed=not ranks.split(graph.target))
     return Engine(runner, target["eos_ids"], recipe.max_seq_len, serving.max_batch, pool, region,

@@ -7,6 +7,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "inductor"))
+os.environ["SPECGRAPH_TIMINGS"] = "0"  # (every build times its own steps: tests price them differently)
 os.environ["SPECGRAPH_PROGRESS"] = "0"  # (what commands print is asserted: a test that wants the build's steps asks)
 if "PYTEST_XDIST_WORKER" in os.environ:  # one of several test processes (pyproject.toml): a core each
     os.environ["OMP_NUM_THREADS"] = "1"  # (and the processes tests start)

@@ -294,3 +294,37 @@ def test_an_untimed_policy_keeps_its_measured_costs():
         policy = Policy([PLAIN, deep], StepCosts({"ar": {1: 0.010}, "depth 1": {1: 0.018}}), timed=timed)
         policy.observe(deep, [2], [Acceptance(1)], 1, 0.036)
         assert policy.costs.seconds("depth 1", 1) == pytest.approx(expected)
+
+
+def test_a_second_build_of_the_same_engine_reuses_its_step_costs(tmp_path, monkeypatch, caplog):
+    """The policy's step costs are saved beside the compiled code (engine/saved.py): a second build
+    of the same program here times nothing and weighs the first one's costs; another shape (a larger
+    batch) is timed anew, and a file that cannot be read is timed again and rewritten."""
+    import json
+
+    from specgraph import lower
+
+    timed = []
+
+    def step_costs(runner, modes, sizes, budget, context, agree):  # (stands for the timing: it counts)
+        timed.append(sizes)
+        return {mode.name: {size: 0.01 * (len(timed) + mode.depth) for size in sizes} for mode in modes}
+
+    def build(**serving) -> dict:
+        recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", DYNAMIC,
+                           serving={"max_batch": 1, "speculation": "adaptive", **serving})
+        with Program.from_recipe(recipe) as program:
+            return program.executor.policy.costs.table
+
+    monkeypatch.setattr(lower, "step_costs", step_costs)
+    monkeypatch.setenv("SPECGRAPH_TIMINGS", str(tmp_path))
+    first = build()
+    assert build() == first and len(timed) == 1 and first["depth 1"] == {1: 0.02}
+    assert build(max_batch=2) != first and timed == [[1], [1, 2]]
+    saved = sorted(tmp_path.glob("step-costs-*.json"))
+    assert len(saved) == 2 and all(json.loads(path.read_text())["value"] for path in saved)
+    for path in saved:
+        path.write_text("{not json")
+    with caplog.at_level("WARNING", "specgraph.build"):
+        assert build() != first and len(timed) == 3
+    assert "could not be read" in caplog.text and build() == build() and len(timed) == 3
