@@ -223,10 +223,14 @@ def test_a_prompt_fed_beside_the_steps_is_charged_to_no_mode(priced, target_refe
 
 
 def test_a_mode_not_running_drifts_back_to_its_measured_cost():
-    """A stall charged to depth 1 (100 ms against its measured 20) fades while only ar runs: DRIFT of
-    the way back at each step of its size, so after 150 steps within a tenth of the stall's excess."""
+    """A lone stall (a step of 100 ms against ar's 10) moves a cost by a tenth; a stall lasting ten
+    steps of depth 1 (100 ms against its measured 20) fades while only ar runs: DRIFT of the way back
+    at each step of its size, so after 150 steps within a tenth of the stall's excess."""
     costs = StepCosts({"ar": {1: 0.010}, "depth 1": {1: 0.020}})
-    costs.observe("depth 1", 1, 0.100)
+    costs.observe("ar", 1, 0.100)
+    assert costs.seconds("ar", 1) == pytest.approx(0.011)
+    for _ in range(10):
+        costs.observe("depth 1", 1, 0.100)
     stalled = costs.seconds("depth 1", 1)
     for _ in range(150):
         costs.observe("ar", 1, 0.010)

@@ -31,6 +31,7 @@ PROBE_MOST = 1024
 PRIOR = 0.5  # depth 1's acceptance rate before any is seen (a deeper depth's: the rate above it)
 PRIOR_WEIGHT = 4.0  # pseudo-trials of the prior in the batch-wide rates, and of those in a request's
 DECAY = 0.99  # the batch-wide counts' weight after each observation (old requests' acceptance fades)
+STEP_CHANGE = 0.1  # the largest share by which one step's time moves its mode's cost
 DRIFT = 0.02  # share of the way back to its measured time a mode not running moves at each step of its size
 
 
@@ -82,10 +83,16 @@ class StepCosts:
         self.measured = {name: dict(by_size) for name, by_size in self.table.items()}
 
     def observe(self, mode: str, size: int, seconds: float, weight: float = 0.2) -> None:
-        """A step's time, averaged into what was known of its mode and size; the other modes' times
-        at that size move DRIFT of the way back toward their measured ones."""
+        """A step's time, averaged into what was known of its mode and size, moving it by at most
+        STEP_CHANGE (a lone stall of the host is not its mode's cost; a lasting change gets there in a
+        few steps); the other modes' times at that size move DRIFT of the way back toward their
+        measured ones."""
         by_size = self.table.setdefault(mode, {})
-        by_size[size] = seconds if size not in by_size else (1 - weight) * by_size[size] + weight * seconds
+        if size not in by_size:
+            by_size[size] = seconds
+        else:
+            known = by_size[size]
+            by_size[size] = known + max(-STEP_CHANGE * known, min(weight * (seconds - known), STEP_CHANGE * known))
         for name, measured in self.measured.items():
             if name != mode and size in measured and size in self.table[name]:
                 self.table[name][size] += DRIFT * (measured[size] - self.table[name][size])
