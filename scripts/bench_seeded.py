@@ -1,8 +1,8 @@
 """Time one verification of R static draft trees by the sampling rule (keyed Gumbel-max: each
-node's perturbed argmax, then greedy acceptance) against the residual rule (each node's
-probabilities, then SpecInfer's walk over drawn proposals) at the Llama-3-8B vocabulary (128256),
-batch 1, 8 and 32, the tree {shape: static, branching: [3, 2, 1, 1]} (22 nodes) per request,
-bf16 logits. Kernels: Triton on a GPU, the references on the CPU. Prints one line per (batch, rule):
+node's perturbed argmax, then greedy acceptance) against the greedy rule (the same walk on plain
+argmaxes: the difference is what the noise costs) at the Llama-3-8B vocabulary (128256), batch 1,
+8 and 32, the tree {shape: static, branching: [3, 2, 1, 1]} (22 nodes) per request, bf16 logits.
+Kernels: Triton on a GPU, the references on the CPU. Prints one line per (batch, rule):
 
     python3 scripts/bench_seeded.py [--top-p 0.95] [--batches 1 8 32] [--iters 20]
 """
@@ -14,7 +14,6 @@ import time
 
 import torch
 
-from specgraph.draws import Draws
 from specgraph.kernels import Kernels
 from specgraph.recipe import SamplingSpec, StaticTree, VerifySpec
 from specgraph.sampling import SamplingRows
@@ -22,7 +21,7 @@ from specgraph.tree import Tree, TreeStructure, TreeTopology
 from specgraph.verify import verify
 
 VOCAB = 128256
-OPS = ("accept_greedy", "accept_sampling", "perturbed_top")
+OPS = ("accept_greedy", "perturbed_top")
 
 
 def seconds(run, device: torch.device, iters: int) -> float:
@@ -58,14 +57,12 @@ def main() -> None:
         positions = 100 + structure.depths[0].repeat(batch) + 1  # [T]
         tokens = torch.randint(VOCAB, (batch, n), device=device, generator=generator)
         parents = torch.tensor(topology.parents, device=device).expand(batch, -1)
-        proposals = torch.randn(batch, n, VOCAB, device=device, generator=generator).softmax(-1)  # [R, N + 1, V]
-        for rule in ("sampling", "residual"):
-            tree = Tree(tokens, parents, proposals if rule == "residual" else None, structure.expand(batch))
+        tree = Tree(tokens, parents, structure.expand(batch))
+        for rule in ("sampling", "greedy"):
             spec = VerifySpec(rule=rule)
 
             def run():
-                draws = Draws.of(list(range(batch)), device)
-                return verify(tree, logits, grid, spec, rows, draws, kernels, segments, positions)
+                return verify(tree, logits, grid, spec, rows, None, kernels, segments, positions)
 
             ms = 1e3 * seconds(run, device, args.iters)
             print(f"{device.type} batch {batch:>2} nodes {batch * n:>4} top_p {args.top_p}: {rule:<8} {ms:8.3f} ms")

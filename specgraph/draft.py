@@ -22,15 +22,12 @@ pool of nodes (`_DynamicPlan`); which leaves, and which nodes are kept, are chos
 per request — or, with a verification budget (engine/budget.py), the most likely nodes over the
 whole batch.
 
-Children are chosen per node in one of three ways. Greedy and typical rules: the top-k of the
+Children are chosen per node in one of two ways. Greedy and typical rules: the top-k of the
 draft logits (dynamic trees: the most likely leaves expanded first). Sampling rule: the top-k of
 the perturbed scores log q + g(seed, t, ·), t the children's sequence index (sampling.py): Gumbel
 top-k, draws without replacement from q with the noise the target samples with, so that the
 target's token is often among them; a dynamic tree expands the leaves whose perturbed scores fall
-least below their best sibling's, summed over their path (`perturbed_children`). Residual rule on
-chain and static trees: drawn without replacement from q with the request's stream, and
-`Tree.proposals` records the distribution each node was drawn from, which that rule needs: q
-minus the earlier siblings; deterministic choices carry none (each node's own one-hot).
+least below their best sibling's, summed over their path (`perturbed_children`).
 """
 
 from __future__ import annotations
@@ -40,10 +37,9 @@ from typing import NamedTuple
 
 import torch
 
-from specgraph.draws import Draws
 from specgraph.recipe import DynamicTree
 from specgraph.runtime.stage import Stage
-from specgraph.sampling import SamplingRows, draw_without_replacement, forbid_stops, perturbed_top, probs_from_logits
+from specgraph.sampling import SamplingRows, forbid_stops, perturbed_top
 from specgraph.tree import CATCH_UP, Tree, TreeStructure, TreeTopology
 
 
@@ -218,11 +214,11 @@ class Drafter:
             self.stage.prefill(prompt[:-CATCH_UP])
 
     @torch.inference_mode()
-    def draft(self, requests: Requests, width: int, sampling: SamplingRows | None = None, draws: Draws | None = None,
+    def draft(self, requests: Requests, width: int, sampling: SamplingRows | None = None,
               budget: int | None = None, live: torch.Tensor | None = None) -> Draft:
         """A draft tree per request, rooted at its last committed token; forwards attend over `width`
-        virtual slots. `sampling` and `draws`: the requests' settings and random streams, where the
-        sampling rule draws the children of chain and static trees. `budget`: a dynamic tree's
+        virtual slots. `sampling`: the requests' settings (their seeds key the sampling rule's noise;
+        stop tokens are kept back as they say). `budget`: a dynamic tree's
         nodes over the whole batch (each request at most the plan's `nodes`), None: each its own;
         `live` [R] bool: the requests that take part in the budget (padding rows do not)."""
         root_logits = catch_up(self.stage, requests, width)  # [R, V]
@@ -230,10 +226,10 @@ class Drafter:
         def feed(tokens, depths, lineage, sources, new):
             return self._feed(tokens, depths, lineage, new, requests, width)
 
-        return self._grow(root_logits, requests, feed, sampling, draws, budget, live)
+        return self._grow(root_logits, requests, feed, sampling, budget, live)
 
     def _grow(self, root_logits: torch.Tensor, requests: Requests, feed, sampling: SamplingRows | None,
-              draws: Draws | None, budget: int | None, live: torch.Tensor | None) -> Draft:
+              budget: int | None, live: torch.Tensor | None) -> Draft:
         """The trees grown from the roots' logits [R, V]; `feed(tokens, depths, lineage, sources,
         new)` feeds the last `new` of the F nodes fed so far (tokens, depths, sources [R, F]: each
         one's parent's feed offset, -1 the root; lineage [R, F, F]) -> their logits [R, new, V]. No
@@ -243,7 +239,7 @@ class Drafter:
             root_logits = forbid_stops(root_logits, sampling, requests.lengths)
             feed = _forbidding(feed, sampling, requests.lengths)
         if self.static is not None:
-            return Draft(self._grow_static(roots, root_logits, requests, feed, sampling, draws),
+            return Draft(self._grow_static(roots, root_logits, requests, feed, sampling),
                          self.static.fed_at.expand(requests.size, -1), requests.feeds)
         grown = self._grow_dynamic(roots, root_logits, requests, feed, sampling)
         return select(grown, self.dynamic.nodes, self.dynamic.depth, self.dynamic.width, budget, requests.feeds, live)
@@ -301,33 +297,20 @@ class Drafter:
         last = feeds[:, None] + f - new + torch.arange(new, device=device)  # [R, new]: the new nodes' columns
         return logits.gather(1, last[..., None].expand(-1, -1, logits.shape[-1]))
 
-    def _choose(self, logits: torch.Tensor, k: int, sampling: SamplingRows | None, draws: Draws | None,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _choose(self, logits: torch.Tensor, k: int, sampling: SamplingRows | None,
+                positions: torch.Tensor) -> torch.Tensor:
         """k children of each of E nodes of R static trees with draft logits [R, E, V], their tokens at
-        sequence indices positions [R, E]: tokens [R, E, k] and, where they are drawn from the
-        requests' streams (the residual rule), the distribution each was drawn from [R, E, k, V]
-        (None for the top-k, perturbed or not)."""
+        sequence indices positions [R, E] -> tokens [R, E, k]: the top-k, by perturbed score under
+        the sampling rule."""
         if self.rule == "sampling":
-            return perturbed_top(logits, sampling, positions, k, self.stage.kernels.perturbed_top)[0], None
-        if self.rule != "residual":
-            return logits.topk(k, dim=-1).indices, None  # [R, E, k]
-        remaining = probs_from_logits(logits, sampling)  # [R, E, V]
-        tokens = draw_without_replacement(remaining, k, draws)  # [R, E, k]
-        proposals = []
-        for rank in range(k):
-            token = tokens[..., rank : rank + 1]  # [R, E, 1]
-            left = remaining.gather(-1, token) > 0  # q's support not used up: the child was a draw
-            fixed = torch.zeros_like(remaining).scatter_(-1, token, 1.0)
-            proposals.append(torch.where(left, remaining / remaining.sum(-1, keepdim=True), fixed))
-            remaining = remaining.scatter(-1, token, 0.0)
-        return tokens, torch.stack(proposals, dim=2)
+            return perturbed_top(logits, sampling, positions, k, self.stage.kernels.perturbed_top)[0]
+        return logits.topk(k, dim=-1).indices
 
     def _grow_static(self, roots: torch.Tensor, root_logits: torch.Tensor, requests: Requests, feed,
-                     sampling: SamplingRows | None, draws: Draws | None) -> Tree:
+                     sampling: SamplingRows | None) -> Tree:
         plan, device, r = self.static, self.stage.device, requests.size
         tokens = torch.empty(r, len(self.tree.parents), dtype=torch.long, device=device)  # [R, N + 1]
         tokens[:, :1] = roots
-        proposals = None
         for depth, level in enumerate(plan.levels):
             if depth == 0:
                 logits = root_logits[:, None]  # [R, 1, V]
@@ -337,13 +320,9 @@ class Drafter:
                               plan.lineage[: level.fed, : level.fed].expand(r, -1, -1),
                               plan.sources[: level.fed].expand(r, -1), level.expanding.numel())  # [R, E, V]
             positions = (requests.lengths + depth)[:, None].expand(r, logits.shape[1])  # [R, E]: the children's
-            chosen, drawn_from = self._choose(logits, level.width, sampling, draws, positions)
+            chosen = self._choose(logits, level.width, sampling, positions)  # [R, E, W]
             tokens[:, level.kids] = chosen[:, level.rows, level.ranks]
-            if drawn_from is not None:
-                if proposals is None:
-                    proposals = torch.zeros(r, tokens.shape[1], logits.shape[-1], device=device)
-                proposals[:, level.kids] = drawn_from[:, level.rows, level.ranks]
-        return Tree(tokens, plan.parents.expand(r, -1), proposals, plan.structure.expand(r))
+        return Tree(tokens, plan.parents.expand(r, -1), plan.structure.expand(r))
 
     def _grow_dynamic(self, roots: torch.Tensor, root_logits: torch.Tensor, requests: Requests, feed,
                       sampling: SamplingRows | None) -> _Grown:
@@ -435,5 +414,5 @@ def select(grown: _Grown, nodes: int, depth: int, width: int, budget: int | None
     structure = TreeStructure.on_device(parents, torch.where(live, grown.depths.gather(1, keep), 1), lineage, depth,
                                         width, sizes)
     packed = None if budget is None else r + min(budget, r * nodes)  # (at least sum(sizes): a host bound)
-    tree = Tree(grown.tokens.gather(1, keep), parents, None, structure, None if budget is None else sizes, packed)
+    tree = Tree(grown.tokens.gather(1, keep), parents, structure, None if budget is None else sizes, packed)
     return Draft(tree, torch.where(live, grown.fed_at.gather(1, keep), -1), feeds)

@@ -5,7 +5,7 @@ sequence of device operations (a CUDA graph can hold it).
 Two kinds:
 - `Draws`, a stream per request: its n-th number is murmur3's 64-bit finaliser of (seed, n), its
   top 24 bits a uniform in (0, 1). What a request draws depends on how many it drew before (the
-  residual and typical rules, whose draws depend on the trees).
+  typical rule's bonus tokens, one a verification step).
 - `gumbel(seed, position, token)`, keyed noise: a standard Gumbel per (seed, absolute sequence
   index, token id), the same whatever drew before. A token sampled as argmax(log p + g) at its
   position depends on the seed and the distribution alone (the sampling rule, sampling.py).

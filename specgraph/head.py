@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from specgraph.draft import Draft, Drafter, Requests
-from specgraph.draws import Draws
 from specgraph.recipe import DynamicTree
 from specgraph.runtime.stage import Stage
 from specgraph.sampling import SamplingRows
@@ -104,7 +103,7 @@ class HeadDrafter(Drafter):
                 out.gather(1, last.expand(-1, 1, out.shape[-1]))[:, 0])
 
     @torch.inference_mode()
-    def draft(self, requests: Requests, width: int, sampling: SamplingRows | None = None, draws: Draws | None = None,
+    def draft(self, requests: Requests, width: int, sampling: SamplingRows | None = None,
               budget: int | None = None, live: torch.Tensor | None = None) -> Draft:
         """Drafter.draft from the pairs of `requests.features` (see the module doc)."""
         root_logits, root_out = self._catch_up(requests, width)  # [R, V], [R, H]
@@ -122,7 +121,7 @@ class HeadDrafter(Drafter):
             outputs.index_copy_(1, 1 + fresh, out)
             return logits
 
-        return self._grow(root_logits, requests, feed, sampling, draws, budget, live)
+        return self._grow(root_logits, requests, feed, sampling, budget, live)
 
     def commit(self, draft: Draft, paths: torch.Tensor, requests: Requests) -> None:
         """Nothing to move: the next catch-up feeds the accepted tokens with the target's features."""

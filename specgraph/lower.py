@@ -281,10 +281,9 @@ def _disaggregated_side(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks
     recipe = graph.recipe
     sampling = SamplingRows.of([recipe.sampling], graph.node(target if ranks.runs(target) else drafter)["device"])
     if ranks.runs(target):
-        drawn = not isinstance(tree, Growth) and node["rule"] == "residual"
         return VerifySide(build_verifier(graph, stages), trees, verdicts, drafter, draft_node["tree_nodes"],
-                            draft_node["tree_depth"], drawn, node["eos_ids"], recipe.max_seq_len, node["step_graphs"],
-                            sampling)
+                          draft_node["tree_depth"], node["eos_ids"], recipe.max_seq_len, node["step_graphs"],
+                          sampling)
     head = stages[drafter].model
     if isinstance(head, Eagle3Head):
         if head.shares_embedding:  # (the target's is in another process: its checkpoint's)
@@ -304,23 +303,19 @@ def _pipeline_peer(graph: SpecGraph, stages: dict[str, Stage], ranks: Ranks) -> 
     (name,) = [n for n in names if ranks.runs(n)]
     node, recipe = graph.node(name), graph.recipe
     index = node["index"]
-    # then every message up carries its tokens' distributions (the sampling rule's tokens need none)
-    draws = recipe.sampling.temperature > 0 and any(graph.node(n)["rule"] != "sampling" for n in names[1:])
-    vocab = stages[name].logits_width if draws else None
     first = graph.node(names[0])
     trees = not isinstance(first["spec"].tree or ChainTree(), ChainTree)  # the first stage drafts trees
     capacity = max(MESSAGE_TOKENS, 2 * (first["tree_nodes"] + 1))  # (a tree: its tokens and parents; every rank agrees)
     leads = ranks.rank == ranks.leader(name)
-    mailbox = Mailbox(ranks.mail, capacity, vocab) if leads else None
+    mailbox = Mailbox(ranks.mail, capacity) if leads else None
     followers = None
     if node["tp"] > 1:
-        followers = Followers(ranks.groups[name], ranks.leader(name), node["device"], capacity, vocab)
+        followers = Followers(ranks.groups[name], ranks.leader(name), node["device"], capacity)
     common = dict(names=names, index=index, leaders=[ranks.leader(n) for n in names], mailbox=mailbox,
                   window=node["window"] or 0, ahead=node["ahead"] or 0, synchronous=recipe.pipeline.synchronous,
                   device=node["device"], max_seq_len=recipe.max_seq_len, eos_ids=node["eos_ids"],
                   sampling=SamplingRows.of([recipe.sampling], node["device"]), followers=followers)
     if index == 0:
         drafter = Drafter(stages[name], node["tree"], graph.node(names[1])["rule"], node["feeds"])
-        return DraftingPeer(drafter, trees, draws, node["cache_slots"], **common)
-    return VerifyingPeer(build_verifier(graph, stages, name), draws and index + 1 < len(names),
-                          trees and index == 1, **common)
+        return DraftingPeer(drafter, trees, node["cache_slots"], **common)
+    return VerifyingPeer(build_verifier(graph, stages, name), trees and index == 1, **common)

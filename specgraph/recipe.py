@@ -130,14 +130,12 @@ class BudgetSpec(_Strict):
 class VerifySpec(_Strict):
     """How a stage accepts the drafts of the stage it verifies."""
 
-    rule: Literal["greedy", "sampling", "residual", "typical"] | None = Field(
+    rule: Literal["greedy", "sampling", "typical"] | None = Field(
         None,
         description="greedy (exact, temperature 0); sampling (temperature > 0: each token the argmax of the "
         "target's log-probabilities plus Gumbel noise keyed by the seed, its position and the token, so every recipe "
         "samples exactly the tokens of the target alone with the same seed; the drafter proposes with the same "
-        "noise); residual (lossless SpecInfer speculative sampling: the target's distribution, but the tokens "
-        "depend on the drafts); typical (lossy typical acceptance, opt-in); default: greedy at temperature 0, "
-        "else sampling",
+        "noise); typical (lossy typical acceptance, opt-in); default: greedy at temperature 0, else sampling",
     )
     typical_threshold: float = Field(0.09, gt=0, le=1, description="typical: hard probability floor epsilon")
     typical_alpha: float = Field(0.3, gt=0, le=1, description="typical: entropy-scaled floor delta")
@@ -147,6 +145,14 @@ class VerifySpec(_Strict):
     budget: BudgetSpec | None = Field(
         None, description="verify a budget of nodes over the whole batch (Bole), the most likely of all requests' "
         "dynamic trees, instead of each request's tree whole; serial execution")
+
+    @field_validator("rule", mode="before")
+    @classmethod
+    def _not_residual(cls, rule):
+        if rule == "residual":  # (a recipe of before issue 54)
+            raise ValueError("the residual rule was deleted; 'sampling', lossless too, replaced it (it accepts more "
+                             "drafts); the rules are 'greedy', 'sampling' or 'typical'")
+        return rule
 
 
 class GrowSpec(_Strict):
@@ -188,7 +194,7 @@ class SamplingSpec(_Strict):
     seed: int = Field(0, description="what keys a request's sampling: under the sampling rule a prompt, its "
                       "settings and a seed give the tokens the target alone samples with that seed, whatever the "
                       "drafter, tree, batch, budget or executor (on a GPU in bf16, where the target's logits are the "
-                      "same bits: `lowering.row_invariant`); under residual and typical, tokens repeat only where "
+                      "same bits: `lowering.row_invariant`); under typical, tokens repeat only where "
                       "every step's tree is fixed. A server request without a seed gets a fresh one")
 
 

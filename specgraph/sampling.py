@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from specgraph.draws import Draws
 from specgraph.recipe import SamplingSpec
 
 
@@ -136,10 +135,3 @@ def _row_shape(x: torch.Tensor) -> tuple[int, ...]:
     """A per-row tensor's view that broadcasts over x [R, ...]."""
     return (x.shape[0],) + (1,) * (x.dim() - 1)
 
-
-def draw_without_replacement(probs: torch.Tensor, k: int, draws: Draws) -> torch.Tensor:
-    """k distinct draws per distribution, in draw order, from probs [R, E, V] (Gumbel-top-k, each
-    row from its own stream) -> [R, E, k]. Past the support, the remaining picks are tokens of
-    probability 0."""
-    gumbel = -(-draws.uniform(*probs.shape[1:]).log()).log()
-    return (probs.log() + gumbel).topk(k, dim=-1).indices

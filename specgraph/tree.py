@@ -197,7 +197,6 @@ class Tree:
 
     tokens: torch.Tensor  # [R, N + 1] long
     parents: torch.Tensor  # [R, N + 1] long, root -1
-    proposals: torch.Tensor | None = None  # [R, N + 1, V]: the distribution each node's token was drawn from
     structure: TreeStructure | None = None  # derived from parents (with a host read: one tree) when not given
     sizes: torch.Tensor | None = None  # [R] nodes of each tree, None: all N + 1
     packed: int | None = None  # where sizes vary: their sum (a host bound: what a forward of them all packs)
@@ -245,8 +244,7 @@ class Tree:
     def to(self, device: torch.device) -> Tree:
         if device == self.tokens.device:
             return self
-        return Tree(self.tokens.to(device), self.parents.to(device),
-                    None if self.proposals is None else self.proposals.to(device), self.structure.to(device),
+        return Tree(self.tokens.to(device), self.parents.to(device), self.structure.to(device),
                     None if self.sizes is None else self.sizes.to(device), self.packed)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -269,5 +267,5 @@ class Tree:
     @classmethod
     def from_tensors(cls, tensors: tuple[torch.Tensor, ...], max_depth: int, packed: int | None = None) -> Tree:
         tokens, parents, depths, child_table, ancestors, sizes = tensors
-        return cls(tokens, parents, None, TreeStructure(max_depth, depths, child_table, ancestors),
+        return cls(tokens, parents, TreeStructure(max_depth, depths, child_table, ancestors),
                    None if packed is None else sizes, packed)

@@ -7,18 +7,12 @@ tree's accepted path and bonus token.
   and a child is accepted where it is that token (greedy's walk on those argmaxes). Each token
   follows p exactly and depends on the seed alone, so a request decodes the tokens the target
   alone samples with its seed, whatever drafted them.
-- residual: lossless multi-candidate speculative sampling (SpecInfer/Sequoia), whose tokens depend
-  on the drafts and the order of draws: a node's children
-  are tried in rank order; child c is accepted with probability min(1, p(x_c) / r_c(x_c)), where
-  r_c is the distribution c was drawn from (`Tree.proposals`; a chosen child's is its one-hot);
-  each rejection replaces p by the normalised residual max(0, p - r_c). If no child is accepted
-  the bonus is drawn from p. A request at temperature 0 has a one-hot p: the walk is greedy's.
 - typical: lossy (Medusa's typical acceptance): a child is accepted when the target gives it more
   than min(threshold, alpha * exp(-entropy(p))); the bonus is drawn from p. Opt-in only.
 
 The logits come packed, as the target's forward gave them ([T, V], `grid` [R, N + 1] each node's
 row): greedy and sampling take the (perturbed) argmax of the packed rows before gathering. Every rule runs on the device
-with no host synchronisation (greedy and sampling acceptance are kernels, see kernels/accept;
+with no host synchronisation (greedy and sampling acceptance is one kernel, see kernels/accept;
 typical is max_depth x max children steps of tensor operations): the verdict stays in device
 buffers until the executor reads it once per step. Random numbers come from each request's own
 stream or key (draws.py), so a request's verdicts do not depend on the batch it is in.
@@ -57,7 +51,7 @@ def verify(tree: Tree, logits: torch.Tensor, grid: torch.Tensor, spec: VerifySpe
            draws: Draws | None, kernels: Kernels = Kernels(), segments: torch.Tensor | None = None,
            positions: torch.Tensor | None = None) -> Verdict:
     """logits [T, V] packed; grid [R, N + 1]: the row of each tree node (-1: padding, never tried);
-    `draws`: the requests' random streams (the residual and typical rules); segments [T]: each
+    `draws`: the requests' random streams (the typical rule); segments [T]: each
     packed row's request, positions [T]: the sequence index of the token its logits choose (the
     sampling rule)."""
     node = grid.clamp(min=0)
@@ -71,10 +65,6 @@ def verify(tree: Tree, logits: torch.Tensor, grid: torch.Tensor, spec: VerifySpe
         return Verdict(*kernels.accept_greedy(tokens, tree.parents, tree.ancestors, tree.depths, best[node],
                                               tree.max_depth))
     probs = probs_from_logits(logits[node], sampling)  # [R, N + 1, V]
-    if spec.rule == "residual":
-        uniforms = draws.uniform(tree.max_depth * tree.child_table.shape[2] + 1)
-        proposals = None if tree.proposals is None else tree.proposals.float()
-        return Verdict(*kernels.accept_sampling(tokens, tree.child_table, probs, proposals, uniforms, tree.max_depth))
     return verify_typical(tree, probs, spec, sampling, draws)
 
 

@@ -80,8 +80,8 @@ def test_steps_padded_to_capture_sizes_keep_every_request_exact(target_reference
     warm_up(runner, runner.modes, step_shapes(runner, 5), prompt_shapes(runner, 5, 64), None, 32)
     grow, steps = runner.drafter.draft, []
 
-    def recording(requests, width, sampling, draws, budget, live):
-        draft = grow(requests, width, sampling, draws, budget, live)
+    def recording(requests, width, sampling, budget, live):
+        draft = grow(requests, width, sampling, budget, live)
         steps.append((requests.size, int(live.sum()), draft.tree.counts()[~live].tolist()))
         return draft
 
@@ -199,8 +199,8 @@ def test_a_budget_verifies_its_nodes_and_keeps_every_request_exact(target_refere
     drafter, verified = program.executor.runner.drafter, []
     grow = drafter.draft
 
-    def recording(requests, width, sampling, draws, budget, live):
-        draft = grow(requests, width, sampling, draws, budget, live)
+    def recording(requests, width, sampling, budget, live):
+        draft = grow(requests, width, sampling, budget, live)
         verified.append((requests.size, int(live.sum()), int(draft.tree.sizes.sum()) - requests.size,
                          draft.tree.packed))
         return draft

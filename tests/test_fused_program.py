@@ -6,8 +6,8 @@ one seed, they draw the reference program's tokens."""
 from conftest import EMBEDDED
 from helpers import ORACLE_TOKENS, PROMPT, hf_greedy, run_noting_projections, two_stage
 
-from specgraph.kernels.accept.triton import accept_sampling
 from specgraph.kernels.attention.triton import attention
+from specgraph.kernels.gumbel.triton import perturbed_top
 from specgraph.kernels.kv_move.triton import kv_move
 from specgraph.program import Program
 
@@ -27,15 +27,15 @@ def test_triton_kernels_decode_transformers_tokens():
 
 
 def test_triton_kernels_sample_the_reference_tokens():
-    """Sampling with one seed: the acceptance kernel takes the uniforms the reference takes, so the
-    tokens agree unless the kernels' last-bit differences move a draw across a boundary."""
+    """Sampling with one seed (the sampling rule): the fused Gumbel kernel adds the reference's noise,
+    so the tokens agree unless the kernels' last-bit differences move a perturbed argmax."""
     def program(kernels: str) -> Program:
         recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "static", "branching": [2, 1]},
                            max_new_tokens=12, sampling={"temperature": 0.8}, lowering={"kernels": kernels})
         return Program.from_recipe(recipe)
 
     fused, reference = program("triton"), program("reference")
-    assert fused.executor.runner.verifier.kernels.accept_sampling is accept_sampling
+    assert fused.executor.runner.verifier.kernels.perturbed_top is perturbed_top
     ids = fused.encode("def parse(path):\n    with open(path) as f:\n")
     result = fused.generate(ids, seed=3)
     assert result.output_ids == reference.generate(ids, seed=3).output_ids

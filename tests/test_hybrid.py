@@ -13,12 +13,12 @@ from conftest import EMBEDDED, NEW_TOKENS, REPO, shared_model
 from helpers import LONG_PROMPT, as_vision_language, grown_on_the_host, hf_greedy, run_noting_projections, two_stage
 
 from specgraph.draft import Drafter, Requests
-from specgraph.draws import Draws
+from specgraph.kernels.gumbel import perturbed_top_reference
 from specgraph.models.loader import load_model
 from specgraph.recipe import DynamicTree, SamplingSpec, StaticTree
 from specgraph.program import Program
 from specgraph.runtime.stage import Stage
-from specgraph.sampling import SamplingRows, probs_from_logits
+from specgraph.sampling import SamplingRows, perturbed_top
 from specgraph.tree import Tree, TreeTopology
 
 LOGIT_TOL = 1e-4  # fp32: transformers runs a prompt through its chunked algorithm, we through the closed form
@@ -113,14 +113,13 @@ def test_a_hybrid_drafter_grows_its_own_models_trees_after_any_verdicts(small_hy
     """Over steps with random verdicts (nothing, some or a whole branch accepted, a random bonus),
     from a one-token prompt (its first catch-up feeds one token and its first verdict accepts
     nothing, so nothing is folded) and a longer one: every tree is the one its model, run by
-    transformers over the committed tokens and each node's path, defines; with the residual rule,
-    each node's first child is drawn from that node's distribution."""
+    transformers over the committed tokens and each node's path, defines; under the sampling rule,
+    each node's children are the perturbed top-k of that node's distribution."""
     hf_small = transformers.AutoModelForCausalLM.from_pretrained(small_hybrid, dtype=torch.float32).eval()
     logits_after = torch.no_grad()(lambda ids: hf_small(ids[None]).logits[0, -1])
     d = Drafter(Stage("draft", load_model(small_hybrid, torch.float32, "cpu"), 160, torch.device("cpu")), plan, "greedy")
-    sampling = SamplingSpec(temperature=1.0, top_k=20)
-    rows, draws = SamplingRows.of([sampling], "cpu"), Draws.of([0], "cpu")
-    sampler = Drafter(d.stage, plan, "residual") if isinstance(plan, TreeTopology) else None
+    rows = SamplingRows.of([SamplingSpec(temperature=1.0, top_k=20)], "cpu")
+    sampler = Drafter(d.stage, plan, "sampling") if isinstance(plan, TreeTopology) else None
     rng = random.Random(1)
     for committed in ([17], torch.randint(0, 4096, (30,)).tolist()):
         buffer = torch.zeros(128, dtype=torch.long)
@@ -130,11 +129,13 @@ def test_a_hybrid_drafter_grows_its_own_models_trees_after_any_verdicts(small_hy
             length, ids = len(committed), torch.tensor(committed)
             request = Requests.one(buffer, torch.tensor(length), min(2, length))
             if sampler is not None:  # (before the draft that is committed: a commit folds the last forward's factors)
-                drawn = sampler.draft(request, d.stage.width(length, 40), rows, draws).tree
+                drawn = sampler.draft(request, d.stage.width(length, 40), rows).tree
                 for node in filter(drawn.children, range(drawn.size)):
-                    path = drawn.ancestors[0, node].nonzero().flatten()[1:]
-                    expected = probs_from_logits(logits_after(torch.cat([ids, drawn.tokens[0, path]]))[None], rows)[0]
-                    assert (drawn.proposals[0, drawn.children(node)[0]] - expected).abs().max() < 1e-4
+                    path, kids = drawn.ancestors[0, node].nonzero().flatten()[1:], drawn.children(node)
+                    logits = logits_after(torch.cat([ids, drawn.tokens[0, path]]))  # [V]
+                    at = torch.tensor([[length + path.numel()]])  # the children's sequence index
+                    expected = perturbed_top(logits[None, None], rows, at, len(kids), perturbed_top_reference)[0]
+                    assert drawn.tokens[0, kids].tolist() == expected[0, 0].tolist()
             draft = d.draft(request, d.stage.width(length, 40))
             tree = draft.tree
             if isinstance(plan, DynamicTree):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import gated_delta_layer, random_layout, random_tree
 
-from specgraph.kernels.accept import accept_greedy_reference, accept_sampling_reference
-from specgraph.kernels.accept.triton import accept_greedy, accept_sampling
+from specgraph.kernels.accept import accept_greedy_reference
+from specgraph.kernels.accept.triton import accept_greedy
 from specgraph.kernels.attention import attention_reference
 from specgraph.kernels.attention.triton import attention
 from specgraph.kernels.gated_delta import gated_delta_commit_reference, gated_delta_tree_reference
@@ -150,7 +150,7 @@ def tree_batch(sizes: list[int], g: torch.Generator, shared: bool = False) -> tu
     r, n = len(sizes), max(sizes)
     if shared:
         one = random_tree(n, g)
-        return Tree(torch.zeros(r, n, dtype=torch.long), one.parents.expand(r, -1), None,
+        return Tree(torch.zeros(r, n, dtype=torch.long), one.parents.expand(r, -1),
                     one.structure.expand(r)), [one.parents[0].tolist()] * r
     host = [random_tree(s, g).parents[0].tolist() for s in sizes]
     parents = torch.tensor([p + [0] * (n - len(p)) for p in host])
@@ -158,7 +158,7 @@ def tree_batch(sizes: list[int], g: torch.Generator, shared: bool = False) -> tu
     max_depth, width = max(s.max_depth for s in alone), max(s.child_table.shape[2] for s in alone)
     shape = TreeStructure.of_parents(parents, max_depth, width)
     structure = TreeStructure.on_device(parents, shape.depths, shape.ancestors, max_depth, width, torch.tensor(sizes))
-    return Tree(torch.zeros(r, n, dtype=torch.long), parents, None, structure, torch.tensor(sizes)), host
+    return Tree(torch.zeros(r, n, dtype=torch.long), parents, structure, torch.tensor(sizes)), host
 
 
 def host_depths(parents: list[int]) -> list[int]:
@@ -234,103 +234,6 @@ def test_greedy_acceptance_matches_reference(sizes, shared):
             path, bonus = accept_greedy(*args)
             assert torch.equal(path, ref_path) and torch.equal(bonus, ref_bonus)
     torch.library.opcheck(accept_greedy, args, test_utils=("test_faketensor",))
-
-
-def sampled_drafts(tree: Tree, host: list[list[int]], vocab: int, chosen: bool,
-                   g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tokens [R, N + 1] whose siblings are drawn without replacement from a draft law (`chosen`:
-    its most likely tokens in order), those laws [R, N + 1, V] (a first child's law is sometimes the
-    target's own, where the ratio is 1), and the target's probs [R, N + 1, V], a few tokens of each
-    node likely as a language model's. Padding: token -1."""
-    r, n = tree.rows, tree.size
-    logits = torch.randn(r, n, vocab, generator=g) * 2 + 8 * (torch.rand(r, n, vocab, generator=g) < 4 / vocab)
-    probs = logits.softmax(-1)
-    tokens, proposals = torch.full((r, n), -1), torch.zeros(r, n, vocab)
-    for row, parents in enumerate(host):
-        tokens[row, 0] = int(torch.randint(0, vocab, (), generator=g))
-        for node in range(len(parents)):  # the draft's law near the target's, so that ratios fall inside (0, 1)
-            law = probs[row, node].clone() if int(torch.randint(0, 3, (), generator=g)) == 0 else \
-                (logits[row, node] + torch.randn(vocab, generator=g)).softmax(-1)
-            for kid in tree.children(node, row):
-                proposals[row, kid] = law / law.sum()
-                tokens[row, kid] = law.argmax() if chosen else torch.multinomial(proposals[row, kid], 1, generator=g)[0]
-                law[tokens[row, kid]] = 0
-    return tokens, proposals, probs
-
-
-@pytest.mark.parametrize("one_hot", [False, True], ids=["proposals", "one-hot"])
-@pytest.mark.parametrize("sizes, vocab, shared", [([9, 1, 5], 50, False), ([30, 7, 12], 300, False),
-                                                  ([12, 3, 8], 5000, False),  # 5000: past one vocabulary block
-                                                  ([6, 6, 6], 50, True)])
-def test_sampling_acceptance_matches_reference(sizes, vocab, shared, one_hot):
-    """The kernel gives exactly the reference's paths and bonuses for the same uniforms, with the
-    drafts' laws given and with every draft chosen (proposals None: one-hot laws), on trees of
-    different sizes padded to one (their padding never tried) or one shape expanded over the rows."""
-    g = torch.Generator().manual_seed(sum(sizes) * 7 + vocab)
-    tree, host = tree_batch(sizes, g, shared)
-    accepted = set()
-    for _ in range(12):
-        tokens, proposals, probs = sampled_drafts(tree, host, vocab, one_hot, g)
-        uniforms = torch.rand(tree.rows, tree.max_depth * tree.child_table.shape[2] + 1, generator=g)
-        args = (tokens, tree.child_table, probs, None if one_hot else proposals, uniforms, tree.max_depth)
-        path, bonus = accept_sampling(*args)
-        ref_path, ref_bonus = accept_sampling_reference(*args)
-        assert torch.equal(path, ref_path) and torch.equal(bonus, ref_bonus)
-        accepted |= set((path[:, 1:] >= 0).sum(1).tolist())
-    assert len(accepted) > 1  # both acceptances and rejections happened
-    torch.library.opcheck(accept_sampling, args, test_utils=("test_faketensor",))
-
-
-HAND_PROBS = torch.tensor([[0.5, 0.25, 0.25], [0.3, 0.0, 0.7], [0.0, 0.0, 1.0]])
-HAND_PROPOSALS = torch.tensor([[0.0, 0.0, 0.0], [0.8, 0.2, 0.0], [0.0, 1.0, 0.0]])
-HAND_CASES = {  # (uniforms, path, bonus), each a row of one batch
-    # drawn: the first is accepted with probability .5 / .8 = .625; after its rejection p becomes the
-    # residual [0, .05, .25] / .3, so the second is accepted with 1/6
-    "proposals": [([0.6, 0.9, 0.5], [0, 1], 2),  # first accepted; node 1 is a leaf: bonus from its p,
-                  ([0.6, 0.9, 0.2], [0, 1], 0),  # by inverse CDF over [.3, .3, 1]
-                  ([0.7, 0.1, 0.5], [0, 2], 2),  # first rejected (.7 >= .625), second accepted (.1 < 1/6)
-                  ([0.7, 0.2, 0.1], [0, -1], 2)],  # both rejected: the residual left is [0, 0, 1]
-    # chosen: the first is accepted with p(0) = .5; after its rejection p becomes [0, .25, .25] / .5,
-    # so the second is accepted with .5
-    "one-hot": [([0.4, 0.9, 0.5], [0, 1], 2), ([0.4, 0.9, 0.2], [0, 1], 0),
-                ([0.6, 0.3, 0.5], [0, 2], 2),  # first rejected (.6 >= .5), second accepted (.3 < .5)
-                ([0.6, 0.7, 0.1], [0, -1], 2)]}  # both rejected: [0, 0, 1] left
-
-
-@pytest.mark.parametrize("accept", [accept_sampling, accept_sampling_reference], ids=["triton", "reference"])
-@pytest.mark.parametrize("laws", ["proposals", "one-hot"])
-def test_sampling_acceptance_by_hand(accept, laws):
-    """Root children: token 0, then token 1, drawn (from q1 = [.8, .2, 0], then q1 without token 0)
-    or chosen (proposals None); the target's p = [.5, .25, .25] at the root. Every input one row
-    expanded over the batch (stride 0), the uniforms each row's own."""
-    cases = HAND_CASES[laws]
-    r = len(cases)
-    shape = Tree(torch.tensor([[7, 0, 1]]), torch.tensor([[-1, 0, 0]])).structure.expand(r)
-    proposals = HAND_PROPOSALS.expand(r, -1, -1) if laws == "proposals" else None
-    path, bonus = accept(torch.tensor([7, 0, 1]).expand(r, -1), shape.child_table, HAND_PROBS.expand(r, -1, -1),
-                         proposals, torch.tensor([u for u, _, _ in cases]), 1)
-    assert path.tolist() == [p for _, p, _ in cases] and bonus.tolist() == [b for _, _, b in cases]
-
-
-@pytest.mark.parametrize("accept", [accept_sampling, accept_sampling_reference], ids=["triton", "reference"])
-def test_sampling_acceptance_keeps_p_where_a_residual_is_zero(accept):
-    """A rejection whose residual is zero (p <= the child's law everywhere, yet p(x) below it: as
-    rounding can leave them, here masses short of or past 1) leaves p as it was, not zero.
-    Chosen children (one-hot laws), tokens 2 then 1, p = [0, 0, .5] at the root: token 2 is accepted
-    with .5; rejected, p stays, token 1 is rejected (p(1) = 0) and the bonus is token 2.
-    Drawn children, tokens 0 (law [.8, .2, 0]) then 1 (law [0, 1, 1]), p = [.5, .25, .25]: token 0
-    is rejected (.7 >= .625) and p becomes [0, 1/6, 5/6]; token 1 is rejected (.5 >= 1/6) with a
-    zero residual, and the bonus is drawn from [0, 1/6, 5/6]."""
-    shape = Tree(torch.tensor([[5, 2, 1]]), torch.tensor([[-1, 0, 0]])).structure.expand(2)
-    probs = torch.tensor([[0.0, 0.0, 0.5], [0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]).expand(2, -1, -1)
-    path, bonus = accept(torch.tensor([[5, 2, 1], [5, 2, 1]]), shape.child_table, probs, None,
-                         torch.tensor([[0.6, 0.3, 0.5], [0.4, 0.3, 0.5]]), 1)
-    assert path.tolist() == [[0, -1], [0, 1]] and bonus.tolist() == [2, 1]  # the second row: accepted, p = [0, 1, 0]
-    probs = torch.tensor([[0.5, 0.25, 0.25], [0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]).expand(2, -1, -1)
-    proposals = torch.tensor([[0.0, 0.0, 0.0], [0.8, 0.2, 0.0], [0.0, 1.0, 1.0]]).expand(2, -1, -1)
-    path, bonus = accept(torch.tensor([[5, 0, 1], [5, 0, 1]]), shape.child_table, probs, proposals,
-                         torch.tensor([[0.7, 0.5, 0.1], [0.7, 0.5, 0.5]]), 1)
-    assert path.tolist() == [[0, -1], [0, -1]] and bonus.tolist() == [1, 2]
 
 
 @pytest.mark.parametrize("rows, k, n, bias, dtype", [

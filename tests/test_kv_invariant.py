@@ -162,9 +162,9 @@ class QuietMailbox:
     """A pipeline stage's mailbox that sends nowhere (the test plays the stages beside it) and
     keeps the last message's payload."""
 
-    capacity, vocab = 64, None
+    capacity = 64
 
-    def send(self, dst, header, tokens=(), proposals=None) -> None:
+    def send(self, dst, header, tokens=()) -> None:
         self.last = list(tokens)
 
     def open(self, finals, is_final) -> None:
@@ -195,8 +195,8 @@ def pipeline_stage(index: int, tree: dict | None = None):
     stage = load_stage(graph, name)
     if index == 0:
         drafter = Drafter(stage, node["tree"], "greedy", node["feeds"])
-        return DraftingPeer(drafter, tree is not None, False, node["cache_slots"], **common)
-    return VerifyingPeer(build_verifier(graph, {name: stage}, name), False, False, **common)
+        return DraftingPeer(drafter, tree is not None, node["cache_slots"], **common)
+    return VerifyingPeer(build_verifier(graph, {name: stage}, name), False, **common)
 
 
 def check_rolled_back_stage(stage, model) -> None:
@@ -237,7 +237,7 @@ def test_pipeline_stages_keep_every_verified_tokens_kv_through_random_rollbacks(
                 position = length + 1 if extension else rng.randint(len(prompt) + 1, length)
                 epoch += 1
                 token = rng.randrange(vocab)
-                stage.handle(Mail(0, [CHECK, epoch, position, 1, 0], [token], None))
+                stage.handle(Mail(0, [CHECK, epoch, position, 1], [token]))
                 events["extension" if extension else "rollback"] += 1
             elif index == 1 and roll < 0.6:  # tokens from below: the model's own greedy ones, some corrupted
                 tokens, context = [], stage.committed + stage.pending
@@ -245,7 +245,7 @@ def test_pipeline_stages_keep_every_verified_tokens_kv_through_random_rollbacks(
                     token = greedy_after(model, context) if rng.random() < 0.8 else rng.randrange(vocab)
                     tokens.append(token)
                     context = context + [token]
-                stage.receive(stage.epoch_below, stage.pending_at + len(stage.pending), tokens, None)
+                stage.receive(stage.epoch_below, stage.pending_at + len(stage.pending), tokens)
             elif index == 0 or stage.pending:
                 before = len(stage.committed)
                 stage.step()
@@ -282,7 +282,7 @@ def test_a_first_stage_drafting_trees_keeps_its_kv_through_the_paths_it_is_sent(
         else:  # a rollback from further up, to a random position
             tokens = [rng.randrange(model.served_vocab)]
             position = rng.randint(len(prompt) + 1, length)
-        stage.handle(Mail(0, [CHECK, epoch, position, len(tokens), 0], tokens, None))
+        stage.handle(Mail(0, [CHECK, epoch, position, len(tokens)], tokens))
         assert not stage.tree_out and len(stage.committed) == position
         k, v = kv_from_scratch(model, torch.tensor(stage.committed[: stage.fed]))
         assert_rows(stage.stage, torch.arange(stage.fed), k, v)

@@ -85,6 +85,8 @@ def test_bad_overrides(override, expected):
     ("stages.0.tree", {"shape": "ring"}, "stages.0.tree: Input tag 'ring' found using 'shape' does not match"),
     ("sampling.top_p", 0, "sampling.top_p: Input should be greater than 0"),
     ("execution", "parallel", "execution: Input should be 'serial', 'disaggregated' or 'pipeline'"),
+    ("stages.1.verify.rule", "typo", "stages.1.verify.rule: Input should be 'greedy', 'sampling' or 'typical'"),
+    ("stages.1.verify.rule", "residual", "stages.1.verify.rule: the residual rule was deleted; 'sampling', lossless"),
     ("stages", [], "stages: List should have at least 1 item"),
 ])
 def test_malformed_recipes_name_the_field(path, value, expected):

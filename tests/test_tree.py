@@ -6,7 +6,6 @@ from conftest import EMBEDDED
 from helpers import HostReads, chain_logits, grown_on_the_host
 
 from specgraph.draft import Drafter, Requests
-from specgraph.draws import Draws
 from specgraph.models.loader import load_model
 from specgraph.recipe import ChainTree, DynamicTree, SamplingSpec, StaticTree
 from specgraph.runtime.stage import Stage
@@ -46,8 +45,7 @@ def drafter(plan, rule="greedy"):
     return Drafter(Stage("draft", model, 128, torch.device("cpu")), plan, rule)
 
 
-def draft(d: Drafter, committed: torch.Tensor, seed: int = 0, prefill: bool = True,
-          sampling: SamplingSpec = SamplingSpec()) -> Tree:
+def draft(d: Drafter, committed: torch.Tensor, prefill: bool = True) -> Tree:
     """A tree from `committed` [L] (prefilled into the draft cache first unless `prefill` is False)."""
     buffer = torch.zeros(64, dtype=torch.long)
     buffer[: committed.numel()] = committed
@@ -55,7 +53,7 @@ def draft(d: Drafter, committed: torch.Tensor, seed: int = 0, prefill: bool = Tr
         d.prefill(committed)
     length = committed.numel()
     request = Requests.one(buffer, torch.tensor(length), min(2, length))
-    return d.draft(request, d.stage.width(length, 40), SamplingRows.of([sampling], "cpu"), Draws.of([seed], "cpu")).tree
+    return d.draft(request, d.stage.width(length, 40)).tree
 
 
 def check_well_formed(tree: Tree, size: int):
@@ -90,29 +88,19 @@ def test_dynamic_tree_keeps_the_most_likely_nodes():
         lambda ids: chain_logits(d.stage.model, ids)[-1], committed, spec)
 
 
-def test_residual_drafts_record_their_proposals():
-    d = drafter(TreeTopology.from_spec(StaticTree(branching=[3])), rule="residual")
-    tree = draft(d, torch.randint(0, 4096, (5,)), seed=3, sampling=SamplingSpec(temperature=1.0, top_k=50))
-    q, tokens = tree.proposals[0], tree.tokens[0]  # [4, V], [4]
-    assert torch.allclose(q[1:].sum(-1), torch.ones(3))
-    assert q[2, tokens[1]] == 0 and q[3, tokens[1]] == 0 and q[3, tokens[2]] == 0  # without replacement
-    assert (q[1] > 0).sum() == 50  # top-k applied to the draft as to the target
-
-
 @pytest.mark.parametrize("plan, size", [(TreeTopology.from_spec(StaticTree(branching=[3, 2, 1])), 1 + 3 + 6 + 6),
                                         (DynamicTree(width=3, depth=3, nodes=10), 11)], ids=["static", "dynamic"])
 def test_drafting_reads_nothing_on_the_host(plan, size):
-    for rule, sampling in (("greedy", SamplingSpec()), ("sampling", SamplingSpec(temperature=0.9, top_k=40)),
-                           ("residual", SamplingSpec(temperature=0.9, top_k=40))):
+    for rule, sampling in (("greedy", SamplingSpec()), ("sampling", SamplingSpec(temperature=0.9, top_k=40))):
         d = drafter(plan, rule)
         committed = torch.randint(0, 4096, (10,))
         d.prefill(committed)
         buffer = torch.cat([committed, torch.tensor([7, 8]), torch.zeros(20, dtype=torch.long)])
-        rows, draws = SamplingRows.of([sampling], "cpu"), Draws.of([0], "cpu")
-        first = d.draft(Requests.one(buffer, torch.tensor(10)), d.stage.width(10, 40), rows, draws)
+        rows = SamplingRows.of([sampling], "cpu")
+        first = d.draft(Requests.one(buffer, torch.tensor(10)), d.stage.width(10, 40), rows)
         path = torch.tensor([[0, 1, -1, -1]])  # one draft accepted
         old, new = Requests.one(buffer, torch.tensor(10)), Requests.one(buffer, torch.tensor(12))
         with HostReads() as reads:
             d.commit(first, path, old)
-            tree = d.draft(new, d.stage.width(12, 40), rows, draws).tree
+            tree = d.draft(new, d.stage.width(12, 40), rows).tree
         assert reads.seen == [] and tree.size == size

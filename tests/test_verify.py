@@ -1,23 +1,21 @@
-"""Verification rules. The residual rule is tested statistically: output frequencies of the engine
-over Markov-chain models with known distributions approach the target's, one request at a time and
-many at once (the sampling rule's tests: tests/test_seeded.py)."""
+"""Verification rules: greedy and typical verdicts, each request's stream its own (the sampling
+rule's tests, over seeds against known distributions too: tests/test_seeded.py)."""
 
-import pytest
 import torch
 from helpers import HostReads, markov_engine
 
 from specgraph.draws import Draws
-from specgraph.recipe import ChainTree, DynamicTree, SamplingSpec, StaticTree, VerifySpec
+from specgraph.recipe import SamplingSpec, StaticTree, VerifySpec
 from specgraph.sampling import SamplingRows, probs_from_logits
 from specgraph.tree import Tree, TreeTopology
 from specgraph.verify import verify
 
 V = 6
-GREEDY, SAMPLING, RESIDUAL, TYPICAL = (VerifySpec(rule=rule) for rule in ("greedy", "sampling", "residual", "typical"))
+GREEDY, SAMPLING, TYPICAL = (VerifySpec(rule=rule) for rule in ("greedy", "sampling", "typical"))
 
 
-def one(tokens, parents, proposals=None) -> Tree:
-    return Tree(torch.tensor([tokens]), torch.tensor([parents]), proposals)
+def one(tokens, parents) -> Tree:
+    return Tree(torch.tensor([tokens]), torch.tensor([parents]))
 
 
 def grid_of(*trees: Tree) -> torch.Tensor:
@@ -46,7 +44,7 @@ def test_greedy_verdicts_of_a_batch_are_each_trees_own():
     """Two trees verified from one packed forward: each gets the verdict it gets alone."""
     a, b = one([5, 1, 2, 3], [-1, 0, 0, 2]), one([4, 3, 0, 1], [-1, 0, 1, 2])
     logits = torch.randn(8, V)
-    both = Tree(torch.cat([a.tokens, b.tokens]), torch.cat([a.parents, b.parents]), None,
+    both = Tree(torch.cat([a.tokens, b.tokens]), torch.cat([a.parents, b.parents]),
                 type(a.structure)(3, torch.cat([a.depths, b.depths]), torch.cat([a.child_table[:, :, :2],
                                   torch.nn.functional.pad(b.child_table, (0, 1), value=-1)]),
                                   torch.cat([a.ancestors, b.ancestors])))
@@ -65,14 +63,14 @@ def test_typical_accepts_probable_children_and_rejects_improbable():
 
 
 def test_verification_makes_no_host_reads():
-    tree = one([0, 1, 2, 3, 4], [-1, 0, 0, 1, 3], torch.full((1, 5, V), 1.0 / V))
+    tree = one([0, 1, 2, 3, 4], [-1, 0, 0, 1, 3])
     logits, grid = torch.randn(5, V), grid_of(tree)
     sampling = SamplingRows.of([SamplingSpec(temperature=1.0, top_k=3)], "cpu")
-    streams = [Draws.of([0], "cpu") for _ in range(4)]
+    streams = [Draws.of([0], "cpu") for _ in range(3)]
     segments, positions = torch.zeros(5, dtype=torch.long), torch.arange(5) + 7
     with HostReads() as reads:
         verdicts = [verify(tree, logits, grid, spec, sampling, draws, segments=segments, positions=positions)
-                    for spec, draws in zip((GREEDY, SAMPLING, RESIDUAL, TYPICAL), streams)]
+                    for spec, draws in zip((GREEDY, SAMPLING, TYPICAL), streams)]
         counts = [v.accepted(tree) for v in verdicts]
     assert reads.seen == [] and all(new.shape == (1, 4) for _, new in counts)
     assert all(v.paths.shape == (1, 4) and v.bonus.shape == (1,) for v in verdicts)
@@ -96,63 +94,14 @@ def markov_tables(seed: int):
     return p, q
 
 
-def filtered(table: torch.Tensor, sampling: SamplingSpec) -> torch.Tensor:
-    return probs_from_logits(table.log()[None], SamplingRows.of([sampling], "cpu"))[0]
-
-
-def two_token_frequencies(plan, sampling, samples: int, batch: int = 1) -> tuple[torch.Tensor, ...]:
-    """Empirical joint of the first two generated tokens after prompt [0], over `samples` seeds
-    decoded `batch` at a time, and the exact target and draft joints."""
-    p, q = markov_tables(11)
-    engine = markov_engine(p, None if plan is None else q, plan, "residual", sampling, batch=batch)
-    requests = [engine.add_request([0], 2, sampling.model_copy(update={"seed": seed})) for seed in range(samples)]
-    while engine.busy:
-        engine.step()
-    counts = torch.zeros(V, V)
-    for request in requests:
-        first, second = request.generation.output_ids
-        counts[first, second] += 1
-    fp, fq = filtered(p, sampling), filtered(q, sampling)
-    return counts / samples, fp[0][:, None] * fp, fq[0][:, None] * fq
-
-
-def tv(a, b):
-    return 0.5 * float((a - b).abs().sum())
-
-
-@pytest.mark.parametrize("plan, sampling, batch", [
-    (TreeTopology.from_spec(ChainTree(length=3)), SamplingSpec(temperature=1.0), 1),
-    (TreeTopology.from_spec(StaticTree(branching=[3, 2])), SamplingSpec(temperature=1.0), 1),
-    (TreeTopology.from_spec(StaticTree(branching=[2, 2])), SamplingSpec(temperature=0.8, top_k=4, top_p=0.9), 1),
-    (DynamicTree(width=2, depth=2, nodes=5), SamplingSpec(temperature=1.0), 1),
-    (TreeTopology.from_spec(StaticTree(branching=[3, 2])), SamplingSpec(temperature=1.0), 16),
-    (DynamicTree(width=2, depth=2, nodes=5), SamplingSpec(temperature=0.9, top_k=5), 16),
-], ids=["chain", "static", "static-topk-topp", "dynamic", "static-batched", "dynamic-batched"])
-def test_speculative_sampling_reproduces_the_target_distribution(plan, sampling, batch):
-    few, exact, draft = two_token_frequencies(plan, sampling, 300, batch)
-    many, _, _ = two_token_frequencies(plan, sampling, 3000, batch)
-    wrong = tv(draft, exact)
-    assert wrong > 0.3  # the draft's own distribution is far from the target's
-    assert tv(many, exact) < tv(few, exact)  # the distance shrinks with samples
-    assert tv(many, exact) < 0.06 < wrong / 5  # and ends far below that of the wrong distribution
-
-
-def test_autoregressive_sampling_draws_from_the_target_distribution():
-    """No drafter: each step samples the bonus from the target's filtered distribution."""
-    sampling = SamplingSpec(temperature=0.9, top_k=4)
-    few, exact, _ = two_token_frequencies(None, sampling, 300)
-    many, _, _ = two_token_frequencies(None, sampling, 3000, batch=8)
-    assert tv(many, exact) < tv(few, exact) and tv(many, exact) < 0.05
-    assert (many[exact == 0] == 0).all()  # nothing outside top-k
-
-
 def test_a_request_samples_the_same_tokens_alone_and_in_a_batch():
-    """Each request draws from its own stream (draws.py): the batch around it changes nothing."""
+    """Under the typical rule each request draws its bonus tokens from its own stream (draws.py):
+    the batch around it changes nothing."""
     p, q = markov_tables(3)
     sampling = SamplingSpec(temperature=1.0)
     plan = TreeTopology.from_spec(StaticTree(branching=[2, 2]))
-    alone = markov_engine(p, q, plan, "residual", sampling).generate([1, 2], 24, seed=7).output_ids
-    engine = markov_engine(p, q, plan, "residual", sampling, batch=4)
+    alone = markov_engine(p, q, plan, "typical", sampling).generate([1, 2], 24, seed=7).output_ids
+    engine = markov_engine(p, q, plan, "typical", sampling, batch=4)
     requests = [engine.add_request([1, 2] if seed == 7 else [seed % V], 24, sampling.model_copy(update={"seed": seed}))
                 for seed in (3, 7, 11, 5)]
     while engine.busy:

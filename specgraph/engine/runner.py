@@ -359,23 +359,21 @@ class Runner:
         """`rows` [R], each whose request reached its end replaced by the padding row."""
         return torch.where(self.lengths[rows] < self.ends[rows], rows, self.padding)
 
-    def _requests(self, rows: torch.Tensor) -> tuple[Requests, SamplingRows, Draws]:
-        """The step's requests (table rows `rows` [R]), their settings and random streams (a head's:
-        with their pending pairs, as many columns as the deepest of its trees feeds)."""
+    def _requests(self, rows: torch.Tensor) -> tuple[Requests, SamplingRows]:
+        """The step's requests (table rows `rows` [R]) and their settings (a head's: with their
+        pending pairs, as many columns as the deepest of its trees feeds)."""
         lengths = self.lengths[rows]
         if self.features is None:
             requests = Requests(rows, self.tokens, lengths, lengths.clamp(max=CATCH_UP), CATCH_UP)
         else:
             requests = Requests(rows, self.tokens, lengths, self.pending[rows], self.drafter.max_feeds,
                                 self.features[rows])
-        return requests, self.sampling.take(rows), Draws(self.draws.seeds[rows], self.draws.counters[rows])
+        return requests, self.sampling.take(rows)
 
     def _draft(self, drafter: Drafter, rows: torch.Tensor, longest: int, budget: int | None) -> Draft:
-        requests, sampling, draws = self._requests(rows)
+        requests, sampling = self._requests(rows)
         width = drafter.stage.width(longest, drafter.span)
-        draft = drafter.draft(requests, width, sampling, draws, budget, rows != self.padding)
-        self.draws.counters.index_copy_(0, rows, draws.counters)
-        return draft
+        return drafter.draft(requests, width, sampling, budget, rows != self.padding)
 
     def _feed_head(self, rows: torch.Tensor, longest: int) -> None:
         """A plain step's head work: each request's pending pairs fed (rows [R]), none left pending."""
@@ -385,7 +383,8 @@ class Runner:
 
     def _verify(self, drafter: Drafter | None, rows: torch.Tensor, drafted: tuple[torch.Tensor, ...], longest: int,
                 budget: int | None) -> torch.Tensor:
-        requests, sampling, draws = self._requests(rows)
+        requests, sampling = self._requests(rows)
+        draws = Draws(self.draws.seeds[rows], self.draws.counters[rows])  # their streams (the typical rule's)
         draft = None
         if drafted:
             packed = None if budget is None else rows.numel() + min(budget, rows.numel() * drafter.nodes)
@@ -426,5 +425,5 @@ class Runner:
     def _roots(self, requests: Requests) -> Tree:
         """An autoregressive step's trees: each request's last committed token alone."""
         r = requests.size
-        return Tree(requests.last(1)[1], torch.full((r, 1), -1, dtype=torch.long, device=self.device), None,
+        return Tree(requests.last(1)[1], torch.full((r, 1), -1, dtype=torch.long, device=self.device),
                     self._root.expand(r))

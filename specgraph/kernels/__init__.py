@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specgraph.kernels.accept import accept_greedy_reference, accept_sampling_reference
+from specgraph.kernels.accept import accept_greedy_reference
 from specgraph.kernels.attention import attention_reference
 from specgraph.kernels.gumbel import perturbed_top_reference
 from specgraph.kernels.gated_delta import gated_delta_commit_reference, gated_delta_step_reference
@@ -31,7 +31,7 @@ TRITON = {"attention": ("attention", "attention"), "rope_write": ("rope", "rope_
           "qlinear": ("qlinear", "qlinear"),
           "add_rmsnorm": ("norm", "add_rmsnorm"), "rmsnorm": ("norm", "rmsnorm"),
           "swiglu": ("swiglu", "swiglu"), "kv_move": ("kv_move", "kv_move"),
-          "accept_greedy": ("accept", "accept_greedy"), "accept_sampling": ("accept", "accept_sampling"),
+          "accept_greedy": ("accept", "accept_greedy"),
           "perturbed_top": ("gumbel", "perturbed_top"),
           "gated_delta_step": ("gated_delta", "gated_delta_step"), "gated_delta_commit": ("gated_delta", "gated_delta_commit")}
 
@@ -65,7 +65,6 @@ class Kernels:
     swiglu: Callable = swiglu_reference
     kv_move: Callable = kv_move_reference
     accept_greedy: Callable = accept_greedy_reference
-    accept_sampling: Callable = accept_sampling_reference
     perturbed_top: Callable = perturbed_top_reference
     gated_delta_step: Callable = gated_delta_step_reference
     gated_delta_commit: Callable = gated_delta_commit_reference

@@ -3,7 +3,7 @@
 Before: stages carry `device`.
 After:  + `kernels` {op: "triton" | "invariant" | "reference"} for attention, rope_write, linear,
         add_rmsnorm, rmsnorm (the gated norm of Qwen3.5's DeltaNet layers), swiglu, kv_move,
-        accept_greedy, accept_sampling, gated_delta_step and gated_delta_commit.
+        accept_greedy, perturbed_top, gated_delta_step and gated_delta_commit.
         `lowering.kernels`: "reference" or "triton" force one kind everywhere (Triton on the CPU runs
         only under TRITON_INTERPRET=1, for tests), or per op where it maps ops to kinds; "auto" picks
         Triton for every op on a GPU — attention reads only the slots a step can see, rope_write is one

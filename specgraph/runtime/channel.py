@@ -33,22 +33,19 @@ class ProtocolError(SpecgraphError):
 @dataclass
 class TreeMessage:
     """A draft tree, drafter -> verifier: `base` [] the committed length L it is rooted at (the root
-    is committed[L - 1]), `tokens` and `parents` [N + 1] (topological, root first, parents[0] = -1),
-    and where the drafter drew children at random (the sampling rule), `proposals` [N + 1, V]: the
-    distribution each node was drawn from (absent: every node was chosen, its proposal its one-hot)."""
+    is committed[L - 1]), `tokens` and `parents` [N + 1] (topological, root first, parents[0] = -1)."""
 
     base: torch.Tensor
     tokens: torch.Tensor
     parents: torch.Tensor
-    proposals: torch.Tensor | None = None
 
     def pack(self) -> torch.Tensor:
         return torch.cat([self.base.reshape(1), self.tokens, self.parents])  # [2 N + 3] long
 
     @classmethod
-    def unpack(cls, packed: torch.Tensor, proposals: torch.Tensor | None) -> TreeMessage:
+    def unpack(cls, packed: torch.Tensor) -> TreeMessage:
         n = (packed.numel() - 1) // 2
-        return cls(packed[0], packed[1 : n + 1], packed[n + 1 :], proposals)
+        return cls(packed[0], packed[1 : n + 1], packed[n + 1 :])
 
     def continues(self, length: torch.Tensor) -> torch.Tensor:
         return self.base == length
@@ -133,40 +130,33 @@ class Link:
 @dataclass
 class Mail:
     """A pipeline message as its receiver sees it: `src` rank, `header` [kind, epoch, position,
-    count, rows], its `payload` (count longs) and, where rows > 0, `proposals` [rows, V]."""
+    count] and its `payload` (count longs)."""
 
     src: int
     header: list[int]
     payload: list[int]
-    proposals: torch.Tensor | None
 
 
 class Mailbox:
     """A pipeline stage leader's messages to and from the stages beside it: small host tensors over
     a gloo group (the decisions they drive are the host's). A message is one long tensor, a header
-    of HEADER longs and room for `capacity` longs of payload, followed, where its header says so,
-    by rows of proposals (the sampling rule's distributions). A thread receives them (from any
+    of HEADER longs and room for `capacity` longs of payload. A thread receives them (from any
     sender; per sender in the order sent) for one request, until it has seen `finals` messages that
     end it, so that the stage can look at its inbox without waiting."""
 
-    HEADER = 5
+    HEADER = 4
 
-    def __init__(self, group: dist.ProcessGroup, capacity: int, vocab: int | None):
-        """`vocab`: the width of proposals (None: messages carry none)."""
-        self.group, self.capacity, self.vocab = group, capacity, vocab
+    def __init__(self, group: dist.ProcessGroup, capacity: int):
+        self.group, self.capacity = group, capacity
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
 
-    def send(self, dst: int, header: list[int], payload: list[int] = (), proposals: torch.Tensor | None = None) -> None:
-        """`header[3]` is the length of `payload` (at most `capacity`), `header[4]` the rows of
-        `proposals` [rows, V] (0 where there are none)."""
-        rows = 0 if proposals is None else proposals.shape[0]
-        assert len(header) == self.HEADER and header[3] == len(payload) <= self.capacity and header[4] == rows
+    def send(self, dst: int, header: list[int], payload: list[int] = ()) -> None:
+        """`header[3]` is the length of `payload` (at most `capacity`)."""
+        assert len(header) == self.HEADER and header[3] == len(payload) <= self.capacity
         message = torch.zeros(self.HEADER + self.capacity, dtype=torch.long)
         message[: self.HEADER + len(payload)] = torch.tensor(header + list(payload))
         dist.send(message, dst, group=self.group, tag=0)
-        if rows:
-            dist.send(proposals.float().cpu().contiguous(), dst, group=self.group, tag=1)
 
     def open(self, finals: int, is_final) -> None:
         """Start receiving one request's messages: until `finals` of them satisfy `is_final(header)`."""
@@ -196,13 +186,8 @@ class Mailbox:
                 message = torch.zeros(self.HEADER + self.capacity, dtype=torch.long)
                 src = dist.recv(message, None, group=self.group, tag=0)
                 header = message[: self.HEADER].tolist()
-                count, rows = header[3], header[4]
-                payload = message[self.HEADER : self.HEADER + count].tolist()
-                proposals = None
-                if rows:
-                    proposals = torch.zeros(rows, self.vocab)
-                    dist.recv(proposals, src, group=self.group, tag=1)
-                self._inbox.put(Mail(src, header, payload, proposals))
+                payload = message[self.HEADER : self.HEADER + header[3]].tolist()
+                self._inbox.put(Mail(src, header, payload))
                 finals -= bool(is_final(header))
         except Exception as exc:  # a dead peer: the stage's next look at its inbox raises it
             self._inbox.put(exc)

@@ -59,10 +59,8 @@ class VerifySide:
     """The target's part: verify each tree the drafter sends, send back the verdict."""
 
     def __init__(self, verifier: Verifier, trees: Link, verdicts: Link, drafter_name: str, nodes: int, depth: int,
-                 drawn_proposals: bool, eos_ids: tuple[int, ...], max_seq_len: int, step_graphs: bool,
-                 sampling: SamplingRows):
-        """`nodes`, `depth`: the trees' N and depth bound; `drawn_proposals`: trees come with the
-        distributions their children were drawn from (else each node's proposal is its one-hot)."""
+                 eos_ids: tuple[int, ...], max_seq_len: int, step_graphs: bool, sampling: SamplingRows):
+        """`nodes`, `depth`: the trees' N and depth bound."""
         self.verifier, self.trees, self.verdicts, self.sampling = verifier, trees, verdicts, sampling
         self.device = verifier.device
         self.nodes, self.depth = nodes, depth
@@ -71,8 +69,6 @@ class VerifySide:
         self.eos_ids = tuple(eos_ids)
         self.eos = torch.tensor(eos_ids or [-1], device=self.device)
         self.tree_buffer = torch.zeros(2 * nodes + 3, dtype=torch.long, device=self.device)
-        vocab = verifier.stage.logits_width
-        self.proposal_buffer = torch.zeros(nodes + 1, vocab, device=self.device) if drawn_proposals else None
         self.emitted = torch.zeros((), dtype=torch.long, device=self.device)
         self.budget = torch.zeros((), dtype=torch.long, device=self.device)
         self.phases = Replays(step_graphs, verifier.stage.pool)
@@ -83,11 +79,10 @@ class VerifySide:
                 width: int) -> tuple[torch.Tensor, ...]:
         """One tree (packed as its message) -> (the verdict's messages: its own packed, and the accepted
         path's features where a head drafts; [ok, stop, count, *new])."""
-        message = TreeMessage.unpack(packed, self.proposal_buffer)
+        message = TreeMessage.unpack(packed)
         seq = self.sequence
         structure = TreeStructure.of_parents(message.parents[None], self.depth, self.nodes)
-        proposals = None if message.proposals is None else message.proposals[None]  # (None: chosen, each its one-hot)
-        tree = Tree(message.tokens[None], message.parents[None], proposals, structure)
+        tree = Tree(message.tokens[None], message.parents[None], structure)
         ok = message.continues(seq.length)
         row = torch.zeros(1, dtype=torch.long, device=self.device)
         if self.features:
@@ -129,8 +124,7 @@ class VerifySide:
             clock = Clock(self.device)
             clock.mark()
             PROGRESS.enter(self.waiting)
-            buffers = (self.tree_buffer,) + ((self.proposal_buffer,) if self.proposal_buffer is not None else ())
-            self.trees.recv(*buffers)
+            self.trees.recv(self.tree_buffer)
             clock.mark()
             width = self.verifier.stage.width(length, self.nodes + 1)
             reply, result = self.phases.run("verify", lambda t: self._verify(t, self.sampling, draws, width),
@@ -210,17 +204,16 @@ class DraftSide:
         return torch.stack([ok.long(), verdict.stop.long(), verdict.count, survived.long(), present.long()])
 
     # -- a static tree: drafted anew after each verdict
-    def _static_draft(self, length: int, feeds: int, draws: Draws | None) -> tuple[torch.Tensor, ...]:
+    def _static_draft(self, length: int, feeds: int) -> torch.Tensor:
         seq = self.sequence
         if self.head:
             self._request = Requests(torch.zeros(1, dtype=torch.long, device=self.device), seq.tokens[None],
                                      seq.length.reshape(1), self.pending, self.drafter.max_feeds, self.features)
         else:
             self._request = Requests.one(seq.tokens, seq.length, feeds)
-        self._draft = self.drafter.draft(self._request, self._width(length), self.sampling, draws)
+        self._draft = self.drafter.draft(self._request, self._width(length), self.sampling)
         tree = self._draft.tree
-        packed = TreeMessage(seq.length, tree.tokens[0], tree.parents[0]).pack()
-        return (packed,) if tree.proposals is None else (packed, tree.proposals[0].float())
+        return TreeMessage(seq.length, tree.tokens[0], tree.parents[0]).pack()
 
     def _static_settle(self, packed: torch.Tensor) -> torch.Tensor:
         verdict = VerdictMessage.unpack(packed)
@@ -249,7 +242,6 @@ class DraftSide:
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
         growing = isinstance(self.drafter, GrowingDrafter)
-        draws = None if growing else Draws.of([seed + 1], self.device)  # (the residual rule's: not the target's)
         self.sampling.seed.fill_(seed)  # (the sampling rule's key: the target's)
         prompt = torch.tensor(prompt_ids, device=self.device)
         self.sequence.start(prompt)
@@ -267,10 +259,10 @@ class DraftSide:
         clock = Clock(self.device)
         clock.mark()
         tree = (self.phases.run(f"restart{feeds}", lambda: self._restart(length, feeds)) if growing
-                else self._static_draft(length, feeds, draws))
+                else self._static_draft(length, feeds))
         while True:
             PROGRESS.enter("drafting")
-            self.trees.send(*(tree if isinstance(tree, tuple) else (tree,)))
+            self.trees.send(tree)
             clock.mark()  # the tree is out
             if growing:  # while the target verifies it
                 for _ in range(self.drafter.growth.grow):
@@ -291,7 +283,7 @@ class DraftSide:
                 break
             PROGRESS.enter("drafting")
             if not growing:
-                tree = self._static_draft(length, CATCH_UP, draws)
+                tree = self._static_draft(length, CATCH_UP)
             elif kept:
                 survived += 1
                 tree = self.phases.run("select", self._select)

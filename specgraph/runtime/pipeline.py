@@ -6,15 +6,16 @@ committed token), commits the accepted ones and its own next token (the bonus: a
 where it rejected), and passes what it committed on to stage i + 1; the last stage's committed
 tokens are the output.
 Every stage is exact in its own right: it commits only what its rule accepts, so the output is the
-last stage's own greedy output (its distribution, for the sampling rule: each stage sends up the
-distribution it committed each token from, which is the proposal the stage above checks it with).
+last stage's own greedy output (for the sampling rule, its own sample with the request's seed: every
+stage keys its noise by the seed, so each token is the stage's perturbed argmax there, whatever was
+sent up).
 
-Messages (runtime/channel.py's Mailbox; each carries a header [kind, epoch, position, count, rows]
-and a payload of `count` longs):
-    TOKENS    up    committed tokens from `position` on (+ their distributions, sampling), tagged
-                    with the epoch of the last CHECK the sender applied;
+Messages (runtime/channel.py's Mailbox; each carries a header [kind, epoch, position, count] and a
+payload of `count` longs):
+    TOKENS    up    committed tokens from `position` on, tagged with the epoch of the last CHECK
+                    the sender applied;
     TREE      up    (a first stage that drafts trees) a tree rooted at its last committed token,
-                    `position` its committed length: its tokens, then its parents (+ proposals);
+                    `position` its committed length: its tokens, then its parents;
     PROGRESS  down  the sender has committed `position` tokens, consistent with the receiver's;
     CHECK     down  the sender's tokens just before `position` are the payload (one token, or a
                     verified tree's path to a first stage that drafts trees): the receiver adopts
@@ -56,7 +57,7 @@ from specgraph.runtime.channel import Mail, Mailbox, ProtocolError
 from specgraph.runtime.executor import Generation, Output
 from specgraph.runtime.sequence import Sequence
 from specgraph.runtime.verifier import Verifier
-from specgraph.sampling import SamplingRows, probs_from_logits
+from specgraph.sampling import SamplingRows
 from specgraph.watchdog import PROGRESS as WATCHDOG
 from specgraph.tree import CATCH_UP, Tree, TreeStructure
 
@@ -95,8 +96,8 @@ class Followers:
     message to handle, or None: a step) over the stage's group, and the other ranks take them in
     the same order, so every rank runs the same steps on its shard (their collectives meet)."""
 
-    def __init__(self, group, leader: int, device: torch.device, capacity: int, vocab: int | None):
-        self.group, self.leader, self.capacity, self.vocab = group, leader, capacity, vocab
+    def __init__(self, group, leader: int, device: torch.device, capacity: int):
+        self.group, self.leader, self.capacity = group, leader, capacity
         self.device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
     def share(self, mail: Mail | None) -> None:
@@ -105,8 +106,6 @@ class Followers:
         if mail is not None:
             packed[: 2 + Mailbox.HEADER + len(mail.payload)] = torch.tensor([1, mail.src, *mail.header, *mail.payload])
         dist.broadcast(packed.to(self.device), self.leader, group=self.group)
-        if mail is not None and mail.proposals is not None:
-            dist.broadcast(mail.proposals.to(self.device), self.leader, group=self.group)
 
     def receive(self) -> Mail | None:
         """The other ranks: the leader's next decision."""
@@ -115,13 +114,8 @@ class Followers:
         is_mail, src, *rest = packed.tolist()
         if not is_mail:
             return None
-        header, count, rows = rest[: Mailbox.HEADER], rest[3], rest[4]
-        proposals = None
-        if rows:
-            proposals = torch.zeros(rows, self.vocab, device=self.device)
-            dist.broadcast(proposals, self.leader, group=self.group)
-            proposals = proposals.cpu()
-        return Mail(src, header, rest[Mailbox.HEADER : Mailbox.HEADER + count], proposals)
+        header = rest[: Mailbox.HEADER]
+        return Mail(src, header, rest[Mailbox.HEADER : Mailbox.HEADER + header[3]])
 
 
 class PipelinePeer:
@@ -153,8 +147,6 @@ class PipelinePeer:
         self.fed = 0  # committed tokens whose K/V the cache holds
         self.pending: list[int] = []  # received, unverified: positions pending_at ...
         self.pending_at = len(prompt_ids)  # len(committed), or one less right after a step or a CHECK
-        self.pending_proposals: list[torch.Tensor] = []  # [V] rows, sampling
-        self.proposals: dict[int, torch.Tensor] = {}  # position -> the distribution it was committed from (sampling)
         self.sent = len(prompt_ids)  # committed tokens the stage above has (or will get)
         self.verified_above = len(prompt_ids)  # committed tokens the stage above has verified
         self.epoch_below = 0  # CHECKs sent down
@@ -199,7 +191,7 @@ class PipelinePeer:
             WATCHDOG.enter("handling a message")
             self.handle(mail)
         if self.above is not None:
-            self.send(self.above, [DONE, 0, 0, 0, 0])
+            self.send(self.above, [DONE, 0, 0, 0])
         if self.mailbox is not None:
             self.mailbox.close()
         stats = self.counts.stats(self.name) if self.mailbox is not None else {}  # the leader's speak for the stage
@@ -222,18 +214,18 @@ class PipelinePeer:
         self.counts.idle_seconds += time.perf_counter() - waited
         return mail
 
-    def send(self, dst: int, header: list[int], tokens: list[int] = (), proposals: torch.Tensor | None = None) -> None:
+    def send(self, dst: int, header: list[int], tokens: list[int] = ()) -> None:
         """The leader sends (the other ranks of a tensor-parallel stage take the same decisions, silently)."""
         if self.mailbox is None:
             return
         with WATCHDOG.within(f"sending to {self.called[dst]}"):  # (a send blocks while its receiver cannot take it)
-            self.mailbox.send(dst, header, tokens, proposals)
+            self.mailbox.send(dst, header, tokens)
 
     def stop(self) -> None:
         """Decoding ends (the last stage decides; each stage below hears it from the one above)."""
         self.stopping = True
         if self.below is not None:
-            self.send(self.below, [STOP, 0, 0, 0, 0])
+            self.send(self.below, [STOP, 0, 0, 0])
 
     def timed_step(self) -> None:
         WATCHDOG.enter("a step")
@@ -246,13 +238,13 @@ class PipelinePeer:
         return len(self.committed) - self.verified_above
 
     def handle(self, mail: Mail) -> None:
-        kind, epoch, position, count, rows = mail.header
+        kind, epoch, position, _ = mail.header
         if kind == TOKENS:
             assert mail.src == self.below
-            self.receive(epoch, position, mail.payload, mail.proposals)
+            self.receive(epoch, position, mail.payload)
         elif kind == TREE:
             assert mail.src == self.below
-            self.receive_tree(epoch, position, mail.payload, mail.proposals)
+            self.receive_tree(epoch, position, mail.payload)
         elif kind == DONE:
             self.done_below = True
         elif kind == STOP:
@@ -266,7 +258,7 @@ class PipelinePeer:
         else:
             raise ProtocolError(f"stage {self.name}: unknown message kind {kind}")
 
-    def receive(self, epoch: int, position: int, tokens: list[int], proposals: torch.Tensor | None) -> None:
+    def receive(self, epoch: int, position: int, tokens: list[int]) -> None:
         """TOKENS from below: keep what continues what this stage has (verified and pending)."""
         if self.stopping or not self.survives(epoch, position, tokens):
             self.counts.dropped += len(tokens)
@@ -276,10 +268,8 @@ class PipelinePeer:
             raise ProtocolError(f"stage {self.name}: tokens from position {position}, but it has only {have}")
         skip = have - position  # already here (sent again after a CHECK that changed nothing below)
         self.pending += tokens[skip:]
-        if proposals is not None:
-            self.pending_proposals += list(proposals[skip:])
 
-    def receive_tree(self, epoch: int, position: int, payload: list[int], proposals: torch.Tensor | None) -> None:
+    def receive_tree(self, epoch: int, position: int, payload: list[int]) -> None:
         """A TREE from below (rooted at our token position - 1); stale if a CHECK went out since."""
         raise ProtocolError(f"stage {self.name}: a tree from below, which drafts chains")
 
@@ -307,7 +297,6 @@ class PipelinePeer:
         del self.committed[start:]
         self.committed += tokens
         self.fed = min(self.fed, start)
-        self.proposals = {p: row for p, row in self.proposals.items() if p < start}
         self.below_length = min(self.below_length, start)
         self.on_adopt(start)
         if self.below is not None:
@@ -318,12 +307,12 @@ class PipelinePeer:
         with it and tell the stage below (PROGRESS), or drop them and check it (CHECK)."""
         length, last = len(self.committed), self.committed[-1]
         if self.pending and self.pending_at == length - 1 and self.pending[0] == last:
-            self.pending, self.pending_proposals = self.pending[1:], self.pending_proposals[1:]
+            self.pending = self.pending[1:]
             self.pending_at = length
-            self.send(self.below, [PROGRESS, 0, length, 0, 0])
+            self.send(self.below, [PROGRESS, 0, length, 0])
             return
         self.counts.dropped += len(self.pending)
-        self.pending, self.pending_proposals, self.pending_at = [], [], length
+        self.pending, self.pending_at = [], length
         self.check_below([last])
 
     def check_below(self, tokens: list[int]) -> None:
@@ -331,17 +320,13 @@ class PipelinePeer:
         length = len(self.committed)
         self.epoch_below += 1
         self.checks[self.epoch_below] = (length, tokens)
-        self.send(self.below, [CHECK, self.epoch_below, length, len(tokens), 0], tokens)
+        self.send(self.below, [CHECK, self.epoch_below, length, len(tokens)], tokens)
 
     def flush(self) -> None:
         """The leader: send the stage above what it does not have yet."""
         while self.mailbox is not None and self.above is not None and self.sent < len(self.committed):
             tokens = self.committed[self.sent : self.sent + self.mailbox.capacity]
-            rows = None
-            if self.mailbox.vocab is not None:
-                rows = torch.stack([self.proposals[p] for p in range(self.sent, self.sent + len(tokens))])
-            self.send(self.above, [TOKENS, self.epoch_seen, self.sent, len(tokens), 0 if rows is None else len(tokens)],
-                      tokens, rows)
+            self.send(self.above, [TOKENS, self.epoch_seen, self.sent, len(tokens)], tokens)
             self.counts.proposed += len(tokens)
             self.sent += len(tokens)
 
@@ -364,12 +349,11 @@ class DraftingPeer(PipelinePeer):
     """Stage 0: drafts a chain per step into its committed tokens, or a tree that it sends and
     waits on (its committed tokens then grow only by the CHECKs that answer its trees)."""
 
-    def __init__(self, drafter: Drafter, trees: bool, draws: bool, capacity: int, **common):
+    def __init__(self, drafter: Drafter, trees: bool, capacity: int, **common):
         super().__init__(**common)
-        self.drafter, self.trees, self.draws = drafter, trees, draws
+        self.drafter, self.trees = drafter, trees
         self.stage = drafter.stage
         self.nodes = drafter.nodes
-        self.vocab = self.stage.logits_width
         self.sequence = Sequence(capacity, self.device)
         self.path = torch.arange(self.nodes + 1, device=self.device)  # a chain's every node, kept
         self.chain_count = torch.tensor(self.nodes, device=self.device)
@@ -379,7 +363,6 @@ class DraftingPeer(PipelinePeer):
         self.sequence.start(prompt)
         self.drafter.prefill(prompt)
         self.fed = max(0, len(prompt_ids) - CATCH_UP)
-        self.stream = stream(seed, self.index, self.device) if self.draws else None
         self.sampling.seed.fill_(seed)  # (the sampling rule's key: every stage's)
         self.tree_out = False  # a tree is out, its CHECK not in yet
 
@@ -392,30 +375,20 @@ class DraftingPeer(PipelinePeer):
         assert 1 <= feeds <= self.drafter.max_feeds, f"stage {self.name}: {feeds} tokens to catch up"
         seq = self.sequence
         request = Requests.one(seq.tokens, seq.length, feeds)
-        draft = self.drafter.draft(request, self.stage.width(length, self.drafter.span + feeds), self.sampling,
-                                   self.stream)
+        draft = self.drafter.draft(request, self.stage.width(length, self.drafter.span + feeds), self.sampling)
         tree = draft.tree
         tokens = tree.tokens[0]
-        rows = None
-        if self.draws:  # the distribution each node was drawn from (chosen, not drawn: its one-hot)
-            rows = tree.proposals[0].float() if tree.proposals is not None else (
-                torch.nn.functional.one_hot(tokens, self.vocab).float())
-            rows[0] = 0.0
         if self.trees:
             payload = torch.cat([tokens, tree.parents[0]]).tolist()  # the step's host read
             self.fed = length  # the catch-up fed up to the root; the nodes wait for their CHECK
             self.tree_out = True
             self.counts.proposed += self.nodes
-            self.send(self.above, [TREE, self.epoch_seen, length, len(payload), 0 if rows is None else len(rows)],
-                      payload, None if rows is None else rows.cpu())
+            self.send(self.above, [TREE, self.epoch_seen, length, len(payload)], payload)
             return
         self.drafter.commit(draft, self.path[None], request)
         new = tokens[1:]  # [k]
         seq.append(new, self.chain_count)
         tokens = new.tolist()  # the step's host read
-        if rows is not None:
-            for i, row in enumerate(rows[1:].cpu()):
-                self.proposals[length + i] = row
         self.committed += tokens
         self.fed = length + self.nodes - 1  # the chain's last token is fed by the next catch-up
 
@@ -431,45 +404,42 @@ class VerifyingPeer(PipelinePeer):
     a chain from its last committed token, or the tree a first stage sent; the last stage's
     committed tokens are the output."""
 
-    def __init__(self, verifier: Verifier, sends_proposals: bool, trees_below: bool, **common):
+    def __init__(self, verifier: Verifier, trees_below: bool, **common):
         """`trees_below`: the stage below is a first stage that drafts trees."""
         super().__init__(**common)
         self.verifier, self.trees_below = verifier, trees_below
         self.stage = verifier.stage
-        self.sends_proposals = sends_proposals  # the stage above checks with this stage's distributions
         self.adoptable = len(common["names"]) - 1 - self.index  # tokens adopted, one per stage above, wait to be fed
         self.chains = {size: TreeStructure.of(list(range(-1, size - 1)), self.device)
                        for size in range(1, self.window + self.adoptable + 2)}
-        self.vocab = self.stage.logits_width
 
     def begin(self, prompt_ids: list[int], seed: int) -> None:
         self.verifier.prefill(torch.tensor(prompt_ids, device=self.device))
         self.fed = len(prompt_ids) - 1
         self.stream = stream(seed, self.index, self.device) if self.verifier.draws else None
         self.sampling.seed.fill_(seed)  # (the sampling rule's key: every stage's)
-        self.tree: tuple[list[int], list[int], torch.Tensor | None] | None = None  # a tree from below, unverified
+        self.tree: tuple[list[int], list[int]] | None = None  # a tree from below, unverified
 
     def can_step(self) -> bool:
         ready = self.tree is not None if self.trees_below else bool(self.pending)
         return ready and (self.above is None or self.unverified_above() < self.ahead)
 
-    def receive_tree(self, epoch: int, position: int, payload: list[int], proposals: torch.Tensor | None) -> None:
+    def receive_tree(self, epoch: int, position: int, payload: list[int]) -> None:
         if self.stopping or epoch < self.epoch_below:  # sent before our last CHECK reached it: stale
             self.counts.dropped += len(payload) // 2 - 1
             return
         if position != len(self.committed) or self.tree is not None:
             raise ProtocolError(f"stage {self.name}: a tree rooted at {position}, with {len(self.committed)} tokens")
         n = len(payload) // 2
-        self.tree = (payload[:n], payload[n:], proposals)
+        self.tree = (payload[:n], payload[n:])
 
-    def drafted(self) -> tuple[list[int], list[int], list[torch.Tensor]]:
+    def drafted(self) -> tuple[list[int], list[int]]:
         """What this step verifies of what came from below: tokens and parents of a tree rooted at
-        our last committed token (root included, its token a placeholder), and their proposals."""
+        our last committed token (root included, its token a placeholder)."""
         if self.trees_below:
-            tokens, parents, proposals = self.tree
-            return tokens, parents, [] if proposals is None else list(proposals)
+            return self.tree
         n = min(len(self.pending), self.window)
-        return [0] + self.pending[:n], list(range(-1, n)), [torch.zeros(0)] + self.pending_proposals[:n]
+        return [0] + self.pending[:n], list(range(-1, n))
 
     def step(self) -> None:
         length = len(self.committed)
@@ -477,21 +447,13 @@ class VerifyingPeer(PipelinePeer):
         base = self.fed + 1  # the tree's root is committed[base - 1]; what follows it was adopted from above
         forced = self.committed[base:length]
         assert len(forced) <= self.adoptable, f"stage {self.name}: {len(forced)} adopted tokens to feed"
-        drafted, drafted_parents, drafted_proposals = self.drafted()
+        drafted, drafted_parents = self.drafted()
         f, n = len(forced), len(drafted) - 1
         tokens = [self.committed[base - 1]] + forced + drafted[1:]
         parents = [-1] + list(range(f)) + [f + p for p in drafted_parents[1:]]  # the drafted root is our last token
         structure = TreeStructure.of(parents, self.device) if self.trees_below else self.chains[len(tokens)]
         token_tensor = torch.tensor(tokens, device=self.device)
-        proposals = None
-        if self.verifier.draws:
-            proposals = torch.zeros(len(tokens), self.vocab, device=self.device)
-            for i, token in enumerate(forced):
-                proposals[1 + i, token] = 1.0
-            if n:
-                proposals[1 + f :] = torch.stack(drafted_proposals[1:]).to(self.device)
-        tree = Tree(token_tensor[None], torch.tensor([parents], device=self.device),
-                    None if proposals is None else proposals[None], structure)
+        tree = Tree(token_tensor[None], torch.tensor([parents], device=self.device), structure)
         row, lengths = torch.zeros(1, dtype=torch.long, device=self.device), torch.tensor([base], device=self.device)
         logits, layout = self.verifier.score(tree, row, lengths, self.stage.width(base, len(tokens)))
         if forced:  # a token adopted from above is certain at its parent
@@ -503,7 +465,6 @@ class VerifyingPeer(PipelinePeer):
         counts, news = verdict.accepted(tree)
         count, new = counts[0], news[0]
         self.verifier.commit(verdict.paths, row, lengths)
-        probs = probs_from_logits(logits[None], self.sampling)[0] if self.sends_proposals else None
         read = torch.cat([count.reshape(1), new, verdict.paths[0]]).tolist()  # the step's host read
         count, new, path = read[0], read[1 : 1 + new.numel()], read[1 + new.numel() :]
         new = new[:count]
@@ -514,16 +475,12 @@ class VerifyingPeer(PipelinePeer):
         self.counts.accepted += accepted
         last = path[f + accepted] - f  # the last accepted drafted node (0: the root): a rejection where it has children
         self.counts.rejections += last in drafted_parents[1:]
-        if probs is not None:  # each emitted token's distribution: the one at its parent on the path
-            rows = probs[torch.tensor(path[f : f + len(emitted)], device=probs.device)].cpu()
-            for i in range(len(emitted)):
-                self.proposals[length + i] = rows[i]
         self.committed += emitted
         self.fed = len(self.committed) - 1
         if self.trees_below:
             self.tree = None
         else:
-            self.pending, self.pending_proposals = self.pending[accepted:], self.pending_proposals[accepted:]
+            self.pending = self.pending[accepted:]
             self.pending_at = length + accepted
         self.reconcile()
         if self.above is None:

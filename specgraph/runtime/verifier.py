@@ -30,8 +30,8 @@ class Verifier:
 
     @property
     def draws(self) -> bool:
-        """Whether verification draws from each request's stream (the residual and typical rules)."""
-        return self.spec.rule in ("residual", "typical")
+        """Whether verification draws from each request's stream (the typical rule)."""
+        return self.spec.rule == "typical"
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor | None:

@@ -1,6 +1,6 @@
-"""Acceptance on the device: greedy (the longest root path whose every draft is the target's
-argmax) and sampling (lossless multi-candidate speculative sampling)."""
+"""Acceptance on the device: the longest root path whose every draft is the target's (perturbed)
+argmax, for the greedy and sampling rules."""
 
-from specgraph.kernels.accept.reference import accept_greedy_reference, accept_sampling_reference
+from specgraph.kernels.accept.reference import accept_greedy_reference
 
-__all__ = ["accept_greedy_reference", "accept_sampling_reference"]
+__all__ = ["accept_greedy_reference"]

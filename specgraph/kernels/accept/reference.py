@@ -69,32 +69,3 @@ def draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     last = torch.where(p > 0, torch.arange(p.shape[1], device=p.device), -1).max(1).values
     return torch.where(index < p.shape[1], index, last)
 
-
-def accept_sampling_reference(tokens: torch.Tensor, child_table: torch.Tensor, probs: torch.Tensor,
-                              proposals: torch.Tensor | None, uniforms: torch.Tensor,
-                              max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lossless multi-candidate speculative sampling over R trees. tokens [R, N + 1]; child_table
-    [R, N + 1, C]; probs [R, N + 1, V] fp32: the target's distribution at each node; proposals [R,
-    N + 1, V] fp32: the law each node's token was drawn from, or None where every node was chosen
-    (its law the one-hot of its token); uniforms [R, D * C + 1] in [0, 1): the try of rank r at
-    depth d uses column d * C + r, the bonus the last. A node's children are tried in rank order:
-    child c is accepted with probability min(1, p(x_c) / r_c(x_c)); a rejection replaces p by the
-    normalised residual max(0, p - r_c). Returns the accepted paths [R, D + 1] and the bonuses [R],
-    drawn from p where each walk stopped."""
-    width = child_table.shape[2]
-
-    def try_child(p: torch.Tensor, node: torch.Tensor, child: torch.Tensor, depth: int, rank: int):
-        token = rows_at(tokens, child).clamp(min=0)  # [R] (padding nodes are never live)
-        at_token = p.gather(1, token[:, None])[:, 0]  # [R]
-        if proposals is None:  # a one-hot law: accepted with probability p(x); the residual is p without x
-            ratio, residual = at_token, p.scatter(1, token[:, None], 0.0)
-        else:
-            proposal = rows_at(proposals, child)  # [R, V]
-            ratio = (at_token / proposal.gather(1, token[:, None])[:, 0]).clamp(max=1.0)
-            residual = (p - proposal).clamp(min=0)
-        total = residual.sum(1, keepdim=True)
-        # total is 0 only when p equals the proposal, where the ratio was 1 and nothing is rejected.
-        return uniforms[:, depth * width + rank] < ratio, torch.where(total > 0, residual / total.clamp(min=1e-30), p)
-
-    path, final = walk_tree(child_table, probs, max_depth, try_child)
-    return path, draw(final, uniforms[:, -1])
