@@ -78,7 +78,7 @@ class HeadDrafter(Drafter):
     @torch.inference_mode()
     def feed(self, requests: Requests, width: int) -> None:
         """Feed each request's pending pairs and draft nothing: a plain step's share of the head's
-        work (the next step's pairs overwrite `requests.features`, so none may wait past it), one
+        work, once the pairs of the plain steps before it fill `requests.features` (runner.py), one
         pass of its layer without its vocabulary projection."""
         self._catch_up(requests, width, logits=False)
 

@@ -615,12 +615,14 @@ class Ledger:
 
 
 class Cycling(Policy):
-    """Runs its modes in turn, whatever they cost: mode switches in the middle of every request."""
+    """Runs its modes in turn (or those `order` names by index, over and over), whatever they cost:
+    mode switches in the middle of every request."""
 
-    def __init__(self, modes: list):
+    def __init__(self, modes: list, order: list[int] | None = None):
         super().__init__(modes, StepCosts({m.name: {1: 1.0} for m in modes}))
+        self.order = order or list(range(len(modes)))
         self.turn = 0
 
     def choose(self, acceptances, rows=None):
         self.turn += 1
-        return self.modes[self.turn % len(self.modes)]
+        return self.modes[self.order[self.turn % len(self.order)]]

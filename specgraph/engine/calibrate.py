@@ -95,11 +95,13 @@ def warm_up(runner: Runner, modes: list[Mode], steps: list[int], prompts: list[t
     most = max(steps + [rows for rows, _ in prompts])
     with borrowed(runner, most, context) as rows, torch.inference_mode():
         for mode in modes:
+            feeds = (False, True) if mode.drafter is None and runner.features is not None else (False,)
             for size in steps:
                 nodes = None if budget is None or mode.drafter is None else budget(size, mode.nodes)
-                for _ in range(CAPTURE_AFTER):
-                    runner.lengths[rows[:size]] = context
-                    runner.step(rows[:size], mode, context + mode.depth + 1, nodes)
+                for feed in feeds:  # (a plain step feeds a head at times: runner.launch)
+                    for _ in range(CAPTURE_AFTER):
+                        runner.lengths[rows[:size]] = context
+                        runner.step(rows[:size], mode, context + mode.depth + 1, nodes, feed=feed)
                 progress(f"{mode.name} at {size} rows")
         fed = max((chunks for chunks, _ in prompts), default=0)  # (request slots: at most max_batch chunks)
         lengths = runner.host_lengths[:fed]

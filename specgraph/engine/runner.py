@@ -141,8 +141,9 @@ class Runner:
         if isinstance(drafter, HeadDrafter):
             dtype = verifier.stage.model.embed_tokens.weight.dtype
             self.features = torch.zeros(rows, drafter.max_feeds, drafter.feature_width, dtype=dtype,
-                                        device=self.device)  # [rows, D + 1, C H]
+                                        device=self.device)  # [rows, max_feeds, C H]
             self.pending = torch.zeros(rows, dtype=torch.long, device=self.device)  # [rows] pairs not fed to the head
+        self.unfed = [0] * rows  # the most pairs each slot's head may not have been fed, as of the last step launched
         self.captured = captured
         self.clock = Clock  # what times a step's phases (a test may charge its own)
         self._replays = Replays(captured, verifier.stage.pool, after=CAPTURE_AFTER)
@@ -180,6 +181,7 @@ class Runner:
         self.draws.seeds[slot], self.draws.counters[slot] = sampling.seed, 0
         if self.pending is not None:
             self.pending[slot] = 0
+            self.unfed[slot] = 1  # (its prompt's last pair: prefill)
 
     @torch.inference_mode()
     def prefill(self, chunks: list[tuple[int, int, int]], drafter: bool = True) -> None:
@@ -306,9 +308,23 @@ class Runner:
         rows = slots + [self.padding] * (self.step_rows(len(slots)) - len(slots))
         self.sampling.filters = any(self.filtering[s] for s in slots)  # (the work only this batch's requests need)
         self.sampling.forbids = any(self.forbidding[s] for s in slots)
-        steady = all(self._replays.ready((phase, *self._shape(mode, len(rows), budget))) for phase in self._phases(mode))
-        result = self.step(to_device(rows, self.device), mode, longest, budget, clock)
+        feed = self._feeds_head(slots, mode)
+        steady = all(self._replays.ready((phase, *self._shape(mode, len(rows), budget)))
+                     for phase in self._phases(mode, feed))
+        result = self.step(to_device(rows, self.device), mode, longest, budget, clock, feed)
         return Launched(slots, mode, result, clock, steady)
+
+    def _feeds_head(self, slots: list[int], mode: Mode) -> bool:
+        """Whether a step in `mode` of `slots` feeds a head in a phase of its own: a plain step whose
+        pair would not fit beside those its head was not fed yet (a speculative step's catch-up feeds
+        them all). A plain step appends its pair, so the head is fed once every `max_feeds` plain
+        steps, not at each (a plain step then costs it little); each slot's bound moves on."""
+        if self.features is None:
+            return False
+        feed = mode.drafter is None and any(self.unfed[s] >= self.drafter.max_feeds for s in slots)
+        for slot in slots:
+            self.unfed[slot] = mode.depth + 1 if mode.drafter is not None else 1 if feed else self.unfed[slot] + 1
+        return feed
 
     def collect(self, launched: Launched, keep: list[bool]) -> tuple[list[list[int]], tuple[float, ...]]:
         """Wait for a launched step -> the new tokens of each of its requests (past its end as the
@@ -324,11 +340,12 @@ class Runner:
         return [new for _, new in rows], seconds
 
     def step(self, rows: torch.Tensor, mode: Mode, longest: int, budget: int | None,
-             clock: Clock | None = None) -> torch.Tensor:
+             clock: Clock | None = None, feed: bool = False) -> torch.Tensor:
         """The device work of a step of the requests in table rows `rows` [R] (`longest`: at least
         the most committed tokens among them, which sizes eager forwards) -> [R, D + 2]: each one's
         count of new tokens, then the new tokens; no host read. A row whose request reached its end
-        runs as the padding row. `clock`: marked around the draft and the verify phases."""
+        runs as the padding row. `clock`: marked around the draft and the verify phases; `feed`: a
+        plain step first feeds a head the pairs it was not fed (`_feeds_head`)."""
         marks = clock.mark if clock is not None else lambda: None
         marks()
         drafter = mode.drafter
@@ -337,7 +354,7 @@ class Runner:
         if drafter is not None:
             drafted = self._replays.run(("draft", *shape), lambda rows: self._draft(
                 drafter, self._alive(rows), longest, budget).tensors(), rows)
-        elif self.features is not None:  # a head drafts nothing but takes the pairs the last step left it
+        elif feed:  # a head drafts nothing but takes the pairs the plain steps before left it
             self._replays.run(("feed", *shape), lambda rows: self._feed_head(self._alive(rows), longest), rows)
         marks()
         result = self._replays.run(("verify", *shape), lambda rows, *drafted: self._verify(
@@ -345,11 +362,11 @@ class Runner:
         marks()
         return result
 
-    def _phases(self, mode: Mode) -> tuple[str, ...]:
+    def _phases(self, mode: Mode, feed: bool) -> tuple[str, ...]:
         """The CUDA graphs a step in `mode` replays (`step`)."""
         if mode.drafter is not None:
             return "draft", "verify"
-        return ("feed", "verify") if self.features is not None else ("verify",)
+        return ("feed", "verify") if feed else ("verify",)
 
     def _shape(self, mode: Mode, rows: int, budget: int | None) -> tuple:
         """What a step's CUDA graphs are keyed on (what a graph holds of the sampling settings too)."""
@@ -407,7 +424,11 @@ class Runner:
             logits, features, layout = verifier.score_features(tree, requests.rows, requests.lengths, width)
         verdict = verifier.verdict(tree, logits, layout, sampling, draws if verifier.draws else None)
         counts, new = verdict.accepted(tree)
-        if self.features is not None:  # the head's next pairs: the accepted path's features, with the new tokens
+        if self.features is not None and draft is None:  # a plain step's pair, after those not fed yet
+            at = self.pending[requests.rows].clamp(max=self.features.shape[1] - 1)  # [R] (launch keeps it in)
+            self.features[requests.rows, at] = features[layout.grid[:, 0]]
+            self.pending.index_copy_(0, requests.rows, at + counts)
+        elif self.features is not None:  # the head's next pairs: the accepted path's features, with the new tokens
             nodes = layout.grid.gather(1, verdict.paths.clamp(min=0))  # [R, D + 1] packed row of each path node
             self.features[:, : nodes.shape[1]].index_copy_(0, requests.rows, features[nodes])
             self.pending.index_copy_(0, requests.rows, counts)
