@@ -19,6 +19,9 @@ from typing import TypeVar
 
 import torch
 
+from specgraph.errors import SpecgraphError
+from specgraph.files import write_output
+
 log = logging.getLogger("specgraph.build")
 T = TypeVar("T")
 
@@ -80,9 +83,7 @@ def remembered(what: str, identity: dict, measure: Callable[[], T]) -> T:
     value = measure()
     try:
         home.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"identity": text, "value": value}, sort_keys=True))
-        partial.replace(path)  # (whole or not at all, where builds run side by side)
-    except OSError as exc:
+        write_output(path, json.dumps({"identity": text, "value": value}, sort_keys=True))  # (atomically)
+    except (OSError, SpecgraphError) as exc:
         log.warning("%s: not saved for the next build: %s", what, exc)
     return value
