@@ -76,6 +76,14 @@ step() {
       run_step epsilon-8b 300 python3 -m specgraph bench recipes/dynamic.yaml --prompts "$prompts" --max-new-tokens 128 \
         --widen llama-3-8b --batch 8 --set 'stages.1.verify.budget={epsilon: 0.1}' \
         --baselines ar,epsilon=0,epsilon=0.25,epsilon=0.5 --json "$OUT/files/llama-3-8b-epsilon.json" ;;
+    policy-ar)  # the policy against ar in one report (its timing of steps first: about 200 s at the 8B shape)
+      run_step policy-ar 540 python3 -m specgraph bench recipes/dynamic.yaml "${sweep[@]}" --baselines ar \
+        --json "$OUT/files/llama-3-8b-policy-ar.json" ;;
+    eagle-policy)  # the EAGLE-3 head recipe under the policy alone (ar: policy-ar's, on the same machine)
+      run_step eagle-policy 420 python3 -m specgraph bench recipes/eagle3.yaml "${sweep[@]}" --baselines "" \
+        --json "$OUT/files/llama-3-8b-eagle3-policy.json" ;;
+    aoti)  # where AOTInductor's CUDA package crashes (scripts/aoti_repro.py: about 80 s a package to compile)
+      run_step aoti 290 python3 scripts/aoti_repro.py --cases matmul,linear --no-program --seconds 280 ;;
     sweep-eagle)
       run_step sweep-eagle 420 python3 -m specgraph bench recipes/eagle3.yaml "${sweep[@]}" --baselines ar \
         --json "$OUT/files/llama-3-8b-eagle3-sweep.json" ;;
