@@ -21,7 +21,7 @@ import torch
 
 from specgraph.draft import Draft, Drafter, Requests
 from specgraph.recipe import DynamicTree
-from specgraph.runtime.stage import Stage
+from specgraph.runtime.stage import Stage, packed_order
 from specgraph.sampling import SamplingRows
 from specgraph.tree import TreeTopology
 
@@ -41,37 +41,46 @@ class HeadDrafter(Drafter):
         return self.head.fc.in_features
 
     def _forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                 starts: torch.Tensor, offsets: torch.Tensor, visible: torch.Tensor, width: int, logits: bool = True
-                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Stage.forward_rows for a head: tokens [R, E] with their hidden inputs [R, E, H] -> logits
-        [R, E, V] (None where not `logits`) and outputs [R, E, H]."""
+                 starts: torch.Tensor, offsets: torch.Tensor, visible: torch.Tensor, width: int, logits: bool = True,
+                 counts: torch.Tensor | None = None, total: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Stage.forward_rows for a head: tokens [R, E] with their hidden inputs [R, E, H] (only each
+        row's first counts[r] where given: Stage.pack) -> logits [R, E, V] (None where not `logits`)
+        and outputs [R, E, H]."""
         r, e = tokens.shape
-        packed, layout = self.stage.pack(tokens, positions, rows, starts, offsets, visible, width)
-        scores, out = self.head(packed[None], hidden.flatten(0, 1)[None], self.stage.cache, layout, logits)
+        packed, layout = self.stage.pack(tokens, positions, rows, starts, offsets, visible, width, counts, total)
+        hidden = hidden.flatten(0, 1)
+        if counts is not None:  # (in the packed tokens' order)
+            hidden = hidden.index_select(0, packed_order(counts, e, total))
+        scores, out = self.head(packed[None], hidden[None], self.stage.cache, layout, logits)
         index = layout.grid[:, :e].clamp(min=0).flatten()
         out = out[0].index_select(0, index).view(r, e, -1)
         return (None if scores is None else scores[0].index_select(0, index).view(r, e, -1)), out
 
     @torch.inference_mode()
-    def prefill_pairs(self, rows: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor, start: int) -> None:
-        """Feed one request's (table row rows [1]) pairs (features [T, C H] at committed tokens
-        start.., tokens [T]: the ones after them) at head slots [start, start + T)."""
-        t, device = tokens.numel(), tokens.device
-        offsets = torch.arange(t, device=device)
-        causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-        self._forward(tokens[None], self.head.fuse(features)[None], (start + offsets)[None], rows,
-                      torch.tensor([start], device=device), offsets[None], causal[None], start + t)
-        self.stage.cache.keep(rows, torch.tensor([t], device=device))
+    def prompt_pairs(self, rows: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor, starts: torch.Tensor,
+                     pairs: torch.Tensor, width: int, total: int) -> None:
+        """Chunks of R prompts in one forward, each kept: table rows, starts, pairs [R] (a chunk's first
+        committed token, and the pairs it completes), features [R, E, C H] at the chunk's tokens, tokens
+        [R, E] the tokens after them; row r feeds its first pairs[r] pairs at head slots starts[r]..,
+        over `width` virtual slots, at most `total` pairs in all (a host bound: Stage.pack)."""
+        r, e = tokens.shape
+        offsets = torch.arange(e, device=tokens.device)
+        causal = torch.ones(e, e, dtype=torch.bool, device=tokens.device).tril()
+        self._forward(tokens, self.head.fuse(features), starts[:, None] + offsets, rows, starts, offsets.expand(r, -1),
+                      causal.expand(r, -1, -1), width, False, pairs, total)
+        self.stage.cache.keep(rows, pairs)
 
-    def prompt_pairs(self, rows: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor, start: int,
+    def prompt_chunk(self, rows: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor, start: int,
                      length: int) -> torch.Tensor | None:
-        """A chunk of a prompt's features (features [T, C H] at committed tokens start..; `tokens`
-        [capacity]: the request's, `length` of them in its prompt): feed the pairs it completes, those
-        of tokens below length - 2 -> the features at token length - 2 where the chunk holds them
-        (the pair of the root, which the first catch-up feeds), else None."""
+        """One prompt's chunk (table row rows [1], features [T, C H] at committed tokens start..;
+        `tokens` [capacity]: the request's, `length` of them in its prompt): feed the pairs it
+        completes, those of tokens below length - 2 -> the features at token length - 2 where the
+        chunk holds them (the pair of the root, which the first catch-up feeds), else None."""
         pairs = min(start + features.shape[0], length - 2) - start
         if pairs > 0:
-            self.prefill_pairs(rows, tokens[start + 1 : start + 1 + pairs], features[:pairs], start)
+            self.prompt_pairs(rows, tokens[None, start + 1 : start + 1 + pairs], features[None, :pairs],
+                              torch.tensor([start], device=tokens.device),
+                              torch.tensor([pairs], device=tokens.device), start + pairs, pairs)
         last = length - 2 - start
         return features[last] if 0 <= last < features.shape[0] else None
 

@@ -9,6 +9,7 @@ import sys
 from contextlib import contextmanager
 
 import torch
+import torch._inductor.config
 from tqdm import tqdm
 from torch import nn
 
@@ -56,8 +57,11 @@ def compile_model(model: nn.Module) -> None:
     Every model of every program in a process shares that code: each (dtype, kernel choice, shape
     class) is one more compiled entry of it, so a process that holds several programs (`bench`'s
     baselines, `tune`'s candidates) passes Dynamo's default of 8 entries a function, past which a
-    fullgraph compile fails; the limit is raised to RECOMPILE_LIMIT."""
+    fullgraph compile fails; the limit is raised to RECOMPILE_LIMIT. Inductor's coalescing analysis
+    of Triton tilings is turned off: torch 2.11's fails an assertion on the verification step's fused
+    kernels (pytorch/pytorch#197077, `get_pw_red_splits`; GPU run 113), and that is its workaround."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    torch._inductor.config.triton.coalesce_tiling_analysis = False
     for layer in model.layers:
         layer.compile(dynamic=True, fullgraph=True)
     model.stem = torch.compile(model.stem, dynamic=True, fullgraph=True)

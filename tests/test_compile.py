@@ -41,6 +41,23 @@ def test_compiled_and_eager_programs_give_identical_greedy_tokens():
         assert after.generate(after.encode(text)).output_ids == expected[text]  # (greedy: the target's own tokens)
 
 
+def test_a_compiled_sampling_program_draws_the_eager_tokens():
+    """Seeded sampling keys each token's noise by (seed, position), so a compiled program draws the
+    eager program's tokens, seed for seed. (Inductor's code for the rule's work after the target's
+    forward crashed the process on the CPU and ran for minutes a step on a GPU, GPU run 113: that
+    work stays eager under the sampling rule; the layers are compiled.)"""
+    def program(compile: bool) -> Program:
+        return Program.from_recipe(two_stage(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "chain", "length": 2},
+                                             max_new_tokens=8, sampling={"temperature": 1.0, "top_k": 8},
+                                             lowering={"compile": compile}))
+
+    compiled, eager = program(True), program(False)
+    assert hasattr(compiled.stages["target"].model.stem, "_torchdynamo_orig_callable")
+    ids = compiled.encode("import os\nimport sys\n")
+    for seed in range(3):
+        assert compiled.generate(ids, seed=seed).output_ids == eager.generate(ids, seed=seed).output_ids
+
+
 def test_reference_attention_compiles_with_symbolic_grouped_heads():
     """Regional compilation marks head counts dynamic; grouped-query attention must still trace."""
     import torch

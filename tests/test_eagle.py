@@ -318,9 +318,12 @@ def test_the_shipped_head_decodes_as_the_target_alone(target_reference, shape):
     assert sum(accepted) / len(accepted) > 1.5  # the head's drafts are really being accepted
 
 
-def test_the_shipped_head_drafts_what_eagle3_computes_across_steps():
-    """Steps that commit several tokens: the catch-up feeds all their pairs."""
+@pytest.mark.parametrize("bucketed", [False, True], ids=["prompt", "bucketed-prompt"])
+def test_the_shipped_head_drafts_what_eagle3_computes_across_steps(bucketed):
+    """Steps that commit several tokens: the catch-up feeds all their pairs. `bucketed`: the prompt's
+    pairs fed in a forward padded as a GPU's captured prompt forwards are (runner.prompt_bucket)."""
     program = Program.from_recipe(two_stage(TARGET, SHIPPED, {"shape": "chain", "length": 3}))
+    program.executor.runner.captured = bucketed
     chains = drafted_chains(program, program.encode("import os\nimport sys\n\n\ndef main(argv):\n"), 6)
     committed = [len(before) for before, _ in chains]
     assert max(b - a for a, b in zip(committed, committed[1:])) > 1
@@ -366,10 +369,13 @@ def test_a_widened_head_drafts_as_the_small_one(target_reference):
     assert b.accepted_lengths == a.accepted_lengths and sum(a.accepted_lengths) > 1.5 * len(a.accepted_lengths)
 
 
-@pytest.mark.parametrize("budget", [None, {1: 6, 2: 8, 4: 12, 5: 14}], ids=["own-trees", "budget"])
-def test_the_head_drafts_for_five_requests_at_a_time(target_reference, budget):
+@pytest.mark.parametrize("budget, bucketed", [(None, False), ({1: 6, 2: 8, 4: 12, 5: 14}, False), (None, True)],
+                         ids=["own-trees", "budget", "bucketed-prompts"])
+def test_the_head_drafts_for_five_requests_at_a_time(target_reference, budget, bucketed):
     """The engine with a head: requests of mixed lengths, five at a time with staggered finishes,
-    each with its own pending features, under each tree's nodes or a batch-wide budget."""
+    each with its own pending features, under each tree's nodes or a batch-wide budget. `bucketed`:
+    prompt chunks packed as a GPU's captured forwards pack them (padded to powers of two, the added
+    chunks empty ones of the padding row), the head fed every chunk's pairs in the same forward."""
     target = {"name": "target", "model": "target", "devices": ["cpu"], "verifies": "draft"}
     if budget:
         target["verify"] = {"budget": {"epsilon": 0.1, "nodes": budget}}
@@ -378,7 +384,9 @@ def test_the_head_drafts_for_five_requests_at_a_time(target_reference, budget):
         "models": {"target": {"path": str(TARGET)}, "draft": {"path": str(SHIPPED)}},
         "stages": [{"name": "draft", "model": "draft", "devices": ["cpu"],
                     "tree": {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 10}}, target]})
-    outputs = decode_together(Program.from_recipe(recipe), target_reference)
+    program = Program.from_recipe(recipe)
+    program.executor.runner.captured = bucketed
+    outputs = decode_together(program, target_reference)
     assert outputs == [expected[:n] for (_, expected), n in zip(target_reference, BUDGETS)]
 
 

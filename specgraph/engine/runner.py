@@ -115,8 +115,9 @@ class Runner:
                  captured: bool = False, levels: tuple[Mode, ...] = ()):
         """`slots`: request slots (rows of the stages' tables, less the padding row); `capacity`:
         committed tokens a request may reach, and a step's worth past them; `compile`: run what
-        follows the target's forward (verdicts, commits, append) through torch.compile where it
-        draws nothing, a few fused kernels instead of some twenty; `captured`: each step's phases
+        follows the target's forward (verdicts, commits, append) through torch.compile under the
+        greedy rule, a few fused kernels instead of some twenty (Inductor's code for the sampling
+        rule's keyed noise crashed the process on the CPU and never finished on a GPU, run 113); `captured`: each step's phases
         replay CUDA graphs, one per (mode, batch size, budget); `levels`: speculation with smaller trees
         over `drafter`'s stage, the other speculative modes a policy may choose."""
         self.verifier, self.drafter = verifier, drafter
@@ -149,7 +150,7 @@ class Runner:
         self._replays = Replays(captured, verifier.stage.pool, after=CAPTURE_AFTER)
         for stage in self.stages:
             stage.table[self.padding].zero_()
-        if compile and not verifier.draws:
+        if compile and verifier.spec.rule == "greedy":
             self._settle = torch.compile(self._settle, fullgraph=True)
 
     # -- a request's slot
@@ -189,14 +190,9 @@ class Runner:
         and (where `drafter`) those below the drafter's share (all but the last two) to the drafter,
         in one forward per stage, each chunk kept; a head gets the pairs of the target's features
         instead. A drafter not fed here is fed by `sync_drafter` before it drafts."""
-        target = self.verifier.stage
         fed = self._within(chunks, 1)  # (the prompt's last token: the first step feeds it)
-        if fed and self.features is None:
-            self._forward_chunks(target, fed)
-        elif fed:
-            tokens, layout = self._prompt_chunks(target, fed, *self._sizes(fed))
-            self._prompt_pairs(fed, layout, target.forward_features(tokens, layout)[1])
-            target.cache.keep(layout.rows, layout.cu.diff())
+        if fed:
+            self._forward_chunks(self.verifier.stage, fed)
         if drafter and self.drafter is not None and self.features is None:  # (a drafter left behind: sync_drafter)
             self._feed_drafter(self._within([c for c in chunks if self.drafted[c[0]] == c[1]], CATCH_UP))
 
@@ -254,7 +250,10 @@ class Runner:
                         longest: int, width: int, total: int) -> None:
         """`stage`'s forward of the chunks (slots, starts, stops [R]: see `_prompt_chunks`), kept."""
         tokens, layout = self._prompt_chunks(stage, (slots, starts, stops), longest, width, total)
-        stage.forward(tokens, layout)
+        if stage is self.verifier.stage and self.features is not None:  # (a head drafts from its features)
+            self._prompt_pairs(slots, starts, stops, layout, stage.forward_features(tokens, layout)[1], width, total)
+        else:
+            stage.forward(tokens, layout)
         stage.cache.keep(layout.rows, layout.cu.diff())
 
     @staticmethod
@@ -263,16 +262,22 @@ class Runner:
         return (max(stop - start for _, start, stop in chunks), max(stop for *_, stop in chunks),
                 sum(stop - start for _, start, stop in chunks))
 
-    def _prompt_pairs(self, fed: list[tuple[int, int, int]], layout: Layout, features: torch.Tensor) -> None:
-        """The head's pairs of the target's prompt chunks `fed` (features [T, C H], packed as `layout`
-        says; head.py): all but each prompt's last pair, which its first catch-up feeds."""
-        bounds = layout.cu.tolist()
-        for i, (slot, start, _) in enumerate(fed):
-            last = self.drafter.prompt_pairs(layout.rows[i : i + 1], self.tokens[slot], features[bounds[i] : bounds[i + 1]],
-                                             start, self.host_lengths[slot])
-            if last is not None:
-                self.features[slot, 0] = last
-                self.pending[slot] = 1
+    def _prompt_pairs(self, slots: torch.Tensor, starts: torch.Tensor, stops: torch.Tensor, layout: Layout,
+                      features: torch.Tensor, width: int, total: int) -> None:
+        """The head's pairs of the target's prompt chunks (slots, starts, stops [R]; features [T, C H],
+        packed as `layout` says; head.py), in one forward: all but each prompt's last pair (that of its
+        token length - 2), which its first catch-up feeds (its features kept in the slot's first column)."""
+        e = layout.grid.shape[1]
+        offsets = torch.arange(e, device=self.device)
+        grid = features.index_select(0, layout.grid.clamp(min=0).flatten()).view(*layout.grid.shape, -1)  # [R, E, C H]
+        last = self.lengths[slots] - 2 - starts  # [R] the column of the root's pair
+        pairs = (torch.minimum(stops - starts, last)).clamp(min=0)
+        after = self.tokens[slots[:, None], (starts[:, None] + 1 + offsets).clamp(max=self.tokens.shape[1] - 1)]
+        self.drafter.prompt_pairs(slots, after, grid, starts, pairs, width, total)
+        holds = (last >= 0) & (last < stops - starts)
+        root = grid.gather(1, last.clamp(0, e - 1)[:, None, None].expand(-1, 1, grid.shape[-1]))[:, 0]  # [R, C H]
+        self.features[slots, 0] = torch.where(holds[:, None], root.to(self.features.dtype), self.features[slots, 0])
+        self.pending[slots] = torch.where(holds, 1, self.pending[slots])
 
     def _prompt_chunks(self, stage: Stage, chunks, longest: int, width: int, total: int) -> tuple[torch.Tensor, Layout]:
         """The committed tokens [start, stop) of each (slot, start, stop) of `chunks` (host tuples, or

@@ -234,7 +234,7 @@ class DraftSide:
         length, row = prompt.numel(), torch.zeros(1, dtype=torch.long, device=self.device)
         for start in range(0, length - 1, FEATURE_CHUNK):
             chunk = self.verdicts.recv(self.prompt_buffer)[0][: min(FEATURE_CHUNK, length - 1 - start)]
-            last = self.drafter.prompt_pairs(row, self.sequence.tokens, chunk.to(self.features.dtype), start, length)
+            last = self.drafter.prompt_chunk(row, self.sequence.tokens, chunk.to(self.features.dtype), start, length)
             if last is not None:
                 self.features[0, 0] = last
                 self.pending.fill_(1)

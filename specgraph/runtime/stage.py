@@ -102,9 +102,8 @@ class Stage:
         padded = counts is not None
         if counts is None:
             counts = torch.full((r,), e, dtype=torch.long, device=self.device)
-        else:  # the rows' first counts[r] tokens first, in row order: each a segment; padding after them
-            index = torch.arange(e, device=self.device)
-            order = (index[None] >= counts[:, None]).flatten().long().argsort(stable=True)[:total]
+        else:
+            order = packed_order(counts, e, total)
             flat = tuple(x.index_select(0, order) for x in flat)
         tokens, positions, offsets, visible = flat
         return tokens, Layout.build(self.table, self.block_size, rows, starts, counts, offsets, visible, positions,
@@ -166,3 +165,10 @@ class Stage:
     def reset(self) -> None:
         """Start a new request in row 0."""
         self.cache.reset(torch.zeros(1, dtype=torch.long, device=self.device))
+
+
+def packed_order(counts: torch.Tensor, width: int, total: int) -> torch.Tensor:
+    """Where Stage.pack takes each packed token from R rows of `width` (flattened [R width]): the rows'
+    first counts[r] tokens first, in row order, each a segment; padding after them; `total` in all -> [total]."""
+    index = torch.arange(width, device=counts.device)
+    return (index[None] >= counts[:, None]).flatten().long().argsort(stable=True)[:total]
