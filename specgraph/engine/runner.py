@@ -271,7 +271,7 @@ class Runner:
         offsets = torch.arange(e, device=self.device)
         grid = features.index_select(0, layout.grid.clamp(min=0).flatten()).view(*layout.grid.shape, -1)  # [R, E, C H]
         last = self.lengths[slots] - 2 - starts  # [R] the column of the root's pair
-        pairs = (torch.minimum(stops - starts, last)).clamp(min=0)
+        pairs = torch.minimum(stops - starts, last).clamp(min=0)  # [R] those each chunk completes
         after = self.tokens[slots[:, None], (starts[:, None] + 1 + offsets).clamp(max=self.tokens.shape[1] - 1)]
         self.drafter.prompt_pairs(slots, after, grid, starts, pairs, width, total)
         holds = (last >= 0) & (last < stops - starts)
