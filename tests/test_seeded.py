@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 from conftest import EMBEDDED, REPO, shared_model
-from helpers import decode_requests, markov_engine, simulated_distances, total_variation, two_stage
+from helpers import Alone, decode_requests, filtered_log_probs, markov_engine, simulated_distances, total_variation, two_stage
 
 from specgraph.draws import gumbel
 from specgraph.program import Program
@@ -34,56 +34,9 @@ TREES = {"chain": {"shape": "chain", "length": 3},
          "dynamic": {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 10}}
 
 
-# -- the oracle: the target alone, in transformers
-
-def filtered_log_probs(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits [V] (already divided by the temperature) -> log-probabilities [V] after top-k (every
-    logit tied with the k-th kept) and top-p (the most likely tokens until their mass reaches
-    top_p, every one tied with the last kept)."""
-    if top_k:
-        logits = logits.masked_fill(logits < logits.topk(top_k).values[-1], float("-inf"))
-    if top_p < 1:
-        probs = logits.softmax(-1)
-        ordered = probs.sort(descending=True).values
-        last = ordered[(ordered.cumsum(0) - ordered) < top_p][-1]
-        logits = logits.masked_fill(probs < last, float("-inf"))
-    return logits.log_softmax(-1)
-
-
-class Alone:
-    """The target fixture in transformers (fp32), sampling by the keyed Gumbel-max."""
-
-    def __init__(self, checkpoint=TARGET):
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
-        eos = self.model.generation_config.eos_token_id
-        self.eos = tuple(eos) if isinstance(eos, list) else (eos,)  # what ends a request that names no stops
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    @torch.no_grad()
-    def sample(self, ids: list[int], new: int, seed: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
-               stops: tuple[int, ...] | None = None, min_tokens: int = 0) -> list[int]:
-        stops = self.eos if stops is None else stops
-        out, past, inputs = [], None, torch.tensor([ids])
-        for i in range(new):
-            step = self.model(inputs, past_key_values=past, use_cache=True)
-            past, logits = step.past_key_values, step.logits[0, -1].float()
-            if i < min_tokens and stops:
-                logits[list(stops)] = float("-inf")
-            scores = filtered_log_probs(logits / temperature, top_k, top_p)
-            scores = scores + gumbel(torch.tensor(seed), torch.tensor(len(ids) + i), logits.numel())
-            out.append(int(scores.argmax()))
-            if out[-1] in stops:
-                break
-            inputs = torch.tensor([[out[-1]]])
-        return out
-
-
 @pytest.fixture(scope="module")
 def alone() -> Alone:
-    return Alone()
+    return Alone(TARGET)
 
 
 def expected(alone: Alone, seed: int, sampling: dict = SAMPLING, new: int = NEW) -> list[list[int]]:
