@@ -42,7 +42,8 @@ class HeadDrafter(Drafter):
 
     def _forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                  starts: torch.Tensor, offsets: torch.Tensor, visible: torch.Tensor, width: int, logits: bool = True,
-                 counts: torch.Tensor | None = None, total: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+                 counts: torch.Tensor | None = None, total: int | None = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Stage.forward_rows for a head: tokens [R, E] with their hidden inputs [R, E, H] (only each
         row's first counts[r] where given: Stage.pack) -> logits [R, E, V] (None where not `logits`)
         and outputs [R, E, H]."""

@@ -16,7 +16,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import transformers
 from conftest import EMBEDDED, REPO, shared_model
 from helpers import Alone, decode_requests, filtered_log_probs, markov_engine, simulated_distances, total_variation, two_stage
 

@@ -117,9 +117,10 @@ class Runner:
         committed tokens a request may reach, and a step's worth past them; `compile`: run what
         follows the target's forward (verdicts, commits, append) through torch.compile under the
         greedy rule, a few fused kernels instead of some twenty (Inductor's code for the sampling
-        rule's keyed noise crashed the process on the CPU and never finished on a GPU, run 113); `captured`: each step's phases
-        replay CUDA graphs, one per (mode, batch size, budget); `levels`: speculation with smaller trees
-        over `drafter`'s stage, the other speculative modes a policy may choose."""
+        rule's keyed noise crashed the process on the CPU and never finished on a GPU, run 113);
+        `captured`: each step's phases replay CUDA graphs, one per (mode, batch size, budget);
+        `levels`: speculation with smaller trees over `drafter`'s stage, the other speculative modes a
+        policy may choose."""
         self.verifier, self.drafter = verifier, drafter
         self.device = verifier.device
         self.stages = [verifier.stage] + ([drafter.stage] if drafter is not None else [])
