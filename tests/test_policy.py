@@ -130,14 +130,19 @@ def test_acceptance_counts_each_depth_a_step_reached():
     """By hand: a depth-3 step that accepted 1 draft tried depths 1 and 2 and passed depth 1; one that
     accepted all 3 passed each; a depth-1 step that accepted its draft says nothing of depth 2."""
     counts = Acceptance(3)
-    counts.observe(1, 3)
-    counts.observe(3, 3)
-    counts.observe(1, 1)
-    assert counts.trials == [0, 3, 2, 1] and counts.hits == [0, 3, 1, 1]
-    assert counts.rates([0.5] * 3, 0.0) == [1.0, 0.5, 1.0]
-    assert counts.rates([0.5] * 3, 2.0) == [(3 + 1) / 5, (1 + 1) / 4, (1 + 1) / 3]
+    counts.observe(1, 3, "tree")
+    counts.observe(3, 3, "tree")
+    counts.observe(1, 1, "tree")
+    assert counts.trials == {"tree": [0, 3, 2, 1]} and counts.hits == {"tree": [0, 3, 1, 1]}
+    assert counts.rates([0.5] * 3, 0.0, "tree") == [1.0, 0.5, 1.0]
+    assert counts.rates([0.5] * 3, 2.0, "tree") == [(3 + 1) / 5, (1 + 1) / 4, (1 + 1) / 3]
     # one prior number: depth 1's; each deeper depth is drawn toward the rate found above it
-    assert counts.rates(0.5, 2.0) == pytest.approx([0.8, (1 + 2 * 0.8) / 4, (1 + 2 * 0.65) / 3])
+    assert counts.rates(0.5, 2.0, "tree") == pytest.approx([0.8, (1 + 2 * 0.8) / 4, (1 + 2 * 0.65) / 3])
+    # shapes apart: a chain's counts leave a tree's rates, and all shapes' count together where none is named
+    counts.observe(0, 3, "chain")
+    assert counts.rates(0.5, 2.0, "tree") == pytest.approx([0.8, (1 + 2 * 0.8) / 4, (1 + 2 * 0.65) / 3])
+    assert counts.rates([0.5] * 3, 2.0, "chain")[0] == pytest.approx(1 / 3) and counts.rates([0.5] * 3, 2.0, "plain") == [0.5] * 3
+    assert counts.rates([0.5] * 3, 0.0) == [3 / 4, 0.5, 1.0]
     assert expected_tokens([0.5, 0.5, 0.5], 2) == 1 + 0.5 + 0.25 and expected_tokens([0.5], 0) == 1
 
 
@@ -168,6 +173,37 @@ def test_a_policy_that_ran_only_shallow_trees_moves_to_deeper_ones_that_pay():
     assert chosen[-1] in ("depth 3", "depth 5") and chosen.count("depth 1") < 40, chosen
 
 
+def test_chains_and_trees_are_priced_by_their_own_rates():
+    """Run 113 (one H100, the EAGLE-3 head, batch 1) settled on chain 3 for 3,832 steps: the chains'
+    acceptance priced the trees too. By hand, at costs near its own: a head whose chain gets each depth
+    right 55 times in 100 and whose trees (four children a node) 80: chain 3 gives 2.02 tokens / 7.5 ms
+    = 269 tokens/s, a tree at depth 5 3.69 / 9.34 ms = 395 and at depth 3 2.95 / 8.3 ms = 356; priced
+    at the chain's rates, depth 5 would give 2.16 / 9.34 ms = 231. From chain 3, the policy must probe
+    the trees, find their own rates and move to them."""
+    import random
+
+    class Tree:
+        def __init__(self, depth, nodes):
+            self.max_depth, self.nodes = depth, nodes
+
+    modes = [PLAIN, *(Mode(f"depth {d}", Tree(d, 4 * d)) for d in (5, 3, 1)),
+             *(Mode(f"chain {d}", Tree(d, d)) for d in (3, 1))]
+    assert [m.shape for m in modes] == ["plain", "tree", "tree", "tree", "chain", "chain"]
+    costs = StepCosts({"ar": {1: 5.6e-3}, "depth 5": {1: 9.34e-3}, "depth 3": {1: 8.3e-3}, "depth 1": {1: 7.0e-3},
+                       "chain 3": {1: 7.5e-3}, "chain 1": {1: 6.6e-3}})
+    policy = Policy(modes, costs, timed=False)
+    policy.current = modes[4]
+    draws, request, chosen = random.Random(0), Acceptance(5), []
+    for _ in range(1000):
+        mode = policy.choose([request])
+        right = 0.8 if mode.shape == "tree" else 0.55
+        accepted = next((k for k in range(mode.depth) if draws.random() >= right), mode.depth)
+        policy.observe(mode, [accepted + 1], [request], 1, 0.0)
+        chosen.append(mode.name)
+    assert chosen[0] == "chain 3" and chosen[-300:].count("depth 5") > 280, chosen
+    assert sum(name.startswith("chain") for name in chosen[-300:]) < 10  # (the chains' probes, ever rarer)
+
+
 def test_a_steps_first_runs_and_its_capture_leave_the_costs(monkeypatch):
     """A shape's first run (eager, compiling) and the run that captures it cost far more than its
     replays: Replays says a key is ready only once it replays (or where nothing is captured), and a
@@ -194,7 +230,7 @@ def test_a_steps_first_runs_and_its_capture_leave_the_costs(monkeypatch):
     deep, request = Mode("depth 1", Tree()), Acceptance(1)
     policy = Policy([PLAIN, deep], StepCosts({"ar": {1: 0.010}, "depth 1": {1: 0.018}}))
     policy.observe(deep, [2], [request], 1, None)
-    assert policy.costs.seconds("depth 1", 1) == 0.018 and request.hits[1] == 1
+    assert policy.costs.seconds("depth 1", 1) == 0.018 and request.hits["tree"][1] == 1
 
 
 def test_a_step_is_charged_what_it_cost_the_engine(priced, target_reference):
@@ -273,7 +309,7 @@ def test_a_mode_replaces_the_current_one_only_for_a_clear_gain():
     deep = Mode("depth 1", Tree())
     sure = Acceptance(1)
     for _ in range(1000):
-        sure.observe(1, 1)
+        sure.observe(1, 1, "tree")
     policy = Policy([PLAIN, deep], StepCosts({"ar": {1: 0.010}, "depth 1": {1: 0.0195}}))
     policy.current = PLAIN
     policy.batchwide = sure

@@ -7,18 +7,22 @@ T(m, n) is the time of a real step in mode m of n rows (the batch and its paddin
 are captured: runner.step_rows; `StepCosts`: measured when the engine starts, then each step's own
 time). E_r comes from per-depth acceptance rates: p_k, the chance a step accepts a draft at depth k
 once it accepted one at depth k - 1, so a tree cut at depth d gives E = 1 + sum_{k <= d} p_1 ... p_k.
-Each request has its own counts, drawn toward the batch-wide rates (themselves drawn toward a
-prior) while it has few (`Acceptance`); a depth with few counts is drawn toward the rate of the
-depth above it (PRIOR at depth 1), not toward a fixed prior: a policy that ran only shallow trees
-has seen nothing of the deeper depths, and a pessimistic guess there would keep it shallow for
-good (the depths a drafter gets right tend to follow one another). Plain decoding gives 1 token at
-its own cost and is always a candidate, so no step is expected to be slower than plain decoding.
+Rates are kept per shape (`Mode.shape`): a chain, one node a depth, accepts less at each depth than
+a tree of several children a node, and run 113 (one H100, the EAGLE-3 head at batch 1) priced its
+trees with the chains' rates and kept to chains. Each request has its own counts, drawn toward the
+batch-wide rates of the shape, drawn in turn toward those of every shape together (themselves drawn
+toward a prior) while it has few (`Acceptance`); a depth with few counts is drawn toward the rate of
+the depth above it (PRIOR at depth 1), not toward a fixed prior: a policy that ran only shallow trees
+has seen nothing of the deeper depths, and a pessimistic guess there would keep it shallow for good
+(the depths a drafter gets right tend to follow one another). Plain decoding gives 1 token at its
+own cost and is always a candidate, so no step is expected to be slower than plain decoding.
 
-Modes switch only for a gain above `HYSTERESIS`. While plain decoding runs, nothing is learned of
-the drafter: every `PROBE` steps (doubling each time the probe does not win) one step speculates
-in the best speculative mode that could win were every draft accepted, so that a drafter whose
-acceptance was underrated gets its chance (and one that could never pay is never run).
-A drafter that skipped steps is fed what it missed before it drafts again (runner.sync_drafter).
+Modes switch only for a gain above `HYSTERESIS`. Nothing is learned of a shape that does not run:
+every `PROBE` steps of one mode (doubling each time the probe does not win) one step runs the best
+mode of another speculative shape that could win were every draft accepted, so that a drafter (or a
+shape of its trees) whose acceptance was underrated gets its chance, and one that could never pay is
+never run. A drafter that skipped steps is fed what it missed before it drafts again
+(runner.sync_drafter).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 from specgraph.engine.runner import Mode
 
 HYSTERESIS = 0.05  # a mode replaces the current one only if its rate is this much higher
-PROBE = 16  # plain steps before the first probe of speculation (then doubling, up to PROBE_MOST)
+PROBE = 16  # steps of one mode before the first probe of another shape (then doubling, up to PROBE_MOST)
 PROBE_MOST = 1024
 PRIOR = 0.5  # depth 1's acceptance rate before any is seen (a deeper depth's: the rate above it)
 PRIOR_WEIGHT = 4.0  # pseudo-trials of the prior in the batch-wide rates, and of those in a request's
@@ -36,31 +40,38 @@ DRIFT = 0.02  # share of the way back to its measured time a mode not running mo
 
 
 class Acceptance:
-    """Per-depth counts: at depth k, `trials[k]` steps that accepted every draft above depth k and
-    could accept one there, `hits[k]` of them that did."""
+    """Per-depth counts of each shape: at depth k, `trials[shape][k]` steps that accepted every draft
+    above depth k and could accept one there, `hits[shape][k]` of them that did."""
 
     def __init__(self, depth: int):
-        self.trials, self.hits = [0.0] * (depth + 1), [0.0] * (depth + 1)
+        self.depth = depth
+        self.trials: dict[str, list[float]] = {}
+        self.hits: dict[str, list[float]] = {}
 
-    def observe(self, accepted: int, depth: int, weight: float = 1.0) -> None:
-        """A step that could accept `depth` drafts accepted `accepted`."""
+    def observe(self, accepted: int, depth: int, shape: str, weight: float = 1.0) -> None:
+        """A step of `shape` that could accept `depth` drafts accepted `accepted`."""
+        trials = self.trials.setdefault(shape, [0.0] * (self.depth + 1))
+        hits = self.hits.setdefault(shape, [0.0] * (self.depth + 1))
         for k in range(1, min(accepted + 1, depth) + 1):
-            self.trials[k] += weight
-            self.hits[k] += weight * (k <= accepted)
+            trials[k] += weight
+            hits[k] += weight * (k <= accepted)
 
-    def rates(self, prior: list[float] | float, weight: float) -> list[float]:
-        """p_k for k = 1 .. depth: the counts drawn toward `prior` (a rate per depth [depth], or one
-        number: depth 1's, each deeper depth's then the rate found above it) with `weight` pseudo-trials."""
+    def rates(self, prior: list[float] | float, weight: float, shape: str | None = None) -> list[float]:
+        """p_k for k = 1 .. depth of `shape` (None: every shape's counts together), drawn toward
+        `prior` (a rate per depth [depth], or one number: depth 1's, each deeper depth's then the rate
+        found above it) with `weight` pseudo-trials."""
+        shapes = list(self.trials) if shape is None else [shape] if shape in self.trials else []
         rates, above = [], prior
-        for k, (h, t) in enumerate(zip(self.hits[1:], self.trials[1:])):
-            guess = prior[k] if isinstance(prior, list) else above
+        for k in range(1, self.depth + 1):
+            h, t = sum(self.hits[s][k] for s in shapes), sum(self.trials[s][k] for s in shapes)
+            guess = prior[k - 1] if isinstance(prior, list) else above
             above = (h + weight * guess) / (t + weight)
             rates.append(above)
         return rates
 
     def decay(self, factor: float) -> None:
-        self.trials = [t * factor for t in self.trials]
-        self.hits = [h * factor for h in self.hits]
+        for counts in (*self.trials.values(), *self.hits.values()):
+            counts[:] = [c * factor for c in counts]
 
 
 def expected_tokens(rates: list[float], depth: int) -> float:
@@ -122,14 +133,15 @@ class Policy:
         self.prior = prior
         self.batchwide = Acceptance(self.depth)
         self.current = max(self.candidates(1), key=lambda m: self.rate(m, [Acceptance(self.depth)]))  # a priori, alone
-        self.plain_steps, self.probe_every = 0, PROBE
+        self.unprobed, self.probe_every = 0, PROBE  # steps of the current mode since it began or was probed away from
         self.expected: float | None = None  # the output tokens per second it expected of the mode it chose last
 
     def rate(self, mode: Mode, acceptances: list[Acceptance], rows: int | None = None) -> float:
         """Expected output tokens per second of a step in `mode` of requests with these acceptance
         counts, run as `rows` rows (default: one per request)."""
-        shared = self.batchwide.rates(self.prior, PRIOR_WEIGHT)
-        tokens = sum(expected_tokens(a.rates(shared, PRIOR_WEIGHT), mode.depth) for a in acceptances)
+        pooled = self.batchwide.rates(self.prior, PRIOR_WEIGHT)
+        shared = self.batchwide.rates(pooled, PRIOR_WEIGHT, mode.shape)
+        tokens = sum(expected_tokens(a.rates(shared, PRIOR_WEIGHT, mode.shape), mode.depth) for a in acceptances)
         return tokens / max(self.costs.seconds(mode.name, rows or len(acceptances)), 1e-9)
 
     def ceiling(self, mode: Mode, requests: int, rows: int) -> float:
@@ -150,16 +162,14 @@ class Policy:
             self.current = self.modes[0]
         best = max(modes, key=lambda m: rates[m.name])
         if rates[best.name] > rates[self.current.name] * (1 + HYSTERESIS):
-            self.current = best
+            self.current, self.unprobed, self.probe_every = best, 0, PROBE
         mode = self.current
-        if mode.drafter is None:
-            self.plain_steps += 1
-            hopeful = [m for m in modes[1:] if self.ceiling(m, len(acceptances), rows) > rates[mode.name]]
-            if self.plain_steps >= self.probe_every and hopeful:  # a probe of the best speculation that could win
-                self.plain_steps, self.probe_every = 0, min(2 * self.probe_every, PROBE_MOST)
-                mode = max(hopeful, key=lambda m: rates[m.name])
-        else:
-            self.plain_steps, self.probe_every = 0, PROBE
+        self.unprobed += 1
+        hopeful = [m for m in modes if m.drafter is not None and m.shape != mode.shape
+                   and self.ceiling(m, len(acceptances), rows) > rates[mode.name]]
+        if self.unprobed >= self.probe_every and hopeful:  # a probe of the best other shape that could win
+            self.unprobed, self.probe_every = 0, min(2 * self.probe_every, PROBE_MOST)
+            mode = max(hopeful, key=lambda m: rates[m.name])
         self.expected = rates[mode.name]
         return mode
 
@@ -174,5 +184,5 @@ class Policy:
             return
         self.batchwide.decay(DECAY)
         for count, acceptance in zip(counts, acceptances):
-            acceptance.observe(count - 1, mode.depth)
-            self.batchwide.observe(count - 1, mode.depth)
+            acceptance.observe(count - 1, mode.depth, mode.shape)
+            self.batchwide.observe(count - 1, mode.depth, mode.shape)

@@ -63,6 +63,14 @@ class Mode:
         """Draft nodes a request's tree holds."""
         return 0 if self.drafter is None else self.drafter.nodes
 
+    @property
+    def shape(self) -> str:
+        """Which acceptance rates price it: "plain", "chain" (one node a depth) or "tree" (more: it
+        accepts more at each depth than a chain, so the two are counted apart)."""
+        if self.drafter is None:
+            return "plain"
+        return "chain" if self.drafter.nodes == self.drafter.max_depth else "tree"
+
 
 PLAIN = Mode("ar")
 PREFILL_BUCKET = 16  # the fewest tokens a captured prompt forward is sized for
