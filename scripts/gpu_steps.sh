@@ -85,7 +85,7 @@ step() {
     aoti)  # where AOTInductor's CUDA package crashes (scripts/aoti_repro.py: about 80 s a package to compile)
       run_step aoti 290 python3 scripts/aoti_repro.py --cases matmul,linear --no-program --seconds 280 ;;
     sweep-eagle)
-      run_step sweep-eagle 420 python3 -m specgraph bench recipes/eagle3.yaml "${sweep[@]}" --baselines ar \
+      run_step sweep-eagle 560 python3 -m specgraph bench recipes/eagle3.yaml "${sweep[@]}" --baselines ar \
         --json "$OUT/files/llama-3-8b-eagle3-sweep.json" ;;
     *) echo "unknown step $1"; return 1 ;;
   esac

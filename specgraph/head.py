@@ -71,19 +71,23 @@ class HeadDrafter(Drafter):
                       causal.expand(r, -1, -1), width, False, pairs, total)
         self.stage.cache.keep(rows, pairs)
 
-    def prompt_chunk(self, rows: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor, start: int,
-                     length: int) -> torch.Tensor | None:
-        """One prompt's chunk (table row rows [1], features [T, C H] at committed tokens start..;
-        `tokens` [capacity]: the request's, `length` of them in its prompt): feed the pairs it
-        completes, those of tokens below length - 2 -> the features at token length - 2 where the
-        chunk holds them (the pair of the root, which the first catch-up feeds), else None."""
-        pairs = min(start + features.shape[0], length - 2) - start
-        if pairs > 0:
-            self.prompt_pairs(rows, tokens[None, start + 1 : start + 1 + pairs], features[None, :pairs],
-                              torch.tensor([start], device=tokens.device),
-                              torch.tensor([pairs], device=tokens.device), start + pairs, pairs)
-        last = length - 2 - start
-        return features[last] if 0 <= last < features.shape[0] else None
+    def prompt_chunks(self, rows: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor, starts: torch.Tensor,
+                      stops: torch.Tensor, lengths: torch.Tensor, width: int, total: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunks of the target's prompt forwards, one a row: table rows, starts, stops, lengths [R] (each
+        chunk's committed tokens start..stop of a prompt of `lengths` tokens), tokens [rows, capacity]
+        (each row's committed tokens), features [R, E, C H] at the chunk's tokens; feed the pairs each
+        chunk completes, those of tokens below its length - 2 (prompt_pairs: `width`, `total`) -> the
+        features at token length - 2 [R, C H] and whether the chunk holds them [R]: the root's pair,
+        which the first catch-up feeds."""
+        e = features.shape[1]
+        offsets = torch.arange(e, device=features.device)
+        last = lengths - 2 - starts  # [R] the column of the root's pair
+        pairs = torch.minimum(stops - starts, last).clamp(min=0)  # [R] those each chunk completes
+        after = tokens[rows[:, None], (starts[:, None] + 1 + offsets).clamp(max=tokens.shape[1] - 1)]  # [R, E]
+        self.prompt_pairs(rows, after, features, starts, pairs, width, total)
+        root = features.gather(1, last.clamp(0, e - 1)[:, None, None].expand(-1, 1, features.shape[-1]))[:, 0]
+        return root, (last >= 0) & (last < stops - starts)
 
     @torch.inference_mode()
     def feed(self, requests: Requests, width: int) -> None:

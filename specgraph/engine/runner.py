@@ -276,15 +276,9 @@ class Runner:
         """The head's pairs of the target's prompt chunks (slots, starts, stops [R]; features [T, C H],
         packed as `layout` says; head.py), in one forward: all but each prompt's last pair (that of its
         token length - 2), which its first catch-up feeds (its features kept in the slot's first column)."""
-        e = layout.grid.shape[1]
-        offsets = torch.arange(e, device=self.device)
         grid = features.index_select(0, layout.grid.clamp(min=0).flatten()).view(*layout.grid.shape, -1)  # [R, E, C H]
-        last = self.lengths[slots] - 2 - starts  # [R] the column of the root's pair
-        pairs = torch.minimum(stops - starts, last).clamp(min=0)  # [R] those each chunk completes
-        after = self.tokens[slots[:, None], (starts[:, None] + 1 + offsets).clamp(max=self.tokens.shape[1] - 1)]
-        self.drafter.prompt_pairs(slots, after, grid, starts, pairs, width, total)
-        holds = (last >= 0) & (last < stops - starts)
-        root = grid.gather(1, last.clamp(0, e - 1)[:, None, None].expand(-1, 1, grid.shape[-1]))[:, 0]  # [R, C H]
+        root, holds = self.drafter.prompt_chunks(slots, self.tokens, grid, starts, stops, self.lengths[slots], width,
+                                                 total)
         self.features[slots, 0] = torch.where(holds[:, None], root.to(self.features.dtype), self.features[slots, 0])
         self.pending[slots] = torch.where(holds, 1, self.pending[slots])
 

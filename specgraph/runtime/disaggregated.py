@@ -234,10 +234,11 @@ class DraftSide:
         length, row = prompt.numel(), torch.zeros(1, dtype=torch.long, device=self.device)
         for start in range(0, length - 1, FEATURE_CHUNK):
             chunk = self.verdicts.recv(self.prompt_buffer)[0][: min(FEATURE_CHUNK, length - 1 - start)]
-            last = self.drafter.prompt_chunk(row, self.sequence.tokens, chunk.to(self.features.dtype), start, length)
-            if last is not None:
-                self.features[0, 0] = last
-                self.pending.fill_(1)
+            bounds = torch.tensor([start, start + chunk.shape[0], length], device=self.device)[:, None]  # [3, 1]
+            root, holds = self.drafter.prompt_chunks(row, self.sequence.tokens[None], chunk[None].to(self.features.dtype),
+                                                     *bounds, start + chunk.shape[0], chunk.shape[0])
+            self.features[0, 0] = torch.where(holds[0], root[0], self.features[0, 0])
+            self.pending.copy_(torch.where(holds, 1, self.pending))
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Generation:
