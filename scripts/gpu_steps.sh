@@ -84,6 +84,9 @@ step() {
         --json "$OUT/files/llama-3-8b-eagle3-policy.json" ;;
     aoti)  # where AOTInductor's CUDA package crashes (scripts/aoti_repro.py: about 80 s a package to compile)
       run_step aoti 290 python3 scripts/aoti_repro.py --cases matmul,linear --no-program --seconds 280 ;;
+    seeded)  # what the sampling rule's keyed noise costs a verification against the greedy rule (issue 54)
+      run_step seeded 240 python3 scripts/bench_seeded.py
+      run_step seeded-top-p 240 python3 scripts/bench_seeded.py --top-p 0.95 ;;
     sweep-eagle)
       run_step sweep-eagle 560 python3 -m specgraph bench recipes/eagle3.yaml "${sweep[@]}" --baselines ar \
         --json "$OUT/files/llama-3-8b-eagle3-sweep.json" ;;
