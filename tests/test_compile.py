@@ -4,6 +4,7 @@ verifier's work around the target's forward) decode exactly the eager tokens."""
 from conftest import EMBEDDED
 from helpers import Cycling, two_stage
 
+from specgraph.passes import plan
 from specgraph.program import Program
 
 
@@ -12,8 +13,6 @@ def test_compiled_and_eager_programs_give_identical_greedy_tokens():
     program, and one whose KV pool has another size recompiles it; its kernels that write the cache
     (rotary + cache write, in Triton: the interpreter here) must still write each layer's slice
     (they wrote every layer's into layer 0's when the pool's size was left symbolic: GPU runs 99-100)."""
-    from specgraph.passes import plan
-
     def program(lowering: dict, tree: dict = {"shape": "chain", "length": 3}, eager: tuple[str, ...] = (),
                 **fields) -> Program:
         graph = plan(two_stage(EMBEDDED / "target", EMBEDDED / "draft", tree, max_new_tokens=24, lowering=lowering,
@@ -89,8 +88,6 @@ def test_a_compiled_engine_compiles_nothing_while_serving():
     stays where the build left it. (Compiles while serving cost a real model's shape tens of seconds
     each, inside timed runs: GPU runs 103-107, 111; a compile a batch size would fail this too.)"""
     from torch._dynamo.utils import counters
-
-    from specgraph.passes import plan
 
     recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "chain", "length": 3}, max_new_tokens=6,
                        lowering={"compile": True}, serving={"max_batch": 4, "speculation": "adaptive"})
