@@ -87,6 +87,22 @@ step() {
     seeded)  # what the sampling rule's keyed noise costs a verification against the greedy rule (issue 54)
       run_step seeded 240 python3 scripts/bench_seeded.py
       run_step seeded-top-p 240 python3 scripts/bench_seeded.py --top-p 0.95 ;;
+    train-head)  # issue 55: the head's main run (its heads at 500, 1000 and 3000 steps), then the ablations at 500 steps
+      # (training-time-test depth 1, 3, 7 beside the main run's 5; corpus text beside the target's), from .cache/e55/
+      # (gen.jsonl and corpus.jsonl: docs/eagle.md says how they were made); the heads come back without their state
+      local data=.cache/e55 heads=$OUT/files/heads
+      for archive in $data/*.xz; do [ -f "${archive%.xz}" ] || xz -dk "$archive"; done  # (carried compressed)
+      local train=(python3 -m specgraph train-draft recipes/models/target --batch 32 --seq-len 256 --draft-vocab 2048
+        --intermediate-size 512 --device "${TRAIN_DEVICE:-cuda}" --lr 1e-3 --dtype bfloat16 --decay-steps 3000 --threads 4)
+      for steps in 500 1000 3000; do
+        run_step "main-$steps" 200 "${train[@]}" --data $data/gen.jsonl --ttt 5 --steps $steps -o /tmp/main
+        mkdir -p "$heads/main-$steps" && cp /tmp/main/*.json /tmp/main/*.safetensors "$heads/main-$steps/"
+      done
+      for ttt in 1 3 7; do
+        run_step "ttt-$ttt" 120 "${train[@]}" --data $data/gen.jsonl --ttt $ttt --steps 500 -o "$heads/ttt-$ttt"
+      done
+      run_step corpus 120 "${train[@]}" --data $data/corpus.jsonl --ttt 5 --steps 500 -o "$heads/corpus-5"
+      rm -rf "$heads"/*/training ;;
     sweep-eagle)
       run_step sweep-eagle 560 python3 -m specgraph bench recipes/eagle3.yaml "${sweep[@]}" --baselines ar \
         --json "$OUT/files/llama-3-8b-eagle3-sweep.json" ;;

@@ -21,6 +21,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def encode_all(self, texts: list[str]) -> list[list[int]]:
+        """encode of each text, in one batched call (the fast tokenizer's threads)."""
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 

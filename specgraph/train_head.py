@@ -190,7 +190,7 @@ class Trainer:
         if len(layers) != 3 or not all(0 <= i < target.shape.num_layers for i in layers):
             raise SpecgraphError(f"--layers: three layers of the target's {target.shape.num_layers} (0.."
                                  f"{target.shape.num_layers - 1}) (got {','.join(map(str, layers))})")
-        stream = [t for text in read_texts(spec.data) for t in Tokenizer(spec.target).encode(text)]
+        stream = [t for ids in Tokenizer(spec.target).encode_all(read_texts(spec.data)) for t in ids]
         if len(stream) <= spec.seq_len:
             raise SpecgraphError(f"--data: {spec.data} holds {len(stream)} tokens; training windows need more than "
                                  f"{spec.seq_len}")
