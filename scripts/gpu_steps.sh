@@ -47,6 +47,9 @@ step() {
     gputests)  # each test's result as it ends (-v: a call cut at its limit still says which passed)
       run_step gpu-tests 540 python3 -m pytest -v -o addopts= -p no:cacheprovider -rfE --durations=15 tests/test_gpu.py \
         ${GPU_TESTS:+-k "$GPU_TESTS"} ;;
+    quant-hang)  # the quantized row-invariant test that ran past every limit (run 114): every thread's stack at 150 s
+      run_step quant-hang 240 python3 -m pytest -v -o addopts= -p no:cacheprovider -o faulthandler_timeout=150 \
+        tests/test_gpu.py -k row_invariant_speculation_over_a_quantized ;;
     profile8b)  # traces of steady steps at the Llama-3-8B shape (run 102: the build alone took over 240 s)
       run_step profile-8b 450 python3 scripts/profile_engine.py recipes/dynamic.yaml --systems ar,specgraph \
         --batches 1,8 --widen llama-3-8b --out "$OUT/files" ;;
