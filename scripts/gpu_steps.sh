@@ -92,7 +92,9 @@ step() {
       run_step seeded-top-p 240 python3 scripts/bench_seeded.py --top-p 0.95 ;;
     train-head)  # issue 55: the head's main run (its heads at 500, 1000 and 3000 steps), then the ablations at 500 steps
       # (training-time-test depth 1, 3, 7 beside the main run's 5; corpus text beside the target's), from .cache/e55/
-      # (gen.jsonl and corpus.jsonl: docs/eagle.md says how they were made); the heads come back without their state
+      # (gen.jsonl and corpus.jsonl: docs/eagle.md says how they were made); the heads come back without their state,
+      # but a call brings back at most 8 files and a files.tar of 7 heads (35 MB) was too large (run 115): copy a few
+      # heads at a time into $OUT in the calls after, while the machine is warm (runs 116-117 did so)
       local data=.cache/e55 heads=$OUT/files/heads
       for archive in $data/*.xz; do [ -f "${archive%.xz}" ] || xz -dk "$archive"; done  # (carried compressed)
       local train=(python3 -m specgraph train-draft recipes/models/target --batch 32 --seq-len 256 --draft-vocab 2048
