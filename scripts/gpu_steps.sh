@@ -99,6 +99,7 @@ step() {
       for archive in $data/*.xz; do [ -f "${archive%.xz}" ] || xz -dk "$archive"; done  # (carried compressed)
       local train=(python3 -m specgraph train-draft recipes/models/target --batch 32 --seq-len 256 --draft-vocab 2048
         --intermediate-size 512 --device "${TRAIN_DEVICE:-cuda}" --lr 1e-3 --dtype bfloat16 --decay-steps 3000 --threads 4)
+      rm -rf /tmp/main  # (a warm machine's earlier run would be resumed past 500: each step's head must be its own)
       for steps in 500 1000 3000; do
         run_step "main-$steps" 200 "${train[@]}" --data $data/gen.jsonl --ttt 5 --steps $steps -o /tmp/main
         mkdir -p "$heads/main-$steps" && cp /tmp/main/*.json /tmp/main/*.safetensors "$heads/main-$steps/"
