@@ -128,12 +128,13 @@ def main(argv: list[str] | None = None) -> int:
             if value is not None and value < 1:
                 raise SpecgraphError(f"{flag}: must be at least 1 (got {value})")
         check_target(args.target, None)
-        train, val = cut(read_texts(args.data), Tokenizer(args.target), args.prompt_tokens, args.cuts)
+        tokenizer = Tokenizer(args.target)
+        train, val = cut(read_texts(args.data), tokenizer, args.prompt_tokens, args.cuts)
         train = train[: args.prompts]
         if not train:
             raise SpecgraphError(f"--data: {args.data} holds no text of {2 * args.prompt_tokens} tokens or more "
                                  "outside the validation split")
-        args.val.write_text("".join(json.dumps({"id": f"val{n:04d}", "prompt": Tokenizer(args.target).decode(ids)})
+        args.val.write_text("".join(json.dumps({"id": f"val{n:04d}", "prompt": tokenizer.decode(ids)})
                                     + "\n" for n, ids in enumerate(val)))
         print(f"{len(train)} training prompts, {len(val)} validation prompts (written to {args.val})")
         written = generate(args.target, train, args.output, args.new_tokens, temperatures, args.batch, args.seed,
