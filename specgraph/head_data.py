@@ -41,8 +41,7 @@ def cut(texts: list[str], tokenizer: Tokenizer, prompt_tokens: int, cuts: int
         ) -> tuple[list[list[int]], list[list[int]]]:
     """The training prompts (token ids) and the validation prompts, in the texts' order."""
     train, val = [], []
-    for text in texts:
-        ids = tokenizer.encode(text)
+    for text, ids in zip(texts, tokenizer.encode_all(texts)):
         if len(ids) < 2 * prompt_tokens:
             continue
         if is_validation(text):
