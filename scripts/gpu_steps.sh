@@ -20,6 +20,15 @@ source scripts/gpu_setup.sh
 export OUT
 prompts=.fixtures/prompts_code.jsonl
 batches=${BATCHES:-1,2,4,8,16,32,64}
+# (a failed lowering's message without its arguments' IR, whose formatting took minutes in runs 114 and 117)
+short_lowering_errors='import torch._inductor.exc as exc
+def brief(arg):
+    try:
+        return "%s%s" % (type(arg).__name__, list(arg.get_size()))
+    except Exception:
+        return type(arg).__name__
+exc.OperatorIssue.operator_str = staticmethod(lambda target, args, kwargs: "  target: %s, args: %s" % (
+    target, [brief(arg) for arg in args]))'
 sweep=(--prompts "$prompts" --max-new-tokens 128 --widen llama-3-8b --batch "$batches")
 
 run_step() {  # NAME LIMIT COMMAND...
@@ -47,9 +56,15 @@ step() {
     gputests)  # each test's result as it ends (-v: a call cut at its limit still says which passed)
       run_step gpu-tests 540 python3 -m pytest -v -o addopts= -p no:cacheprovider -rfE --durations=15 tests/test_gpu.py \
         ${GPU_TESTS:+-k "$GPU_TESTS"} ;;
-    quant-hang)  # the quantized row-invariant test that ran past every limit (run 114): every thread's stack at 150 s
-      run_step quant-hang 240 python3 -m pytest -v -o addopts= -p no:cacheprovider -o faulthandler_timeout=150 \
-        tests/test_gpu.py -k row_invariant_speculation_over_a_quantized ;;
+    hybrid)  # the hybrid fixture's GPU tests (carry [".cache/hybrid"]: the fixture, prompts and wheels, gpu_setup.sh)
+      run_step hybrid-tests 330 python3 -m pytest -v -o addopts= -p no:cacheprovider -rfE --durations=10 tests/test_gpu.py \
+        -k "hybrid or gated_delta" ;;
+    quant-hang)  # the quantized row-invariant test that ran past every limit (runs 114, 117: Inductor formats a failed
+      # lowering's nested IR for minutes): its operator and error named without the IR, every stack at 200 s
+      run_step quant-hang 240 python3 -c "$short_lowering_errors"'
+import sys, pytest
+sys.exit(pytest.main(["-v", "-o", "addopts=", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=200",
+                      "tests/test_gpu.py", "-k", "row_invariant_speculation_over_a_quantized"]))' ;;
     profile8b)  # traces of steady steps at the Llama-3-8B shape (run 102: the build alone took over 240 s)
       run_step profile-8b 450 python3 scripts/profile_engine.py recipes/dynamic.yaml --systems ar,specgraph \
         --batches 1,8 --widen llama-3-8b --out "$OUT/files" ;;
