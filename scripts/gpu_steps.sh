@@ -27,8 +27,16 @@ def brief(arg):
         return "%s%s" % (type(arg).__name__, list(arg.get_size()))
     except Exception:
         return type(arg).__name__
-exc.OperatorIssue.operator_str = staticmethod(lambda target, args, kwargs: "  target: %s, args: %s" % (
-    target, [brief(arg) for arg in args]))'
+def operator_str(target, args, kwargs):  # (with the frames that raised it, and where it will be caught: the stack)
+    import sys, traceback
+    frames = [f for f in traceback.extract_stack()[:-2] if "torch" in f.filename or "specgraph" in f.filename]
+    error = sys.exc_info()[1]  # (the lowering error: LoweringException is made in its except block)
+    print("lowering failed: %s %s: %s: %.300s" % (target, [brief(arg) for arg in args], type(error).__name__, error),
+          file=sys.stderr)
+    print("".join(traceback.format_tb(error.__traceback__)[-6:]) if error else "", file=sys.stderr)
+    print("".join(traceback.format_list(frames[-30:])), file=sys.stderr)
+    return "  target: %s, args: %s" % (target, [brief(arg) for arg in args])
+exc.OperatorIssue.operator_str = staticmethod(operator_str)'
 sweep=(--prompts "$prompts" --max-new-tokens 128 --widen llama-3-8b --batch "$batches")
 
 run_step() {  # NAME LIMIT COMMAND...
