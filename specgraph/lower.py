@@ -16,7 +16,7 @@ from torch import nn
 from specgraph.models.widen import draft_shape_for, widen, widened_shape
 from specgraph.draft import Drafter
 from specgraph.engine.budget import Budget, batch_sizes
-from specgraph.engine.calibrate import budget_table, prompt_shapes, step_costs, step_shapes, warm_up
+from specgraph.engine.calibrate import budget_table, prompt_shapes, prompt_token_seconds, step_costs, step_shapes, warm_up
 from specgraph.engine.saved import device_identity, remembered
 from specgraph.engine.engine import Engine
 from specgraph.engine.policy import Policy, StepCosts
@@ -179,7 +179,8 @@ def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None, 
 
         costs = StepCosts(kept("step costs", {"budget": budget and budget.table}, measure))
         timed = [mode for mode in runner.modes if mode.name in costs.table]
-        policy = Policy(timed, costs, budget=budget, timed=not ranks.split(graph.target))
+        per_token = kept("prompt costs", {}, lambda: prompt_token_seconds(runner, serving.prefill_chunk, agree))
+        policy = Policy(timed, costs, budget=budget, timed=not ranks.split(graph.target), prompt_token_seconds=per_token)
     return Engine(runner, target["eos_ids"], recipe.max_seq_len, serving.max_batch, pool, region,
                   serving.prefill_chunk, recipe.sampling, budget, policy)
 

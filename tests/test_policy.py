@@ -318,6 +318,86 @@ def test_a_mode_replaces_the_current_one_only_for_a_clear_gain():
     assert policy.choose([sure]) is deep
 
 
+def test_plain_decoding_replaces_speculation_for_any_gain():
+    """Depth 1 at 19.5 ms accepting (almost) always: 102.6 tokens/s against plain's 100; at 20.5 ms, 97.6:
+    plain decoding takes over though its gain is under the 5% speculation needs (run 113 kept depth 1 at
+    batch 32 below `ar`), and speculation comes back only for 5% (at 19.2 ms, 104: not; at 18 ms, 111: it does)."""
+
+    class Tree:
+        max_depth, nodes = 1, 3
+
+    deep, sure = Mode("depth 1", Tree()), Acceptance(1)
+    for _ in range(1000):
+        sure.observe(1, 1, "tree")
+    policy = Policy([PLAIN, deep], StepCosts({"ar": {1: 0.010}, "depth 1": {1: 0.0195}}))
+    policy.current, policy.batchwide = deep, sure
+    assert policy.choose([sure]) is deep
+    chosen = []
+    for seconds in (0.0205, 0.0192, 0.018):
+        policy.costs.table["depth 1"][1] = seconds
+        chosen.append(policy.choose([sure]).name)
+    assert chosen == ["ar", "ar", "depth 1"]
+
+
+def test_the_drafters_prompt_forwards_are_charged_to_speculation():
+    """By hand: plain at 10 ms a token; depth 1 at 15 ms giving (almost) 2 tokens, 133 tokens/s. A
+    drafter that costs 1.5 ms a prompt token, for a request of 2 prompt tokens per token it may get,
+    adds 3 ms to each token a speculative step gives: 2 / (15 + 6) ms = 95 tokens/s, so plain decoding
+    runs; what the policy expects of a step it runs is the step's own rate (what the engine realises
+    of it), and a speculative shape that could not pay even with every draft accepted is not probed."""
+
+    class Tree:
+        max_depth, nodes = 1, 3
+
+    deep, costs = Mode("depth 1", Tree()), StepCosts({"ar": {1: 0.010}, "depth 1": {1: 0.015}})
+    cheap, dear = Acceptance(1, prompt_per_token=2.0), Acceptance(1, prompt_per_token=2.0)
+    for counts in (cheap, dear):
+        for _ in range(1000):
+            counts.observe(1, 1, "tree")
+    free = Policy([PLAIN, deep], costs, prompt_token_seconds=0.0)
+    free.batchwide = cheap
+    assert free.choose([cheap]) is deep and free.expected == pytest.approx(2 / 0.015, rel=1e-3)
+    charged = Policy([PLAIN, deep], costs, prompt_token_seconds=0.0015)
+    charged.current, charged.batchwide = deep, dear
+    assert charged.rate(deep, [dear]) == pytest.approx(2 / 0.021, rel=1e-3)
+    assert [charged.choose([dear]).name for _ in range(2 * 1024)] == ["ar"] * 2048
+    assert charged.expected == pytest.approx(100.0)
+
+
+def test_a_drafter_whose_prompts_cost_more_than_it_saves_is_not_run(priced, target_reference):
+    """By the ledger: a target forward at 50 ms whatever its rows, the drafter 2 ms a token. Speculation
+    pays in the steps of one or two requests (a depth-4 step of one: ~80 ms for ~3 tokens against 50 ms
+    for 1), but a request of 255 prompt tokens that may get 8 costs the drafter 64 ms a token it gets:
+    calibrated, that charge keeps every step plain (not even a probe); the same engine with the charge
+    set to nothing speculates. Both give the greedy tokens."""
+    program = priced({"draft": (0.0, 2e-3), "target": (0.050, 0.0)},
+                     serving={"max_batch": 5, "block_size": 16, "speculation": "adaptive"})
+    engine = program.executor
+    assert engine.policy.prompt_token_seconds == pytest.approx(2e-3)
+    requests = [{"prompt": ids, "new": 8} for ids, _ in target_reference[:5]]
+    tokens = [new[:8] for _, new in target_reference[:5]]
+    assert [h.generation.output_ids for h in decode_requests(engine, requests)] == tokens
+    assert set(engine.totals.modes) == {"ar"}, engine.totals.modes
+    engine.policy.prompt_token_seconds = 0.0
+    steps = dict(engine.totals.modes)
+    assert [h.generation.output_ids for h in decode_requests(engine, requests)] == tokens
+    assert sum(engine.totals.modes.values()) - sum(steps.values()) > engine.totals.modes["ar"] - steps["ar"], \
+        engine.totals.modes
+
+
+def test_a_head_or_no_drafter_costs_prompts_nothing():
+    """A head is fed the target's features by every prompt forward, whatever the mode; plain decoding
+    has no drafter: neither adds anything to a prompt (calibrate.prompt_token_seconds)."""
+    from specgraph.engine.calibrate import prompt_token_seconds
+
+    class Runner:
+        drafter, features = None, None
+
+    assert prompt_token_seconds(Runner(), 64) == 0.0
+    Runner.drafter, Runner.features = object(), object()
+    assert prompt_token_seconds(Runner(), 64) == 0.0
+
+
 def test_speculation_whose_budget_verifies_no_node_is_no_candidate():
     """By hand: a budget of 3 nodes for one request and none for two. A depth-1 step costing a thousandth
     of a plain one wins alone; with two requests it would verify nothing, so plain decoding runs."""

@@ -1,7 +1,7 @@
 """The engine's build before any request runs: every shape its steps and prompt forwards can meet
 run until it is compiled and captured (`warm_up`, so that none is built while serving), and its
-own steps timed: the step costs a policy weighs (policy.py) and the batch-wide budget's table
-(budget.py).
+own steps timed: the step costs a policy weighs (policy.py), with what a prompt token costs the
+drafter, and the batch-wide budget's table (budget.py).
 
 A step of c requests is timed on the runner's first c request slots, which borrow blocks of the
 pool and claim `context` committed tokens each (the K/V they read is garbage: a step's cost does
@@ -161,6 +161,33 @@ def step_costs(runner: Runner, modes: list[Mode], sizes: list[int], budget, cont
         log.debug("a step of %s: %s ms at batch sizes %s", mode.name,
                  ", ".join(f"{1e3 * s:.2f}" for s in costs[mode.name].values()), sizes)
     return {mode.name: costs[mode.name] for mode in modes if mode.name in costs}
+
+
+def prompt_token_seconds(runner: Runner, chunk: int, agree: Agree = same) -> float:
+    """Seconds a prompt token costs the drafter: its forward over one prompt chunk of the engine's
+    share of `chunk` tokens (as a speculating engine's prompt forwards and `sync_drafter` feed it; a
+    captured bucket where steps are captured), the fastest of TIMINGS, per token. What speculation
+    adds to each prompt and plain decoding does not; 0 for a head (fed the target's features in every
+    mode) or no drafter."""
+    if runner.drafter is None or runner.features is not None:
+        return 0.0
+    tokens = min(chunk, *(stage.max_step_tokens for stage in runner.stages))
+    best = float("inf")
+    with borrowed(runner, 1, 0), torch.inference_mode():
+        length = runner.host_lengths[0]
+        runner.host_lengths[0] = tokens + CATCH_UP  # (the drafter is fed all but the last CATCH_UP)
+        for attempt in range(WARMUP + TIMINGS):
+            runner.drafted[0] = 0
+            clock = runner.clock(runner.device)
+            clock.mark()
+            runner.sync_drafter([0], tokens)
+            clock.mark()
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+            if attempt >= WARMUP:
+                best = min(best, clock.seconds()[0])
+        runner.host_lengths[0], runner.drafted[0] = length, 0
+    return agree((best / tokens,))[0]
 
 
 def budget_table(runner: Runner, mode: Mode, sizes: list[int], epsilon: float, context: int,

@@ -160,7 +160,7 @@ class Engine:
             self.runner.start(request.slot, request.blocks, request.prompt, request.sampling, end, request.stops,
                               request.min_tokens)
             if self.policy is not None:
-                request.acceptance = Acceptance(self.policy.depth)
+                request.acceptance = Acceptance(self.policy.depth, len(request.prompt) / request.output.budget)
         prefilled = self._prefill()
         previous, self._in_flight = self._in_flight, None
         if prefilled and previous is not None:  # (its collection comes after that prompt forward: on a CPU, behind it)

@@ -1,11 +1,16 @@
 """Which mode a step runs: plain decoding or speculation at one of the recipe's tree depths, the
 one expected to give the batch it runs the most output tokens per second:
 
-    rate(m) = sum over the batch's requests r of E_r[tokens per step | m] / T(m, n)
+    rate(m) = sum_r E_r[tokens per step | m] / (T(m, n) + c sum_r E_r[tokens per step | m] L_r / N_r)
 
-T(m, n) is the time of a real step in mode m of n rows (the batch and its padding rows where steps
-are captured: runner.step_rows; `StepCosts`: measured when the engine starts, then each step's own
-time). E_r comes from per-depth acceptance rates: p_k, the chance a step accepts a draft at depth k
+over the batch's requests r. T(m, n) is the time of a real step in mode m of n rows (the batch and
+its padding rows where steps are captured: runner.step_rows; `StepCosts`: measured when the engine
+starts, then each step's own time). The second term is what speculation adds to prompt forwards: a
+drafter is fed each request's L_r prompt tokens (at c seconds a token, calibrate.py) only while the
+engine speculates, a cost spread over the N_r tokens the request may get (a head is fed the
+target's features in every mode: c = 0). Without it a policy at a large batch, where speculation
+only about breaks even in its steps, speculated and lost to the drafter's prompts (run 113: 0.94x
+`ar` at batch 32). E_r comes from per-depth acceptance rates: p_k, the chance a step accepts a draft at depth k
 once it accepted one at depth k - 1, so a tree cut at depth d gives E = 1 + sum_{k <= d} p_1 ... p_k.
 Rates are kept per shape (`Mode.shape`): a chain, one node a depth, accepts less at each depth than
 a tree of several children a node, and run 113 (one H100, the EAGLE-3 head at batch 1) priced its
@@ -17,7 +22,9 @@ has seen nothing of the deeper depths, and a pessimistic guess there would keep 
 (the depths a drafter gets right tend to follow one another). Plain decoding gives 1 token at its
 own cost and is always a candidate, so no step is expected to be slower than plain decoding.
 
-Modes switch only for a gain above `HYSTERESIS`. Nothing is learned of a shape that does not run:
+Speculation replaces the current mode only for a gain above `HYSTERESIS` (a switch from plain
+decoding first feeds the drafter what it missed); plain decoding replaces speculation for any gain
+(run 113 kept depth 1 at batch 32 while it was within 5% of `ar`, below it). Nothing is learned of a shape that does not run:
 every `PROBE` steps of one mode (doubling each time the probe does not win) one step runs the best
 mode of another speculative shape that could win were every draft accepted, so that a drafter (or a
 shape of its trees) whose acceptance was underrated gets its chance, and one that could never pay is
@@ -29,7 +36,7 @@ from __future__ import annotations
 
 from specgraph.engine.runner import Mode
 
-HYSTERESIS = 0.05  # a mode replaces the current one only if its rate is this much higher
+HYSTERESIS = 0.05  # a speculative mode replaces the current one only if its rate is this much higher
 PROBE = 16  # steps of one mode before the first probe of another shape (then doubling, up to PROBE_MOST)
 PROBE_MOST = 1024
 PRIOR = 0.5  # depth 1's acceptance rate before any is seen (a deeper depth's: the rate above it)
@@ -43,8 +50,9 @@ class Acceptance:
     """Per-depth counts of each shape: at depth k, `trials[shape][k]` steps that accepted every draft
     above depth k and could accept one there, `hits[shape][k]` of them that did."""
 
-    def __init__(self, depth: int):
-        self.depth = depth
+    def __init__(self, depth: int, prompt_per_token: float = 0.0):
+        """`prompt_per_token`: the request's prompt tokens over the tokens it may get (L_r / N_r)."""
+        self.depth, self.prompt_per_token = depth, prompt_per_token
         self.trials: dict[str, list[float]] = {}
         self.hits: dict[str, list[float]] = {}
 
@@ -123,12 +131,14 @@ class StepCosts:
 
 
 class Policy:
-    def __init__(self, modes: list[Mode], costs: StepCosts, prior: float = PRIOR, budget=None, timed: bool = True):
+    def __init__(self, modes: list[Mode], costs: StepCosts, prior: float = PRIOR, budget=None, timed: bool = True,
+                 prompt_token_seconds: float = 0.0):
         """`modes`: plain decoding first, then speculation, deepest first; `budget`: the batch-wide
         budget (budget.py) where one bounds the nodes (a mode whose step would verify none is no candidate);
         `timed`: each step's time refines `costs` (not where several ranks take the same decisions:
-        each rank's clock would part them)."""
+        each rank's clock would part them); `prompt_token_seconds`: c, the drafter's time a prompt token."""
         self.modes, self.costs, self.budget, self.timed = modes, costs, budget, timed
+        self.prompt_token_seconds = prompt_token_seconds
         self.depth = max(m.depth for m in modes)
         self.prior = prior
         self.batchwide = Acceptance(self.depth)
@@ -136,17 +146,26 @@ class Policy:
         self.unprobed, self.probe_every = 0, PROBE  # steps of the current mode since it began or was probed away from
         self.expected: float | None = None  # the output tokens per second it expected of the mode it chose last
 
-    def rate(self, mode: Mode, acceptances: list[Acceptance], rows: int | None = None) -> float:
+    def rate(self, mode: Mode, acceptances: list[Acceptance], rows: int | None = None, prompts: bool = True) -> float:
         """Expected output tokens per second of a step in `mode` of requests with these acceptance
-        counts, run as `rows` rows (default: one per request)."""
+        counts, run as `rows` rows (default: one per request), with its share of the drafter's prompt
+        forwards (`prompts`: else the step's alone, what the engine's steps realise)."""
         pooled = self.batchwide.rates(self.prior, PRIOR_WEIGHT)
         shared = self.batchwide.rates(pooled, PRIOR_WEIGHT, mode.shape)
-        tokens = sum(expected_tokens(a.rates(shared, PRIOR_WEIGHT, mode.shape), mode.depth) for a in acceptances)
-        return tokens / max(self.costs.seconds(mode.name, rows or len(acceptances)), 1e-9)
+        tokens = [expected_tokens(a.rates(shared, PRIOR_WEIGHT, mode.shape), mode.depth) for a in acceptances]
+        return self._per_second(mode, tokens, acceptances, rows, prompts)
 
-    def ceiling(self, mode: Mode, requests: int, rows: int) -> float:
-        """The rate of `mode` for `requests` requests in `rows` rows were every draft accepted."""
-        return requests * (1 + mode.depth) / max(self.costs.seconds(mode.name, rows), 1e-9)
+    def ceiling(self, mode: Mode, acceptances: list[Acceptance], rows: int) -> float:
+        """The rate of `mode` for requests with these acceptance counts in `rows` rows were every draft accepted."""
+        return self._per_second(mode, [1.0 + mode.depth] * len(acceptances), acceptances, rows, True)
+
+    def _per_second(self, mode: Mode, tokens: list[float], acceptances: list[Acceptance], rows: int | None,
+                    prompts: bool) -> float:
+        """Tokens per second of a step in `mode` giving each request its `tokens`, run as `rows` rows."""
+        seconds = self.costs.seconds(mode.name, rows or len(acceptances))
+        if prompts and mode.drafter is not None:
+            seconds += self.prompt_token_seconds * sum(t * a.prompt_per_token for t, a in zip(tokens, acceptances))
+        return sum(tokens) / max(seconds, 1e-9)
 
     def candidates(self, size: int) -> list[Mode]:
         """The modes a step of `size` requests may run: plain decoding, and speculation that verifies nodes."""
@@ -161,16 +180,16 @@ class Policy:
         if self.current not in modes:
             self.current = self.modes[0]
         best = max(modes, key=lambda m: rates[m.name])
-        if rates[best.name] > rates[self.current.name] * (1 + HYSTERESIS):
+        if rates[best.name] > rates[self.current.name] * (1 + (HYSTERESIS if best.drafter is not None else 0)):
             self.current, self.unprobed, self.probe_every = best, 0, PROBE
         mode = self.current
         self.unprobed += 1
         hopeful = [m for m in modes if m.drafter is not None and m.shape != mode.shape
-                   and self.ceiling(m, len(acceptances), rows) > rates[mode.name]]
+                   and self.ceiling(m, acceptances, rows) > rates[mode.name]]
         if self.unprobed >= self.probe_every and hopeful:  # a probe of the best other shape that could win
             self.unprobed, self.probe_every = 0, min(2 * self.probe_every, PROBE_MOST)
             mode = max(hopeful, key=lambda m: rates[m.name])
-        self.expected = rates[mode.name]
+        self.expected = self.rate(mode, acceptances, rows, prompts=False)
         return mode
 
     def observe(self, mode: Mode, counts: list[int], acceptances: list[Acceptance], size: int,
