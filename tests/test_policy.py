@@ -350,7 +350,7 @@ def test_the_drafters_prompt_forwards_are_charged_to_speculation():
         max_depth, nodes = 1, 3
 
     deep, costs = Mode("depth 1", Tree()), StepCosts({"ar": {1: 0.010}, "depth 1": {1: 0.015}})
-    cheap, dear = Acceptance(1, prompt_per_token=2.0), Acceptance(1, prompt_per_token=2.0)
+    cheap, dear = Acceptance(1, feeds_per_token=2.0), Acceptance(1, feeds_per_token=2.0)
     for counts in (cheap, dear):
         for _ in range(1000):
             counts.observe(1, 1, "tree")
@@ -362,6 +362,26 @@ def test_the_drafters_prompt_forwards_are_charged_to_speculation():
     assert charged.rate(deep, [dear]) == pytest.approx(2 / 0.021, rel=1e-3)
     assert [charged.choose([dear]).name for _ in range(2 * 1024)] == ["ar"] * 2048
     assert charged.expected == pytest.approx(100.0)
+
+
+def test_speculation_pays_for_what_its_drafter_missed_while_decoding_plainly():
+    """By hand: plain at 10 ms a token, depth 1 at 15 ms giving (almost) 2 tokens (133 tokens/s), a
+    drafter at 0.1 ms a token. Requests whose drafter was fed their prompts (1 prompt token a token
+    they may get) are charged 0.1 ms a token: 2 / 15.2 ms, speculation. Where plain steps left it
+    300 tokens behind with 4 tokens to go, feeding them costs 7.5 ms a token: 2 / 30 ms, plain."""
+
+    class Tree:
+        max_depth, nodes = 1, 3
+
+    deep, sure = Mode("depth 1", Tree()), Acceptance(1)
+    for _ in range(1000):
+        sure.observe(1, 1, "tree")
+    policy = Policy([PLAIN, deep], StepCosts({"ar": {1: 0.010}, "depth 1": {1: 0.015}}), prompt_token_seconds=1e-4)
+    policy.batchwide = sure
+    sure.feeds_per_token = 1.0
+    assert policy.choose([sure]) is deep and policy.rate(deep, [sure]) == pytest.approx(2 / 0.0152, rel=1e-3)
+    sure.feeds_per_token = max(1.0, 300 / 4)
+    assert policy.choose([sure]) is PLAIN
 
 
 def test_a_drafter_whose_prompts_cost_more_than_it_saves_is_not_run(priced, target_reference):

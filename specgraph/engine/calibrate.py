@@ -187,6 +187,7 @@ def prompt_token_seconds(runner: Runner, chunk: int, agree: Agree = same) -> flo
             if attempt >= WARMUP:
                 best = min(best, clock.seconds()[0])
         runner.host_lengths[0], runner.drafted[0] = length, 0
+    log.debug("a prompt token costs the drafter %.2f us (its forward over %d tokens)", 1e6 * best / tokens, tokens)
     return agree((best / tokens,))[0]
 
 

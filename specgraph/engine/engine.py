@@ -160,7 +160,7 @@ class Engine:
             self.runner.start(request.slot, request.blocks, request.prompt, request.sampling, end, request.stops,
                               request.min_tokens)
             if self.policy is not None:
-                request.acceptance = Acceptance(self.policy.depth, len(request.prompt) / request.output.budget)
+                request.acceptance = Acceptance(self.policy.depth)
         prefilled = self._prefill()
         previous, self._in_flight = self._in_flight, None
         if prefilled and previous is not None:  # (its collection comes after that prompt forward: on a CPU, behind it)
@@ -170,6 +170,10 @@ class Engine:
         running = [r for r in self.scheduler.decoding() if r.id not in ending]  # (the step in flight ends those)
         if running:
             rows = self.runner.step_rows(len(running))
+            if self.policy is not None:
+                for request in running:  # (policy.py's f_r)
+                    request.acceptance.feeds_per_token = max(len(request.prompt) / request.output.budget,
+                                                             self.runner.missed(request.slot) / max(request.output.room, 1))
             mode = self.always if self.policy is None else self.policy.choose([r.acceptance for r in running], rows)
             if mode.drafter is not None and self.budget is not None and self.budget(rows, mode.nodes) == 0:
                 mode = self.runner.modes[0]  # (a budget that verifies no node: nothing to draft for)

@@ -1,16 +1,19 @@
 """Which mode a step runs: plain decoding or speculation at one of the recipe's tree depths, the
 one expected to give the batch it runs the most output tokens per second:
 
-    rate(m) = sum_r E_r[tokens per step | m] / (T(m, n) + c sum_r E_r[tokens per step | m] L_r / N_r)
+    rate(m) = sum_r E_r[tokens per step | m] / (T(m, n) + c sum_r E_r[tokens per step | m] f_r)
 
 over the batch's requests r. T(m, n) is the time of a real step in mode m of n rows (the batch and
 its padding rows where steps are captured: runner.step_rows; `StepCosts`: measured when the engine
-starts, then each step's own time). The second term is what speculation adds to prompt forwards: a
-drafter is fed each request's L_r prompt tokens (at c seconds a token, calibrate.py) only while the
-engine speculates, a cost spread over the N_r tokens the request may get (a head is fed the
-target's features in every mode: c = 0). Without it a policy at a large batch, where speculation
-only about breaks even in its steps, speculated and lost to the drafter's prompts (run 113: 0.94x
-`ar` at batch 32). E_r comes from per-depth acceptance rates: p_k, the chance a step accepts a draft at depth k
+starts, then each step's own time). The second term is what the drafter's feeding costs, which
+plain decoding skips (at c seconds a token, calibrate.py; a head is fed the target's features in
+every mode: c = 0): f_r = max(L_r / N_r, B_r / R_r), the request's L_r prompt tokens spread over
+the N_r tokens it may get (a speculating engine feeds the drafter every prompt), or, where the
+drafter missed B_r of its tokens while the engine decoded plainly, those spread over the R_r tokens
+it may still get, whichever is more. Without the first, a policy at batch 32, where speculation
+about breaks even in its steps, speculated and lost to the drafter's prompts (runs 113 and 120:
+0.94x `ar`); without the second, one at batch 64 went back to speculation as the batch drained and
+fed the drafter hundreds of missed tokens a request for a few steps' gain (run 120: 0.88x `ar`). E_r comes from per-depth acceptance rates: p_k, the chance a step accepts a draft at depth k
 once it accepted one at depth k - 1, so a tree cut at depth d gives E = 1 + sum_{k <= d} p_1 ... p_k.
 Rates are kept per shape (`Mode.shape`): a chain, one node a depth, accepts less at each depth than
 a tree of several children a node, and run 113 (one H100, the EAGLE-3 head at batch 1) priced its
@@ -50,9 +53,10 @@ class Acceptance:
     """Per-depth counts of each shape: at depth k, `trials[shape][k]` steps that accepted every draft
     above depth k and could accept one there, `hits[shape][k]` of them that did."""
 
-    def __init__(self, depth: int, prompt_per_token: float = 0.0):
-        """`prompt_per_token`: the request's prompt tokens over the tokens it may get (L_r / N_r)."""
-        self.depth, self.prompt_per_token = depth, prompt_per_token
+    def __init__(self, depth: int, feeds_per_token: float = 0.0):
+        """`feeds_per_token`: f_r, the drafter's tokens to feed for the request per token it gets (the
+        engine keeps it current)."""
+        self.depth, self.feeds_per_token = depth, feeds_per_token
         self.trials: dict[str, list[float]] = {}
         self.hits: dict[str, list[float]] = {}
 
@@ -164,7 +168,7 @@ class Policy:
         """Tokens per second of a step in `mode` giving each request its `tokens`, run as `rows` rows."""
         seconds = self.costs.seconds(mode.name, rows or len(acceptances))
         if prompts and mode.drafter is not None:
-            seconds += self.prompt_token_seconds * sum(t * a.prompt_per_token for t, a in zip(tokens, acceptances))
+            seconds += self.prompt_token_seconds * sum(t * a.feeds_per_token for t, a in zip(tokens, acceptances))
         return sum(tokens) / max(seconds, 1e-9)
 
     def candidates(self, size: int) -> list[Mode]:

@@ -212,6 +212,11 @@ class Runner:
             return []
         return [s for s in slots if self.drafted[s] < self.host_lengths[s] - CATCH_UP]
 
+    def missed(self, slot: int) -> int:
+        """Committed tokens of `slot` its drafter was not fed and its catch-up will not feed (as of
+        the last step collected; 0 for a head or no drafter)."""
+        return max(self.host_lengths[slot] - CATCH_UP - self.drafted[slot], 0) if self.lagging([slot]) else 0
+
     @torch.inference_mode()
     def sync_drafter(self, slots: list[int], chunk: int) -> None:
         """Feed the drafter of each of `slots` the committed tokens it missed, all but the last
