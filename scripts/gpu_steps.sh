@@ -9,7 +9,7 @@
 # $OUT/steps.tsv; what the steps write under $OUT/files/ (reports, traces, summaries) packed into
 # $OUT/files.tar when the steps end, so that a call brings back few files. Each line of a step's output is
 # stamped with the time it was printed. Steps: see `case` below
-# (GPU_TESTS: a pytest -k expression for the step gputests).
+# (GPU_TESTS: a pytest -k expression for the step gputests; BENCH_SET: a --set for the bench steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 deadline=$(( $(date +%s) + $1 - 15 ))
@@ -37,7 +37,7 @@ def operator_str(target, args, kwargs):  # (with the frames that raised it, and 
     print("".join(traceback.format_list(frames[-30:])), file=sys.stderr)
     return "  target: %s, args: %s" % (target, [brief(arg) for arg in args])
 exc.OperatorIssue.operator_str = staticmethod(operator_str)'
-sweep=(--prompts "$prompts" --max-new-tokens 128 --widen llama-3-8b --batch "$batches")
+sweep=(--prompts "$prompts" --max-new-tokens 128 --widen llama-3-8b --batch "$batches" ${BENCH_SET:+--set "$BENCH_SET"})
 
 run_step() {  # NAME LIMIT COMMAND...
   local name=$1 limit=$2 left=$(( deadline - $(date +%s) ))
