@@ -20,7 +20,7 @@ source scripts/gpu_setup.sh
 export OUT
 prompts=.fixtures/prompts_code.jsonl
 batches=${BATCHES:-1,2,4,8,16,32,64}
-# (a failed lowering's message without its arguments' IR, whose formatting took minutes in runs 114 and 117)
+# (quant-hang: a failed lowering's own error and the frames around it printed, its arguments named briefly)
 short_lowering_errors='import torch._inductor.exc as exc
 def brief(arg):
     try:
@@ -36,7 +36,8 @@ def operator_str(target, args, kwargs):  # (with the frames that raised it, and 
     print("".join(traceback.format_tb(error.__traceback__)[-6:]) if error else "", file=sys.stderr)
     print("".join(traceback.format_list(frames[-30:])), file=sys.stderr)
     return "  target: %s, args: %s" % (target, [brief(arg) for arg in args])
-exc.OperatorIssue.operator_str = staticmethod(operator_str)'
+import specgraph.lower  # (whose compile_model installs its own brief message: this one in its place)
+specgraph.lower.brief_lowering_errors = lambda: setattr(exc.OperatorIssue, "operator_str", staticmethod(operator_str))'
 sweep=(--prompts "$prompts" --max-new-tokens 128 --widen llama-3-8b --batch "$batches" ${BENCH_SET:+--set "$BENCH_SET"})
 
 run_step() {  # NAME LIMIT COMMAND...
@@ -67,8 +68,9 @@ step() {
     hybrid)  # the hybrid fixture's GPU tests (carry [".cache/hybrid"]: the fixture, prompts and wheels, gpu_setup.sh)
       run_step hybrid-tests 330 python3 -m pytest -v -o addopts= -p no:cacheprovider -rfE --durations=10 tests/test_gpu.py \
         -k "hybrid or gated_delta" ;;
-    quant-hang)  # the quantized row-invariant test that ran past every limit (runs 114, 117: Inductor formats a failed
-      # lowering's nested IR for minutes): its operator and error named without the IR, every stack at 200 s
+    quant-hang)  # the quantized row-invariant test that ran past every limit (runs 114, 117: Inductor formatted a failed
+      # lowering's nested IR for minutes; lower.brief_lowering_errors now names its arguments briefly): which lowering
+      # fails, its error and the frames around it, every stack at 200 s
       run_step quant-hang 240 python3 -c "$short_lowering_errors"'
 import sys, pytest
 sys.exit(pytest.main(["-v", "-o", "addopts=", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=200",

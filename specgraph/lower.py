@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import torch
 import torch._inductor.config
+import torch._inductor.exc
 from tqdm import tqdm
 from torch import nn
 
@@ -59,13 +60,33 @@ def compile_model(model: nn.Module) -> None:
     baselines, `tune`'s candidates) passes Dynamo's default of 8 entries a function, past which a
     fullgraph compile fails; the limit is raised to RECOMPILE_LIMIT. Inductor's coalescing analysis
     of Triton tilings is turned off: torch 2.11's fails an assertion on the verification step's fused
-    kernels (pytorch/pytorch#197077, `get_pw_red_splits`; GPU run 113), and that is its workaround."""
+    kernels (pytorch/pytorch#197077, `get_pw_red_splits`; GPU run 113), and that is its workaround.
+    A failed lowering's message names its arguments by type and size (`brief_lowering_errors`)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     torch._inductor.config.triton.coalesce_tiling_analysis = False
+    brief_lowering_errors()
     for layer in model.layers:
         layer.compile(dynamic=True, fullgraph=True)
     model.stem = torch.compile(model.stem, dynamic=True, fullgraph=True)
     model.logits = torch.compile(model.logits, dynamic=True, fullgraph=True)
+
+
+def brief_lowering_errors() -> None:
+    """Inductor's LoweringException prints each argument of the operator that failed to lower, and
+    an argument's IR prints every node it was built from: on an H100, compiling the verification
+    work of an int4 target under row_invariant, Inductor raised one (and caught it itself, lowering
+    the operator another way) whose message took minutes to format (GPU runs 114 and 117: the build
+    still formatting it at 240 s; run 118: the same test passed in 65 s with this). The message names
+    each argument by type and size instead."""
+    def operator_str(target, args, kwargs) -> str:
+        def brief(arg) -> str:
+            try:
+                return f"{type(arg).__name__}{list(arg.get_size())}"
+            except Exception:  # noqa: BLE001 - not an IR node with a size: its type says enough
+                return type(arg).__name__
+        return f"  target: {target}, args: {', '.join(brief(arg) for arg in args)}"
+
+    torch._inductor.exc.OperatorIssue.operator_str = staticmethod(operator_str)
 
 
 def _load(name: str, node: dict, ranks: Ranks) -> nn.Module:

@@ -47,6 +47,29 @@ def test_compiled_and_eager_programs_give_identical_greedy_tokens():
         assert after.generate(after.encode(text)).output_ids == expected[text]  # (greedy: the target's own tokens)
 
 
+def test_a_failed_lowering_names_its_arguments_without_printing_their_ir():
+    """Inductor formats a failed lowering's message (which it may catch and lower another way) from its
+    arguments: an IR node's printing, every node it was built from, took minutes on an int4 target's
+    verification work (GPU runs 114, 117); a compiled program's message names them by type and size."""
+    import torch
+    import torch._inductor.exc as exc
+
+    from specgraph.lower import brief_lowering_errors
+
+    class Node:  # (stands for an IR node: printing it is what must not happen)
+        def get_size(self):
+            return [4, 8]
+
+        def __str__(self):
+            raise AssertionError("the node was printed")
+
+        __repr__ = __str__
+
+    brief_lowering_errors()
+    error = exc.LoweringException(ValueError("no lowering"), torch.ops.aten.mm.default, [Node(), 3], {})
+    assert str(error) == "ValueError: no lowering\n  target: aten.mm.default, args: Node[4, 8], int"
+
+
 def test_a_compiled_sampling_program_draws_the_eager_tokens():
     """Seeded sampling keys each token's noise by (seed, position), so a compiled program draws the
     eager program's tokens, seed for seed. (Inductor's code for the rule's work after the target's
