@@ -52,7 +52,7 @@ def test_run_prints_the_completion_of_one_prompt_and_its_summary_apart(tmp_path,
 def test_the_build_s_long_steps_are_shown(monkeypatch, capsys):
     """By default each stage's loading and the policy's timing of steps are shown as they start, a
     line each on standard error, then the summary with the build's seconds; SPECGRAPH_PROGRESS=1 adds
-    each mode's measured times; SPECGRAPH_PROGRESS=0 (as conftest sets for the other tests) silences them."""
+    each mode's measured times and a prompt token's cost to the drafter; SPECGRAPH_PROGRESS=0 (as conftest sets for the other tests) silences them."""
     steps = ["specgraph: loading demo (draft, target)"] + [
         f"specgraph: loading stage {name}: {REPO / 'recipes' / 'models' / name} (float32) on cpu"
         for name in ("draft", "target")] + [
@@ -64,8 +64,10 @@ def test_the_build_s_long_steps_are_shown(monkeypatch, capsys):
     monkeypatch.setenv("SPECGRAPH_PROGRESS", "1")
     assert main(["run", str(DEMO), "--prompt", "import os\n", "--max-new-tokens", "2"]) == 0
     shown = capsys.readouterr().err.splitlines()
-    timed = [re.fullmatch(r"specgraph: a step of (.+): (\d+\.\d\d) ms at batch sizes \[1\]", line) for line in shown[4:-1]]
+    timed = [re.fullmatch(r"specgraph: a step of (.+): (\d+\.\d\d) ms at batch sizes \[1\]", line) for line in shown[4:-2]]
     assert shown[:4] == steps and [m and m[1] for m in timed] == ["ar", "depth 1", "depth 3", "depth 5"]  # (shallowest first)
+    assert re.fullmatch(r"specgraph: a prompt token costs the drafter \d+\.\d\d us \(its forward over \d+ tokens\)",
+                        shown[-2])
     monkeypatch.setenv("SPECGRAPH_PROGRESS", "0")
     assert main(["run", str(DEMO), "--prompt", "import os\n", "--max-new-tokens", "2"]) == 0
     quiet = capsys.readouterr().err.splitlines()
