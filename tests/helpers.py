@@ -66,8 +66,8 @@ class MarkovModel(nn.Module):
     def new_cache(self, blocks: int, block_size: int, requests: int = 1, kernels=None) -> KVCache:
         return KVCache(0, 1, 1, blocks, block_size, torch.float32, "cpu")
 
-    def forward(self, tokens, cache, layout):
-        return self.log_table[tokens]  # [1, T, V]
+    def forward(self, tokens, cache, layout, logits=True):
+        return self.log_table[tokens] if logits else None  # [1, T, V]
 
 
 def markov_engine(target: torch.Tensor, draft: torch.Tensor | None = None, plan=None, rule: str = "greedy",

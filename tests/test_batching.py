@@ -326,3 +326,18 @@ def test_the_engine_is_measured_after_an_untimed_pass_where_newcomers_join_a_run
     result = measure_engine(engine, encoded, 4, 2, lambda: None)
     assert admitted == encoded[:4] + encoded  # untimed: the first 4; timed: all 5
     assert result["outputs"] == [new[:4] for _, new in target_reference[:5]]
+
+
+def test_a_prompt_forward_projects_no_logits(target_reference):
+    """A prompt forward writes the K/V of its tokens and nothing reads its logits: neither the target
+    nor the drafter projects a prompt chunk onto the vocabulary (Stage.feed); the steps do, and the
+    tokens are transformers'."""
+    program = Program.from_recipe(two_stage(EMBEDDED / "target", EMBEDDED / "draft", TREES["static"]))
+    projected = []  # (stage, tokens) of each vocabulary projection
+    for name, stage in program.stages.items():
+        model, project = stage.model, stage.model.logits
+        model.logits = lambda x, delta, name=name, project=project: projected.append((name, x.shape[1])) or project(x, delta)
+    ids, expected = target_reference[0]
+    assert len(ids) > 100 and program.generate(ids, max_new_tokens=8).output_ids == expected[:8]
+    assert {name for name, _ in projected} == {"draft", "target"}
+    assert max(tokens for _, tokens in projected) < 20, projected

@@ -265,9 +265,10 @@ class Runner:
         """`stage`'s forward of the chunks (slots, starts, stops [R]: see `_prompt_chunks`), kept."""
         tokens, layout = self._prompt_chunks(stage, (slots, starts, stops), longest, width, total)
         if stage is self.verifier.stage and self.features is not None:  # (a head drafts from its features)
-            self._prompt_pairs(slots, starts, stops, layout, stage.forward_features(tokens, layout)[1], width, total)
+            self._prompt_pairs(slots, starts, stops, layout, stage.forward_features(tokens, layout, logits=False)[1],
+                               width, total)
         else:
-            stage.forward(tokens, layout)
+            stage.feed(tokens, layout)
         stage.cache.keep(layout.rows, layout.cu.diff())
 
     @staticmethod

@@ -221,10 +221,11 @@ class HybridModel(DecoderModel):
     def __init__(self, shape: HybridShape):
         super().__init__(shape, nn.ModuleList(HybridLayer(shape, kind) for kind in shape.layer_types), shape.rotary_dim)
 
-    def forward(self, tokens: torch.Tensor, cache: HybridCache, layout: Layout) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: HybridCache, layout: Layout, logits: bool = True
+                ) -> torch.Tensor | None:
         """As LlamaModel.forward; each segment's tokens form a tree at region offsets 0, 1, ...
         (parents first: specgraph/layout.py). Leaves the DeltaNet factors in `cache` for its commit.
-        Returns logits [1, T, V] in fp32."""
+        Returns logits [1, T, V] in fp32 (without `logits`, None: no vocabulary projection)."""
         x, delta, cos, sin = self.stem(tokens, layout.positions[None])
         visible = layout.tree()  # [R, G, G]: ancestors or self within each segment
         windows = conv_windows(visible, self.shape.conv_kernel)
@@ -239,7 +240,7 @@ class HybridModel(DecoderModel):
             else:
                 x, delta = layer(x, delta, cos, sin, cache.k[attention], cache.v[attention], layout.slots, attend)
                 attention += 1
-        return self.logits(x, delta)
+        return self.logits(x, delta) if logits else None
 
 
 def is_zero_centred_norm(name: str) -> bool:

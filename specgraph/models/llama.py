@@ -227,13 +227,14 @@ class LlamaModel(DecoderModel):
     def __init__(self, shape: LlamaShape):
         super().__init__(shape, nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers)), shape.head_dim)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, layout: Layout, capture: tuple[int, ...] = ()
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, layout: Layout, capture: tuple[int, ...] = (),
+                logits: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """tokens [1, T], packed as `layout` says (specgraph/layout.py): writes each token's K/V at its
         slot and attends over what the layout shows it. Shapes depend on the layout's sizes only.
         Returns logits [1, T, V] in fp32, V = served_vocab; with `capture` (layer indices), also
         the inputs of those layers (the residual stream), concatenated in that order [1, T, C H]:
-        the features an EAGLE-3 head drafts from (models/eagle.py)."""
+        the features an EAGLE-3 head drafts from (models/eagle.py). Without `logits`, no vocabulary
+        projection: None in the logits' place (a prompt forward wants only the K/V it writes)."""
         x, delta, cos, sin = self.stem(tokens, layout.positions[None])
         attend = layout.attention_inputs(self.shape.num_heads)
         seen = {}
@@ -241,5 +242,5 @@ class LlamaModel(DecoderModel):
             if i in capture:
                 seen[i] = x + delta
             x, delta = layer(x, delta, cos, sin, cache.k[i], cache.v[i], layout.slots, attend)
-        logits = self.logits(x, delta)
-        return (logits, torch.cat([seen[i] for i in capture], dim=-1)) if capture else logits
+        projected = self.logits(x, delta) if logits else None
+        return (projected, torch.cat([seen[i] for i in capture], dim=-1)) if capture else projected

@@ -82,11 +82,18 @@ class Stage:
         key = (layout.tokens, layout.segments, layout.region)
         return self._replays.run(key, run, *inputs).clone()  # (the next replay overwrites it)
 
-    def forward_features(self, tokens: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    def feed(self, tokens: torch.Tensor, layout: Layout) -> None:
+        """`forward` for the K/V (and recurrent state) it writes alone, without the vocabulary
+        projection: a prompt forward, whose logits nobody reads (at a 512-token chunk of a
+        Llama-3-8B shape they were [512, 128256] in fp32, 263 MB, and 0.5 TFLOP of projection)."""
+        self.model(tokens[None], self.cache, layout, logits=False)
+
+    def forward_features(self, tokens: torch.Tensor, layout: Layout, logits: bool = True
+                         ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """`forward`, eager, also returning the inputs of the layers `capture` names [T, C H] (the
-        features a head drafts from: models/eagle.py)."""
-        logits, features = self.model(tokens[None], self.cache, layout, self.capture)
-        return self._aligned(logits[0]), features[0]
+        features a head drafts from: models/eagle.py); without `logits`, None for the logits."""
+        projected, features = self.model(tokens[None], self.cache, layout, self.capture, logits=logits)
+        return None if projected is None else self._aligned(projected[0]), features[0]
 
     def pack(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
              offsets: torch.Tensor, visible: torch.Tensor, width: int, counts: torch.Tensor | None = None,
@@ -147,7 +154,8 @@ class Stage:
 
     def prefill_features(self, tokens: torch.Tensor) -> torch.Tensor:
         """`prefill`, returning the features `capture` names instead of logits [T, C H]."""
-        return torch.cat([self.forward_features(packed, layout)[1] for packed, layout in self._prefill_chunks(tokens)])
+        return torch.cat([self.forward_features(packed, layout, logits=False)[1]
+                          for packed, layout in self._prefill_chunks(tokens)])
 
     def _prefill_chunks(self, tokens: torch.Tensor):
         """Row 0's prefill forwards: (packed chunk, its layout) for each chunk of at most
