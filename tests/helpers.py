@@ -578,7 +578,8 @@ def as_vision_language(hybrid: Path, folder: Path) -> Path:
 
 
 class Ledger:
-    """Simulated time: every forward of a stage adds its price, (seconds a forward, seconds a token), by stage name."""
+    """Simulated time: every forward of a stage (Stage.forward, Stage.feed) adds its price, (seconds a forward,
+    seconds a token), by stage name."""
 
     def __init__(self, prices: dict[str, tuple[float, float]]):
         self.prices, self.total = prices, 0.0

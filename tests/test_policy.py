@@ -25,6 +25,7 @@ def priced(monkeypatch):
     def build(prices: dict[str, tuple[float, float]], **fields) -> Program:
         ledger = Ledger(prices)
         monkeypatch.setattr(Stage, "forward", ledger.charged(Stage.forward))
+        monkeypatch.setattr(Stage, "feed", ledger.charged(Stage.feed))  # (prompt forwards, a drafter's catching up)
         monkeypatch.setattr(runner_module, "Clock", ledger.clock)
         return Program.from_recipe(two_stage(EMBEDDED / "target", EMBEDDED / "draft", DYNAMIC, **fields))
 
