@@ -107,8 +107,11 @@ class ExportedModel:
         cache.max_step_tokens = min(cache.max_step_tokens, self.max_step_tokens)  # the package's T range per request
         return cache
 
-    def __call__(self, tokens, cache: KVCache, layout: Layout) -> torch.Tensor:
-        return self.runner(tokens, *_inputs(layout), cache.tensors())
+    def __call__(self, tokens, cache: KVCache, layout: Layout, logits: bool = True) -> torch.Tensor | None:
+        """The package's forward (traced with its vocabulary projection, which it always runs: a prompt
+        forward's `logits=False` only drops them)."""
+        projected = self.runner(tokens, *_inputs(layout), cache.tensors())
+        return projected if logits else None
 
 
 def _first_difference(old, new, where: str = "") -> str | None:
