@@ -13,7 +13,8 @@ drafter missed B_r of its tokens while the engine decoded plainly, those spread 
 it may still get, whichever is more. Without the first, a policy at batch 32, where speculation
 about breaks even in its steps, speculated and lost to the drafter's prompts (runs 113 and 120:
 0.94x `ar`); without the second, one at batch 64 went back to speculation as the batch drained and
-fed the drafter hundreds of missed tokens a request for a few steps' gain (run 120: 0.88x `ar`). E_r comes from per-depth acceptance rates: p_k, the chance a step accepts a draft at depth k
+fed the drafter hundreds of missed tokens a request for a few steps' gain (run 120: 0.88x `ar`).
+E_r comes from per-depth acceptance rates: p_k, the chance a step accepts a draft at depth k
 once it accepted one at depth k - 1, so a tree cut at depth d gives E = 1 + sum_{k <= d} p_1 ... p_k.
 Rates are kept per shape (`Mode.shape`): a chain, one node a depth, accepts less at each depth than
 a tree of several children a node, and run 113 (one H100, the EAGLE-3 head at batch 1) priced its
@@ -27,7 +28,8 @@ own cost and is always a candidate, so no step is expected to be slower than pla
 
 Speculation replaces the current mode only for a gain above `HYSTERESIS` (a switch from plain
 decoding first feeds the drafter what it missed); plain decoding replaces speculation for any gain
-(run 113 kept depth 1 at batch 32 while it was within 5% of `ar`, below it). Nothing is learned of a shape that does not run:
+(run 113 kept depth 1 at batch 32 while it was within 5% of `ar`, below it). Nothing is learned of
+a shape that does not run:
 every `PROBE` steps of one mode (doubling each time the probe does not win) one step runs the best
 mode of another speculative shape that could win were every draft accepted, so that a drafter (or a
 shape of its trees) whose acceptance was underrated gets its chance, and one that could never pay is

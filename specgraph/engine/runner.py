@@ -208,14 +208,14 @@ class Runner:
     def lagging(self, slots: list[int]) -> list[int]:
         """The slots whose drafter misses committed tokens its catch-up does not feed (exact once
         every launched step is collected; a head, fed the target's features by every step, never does)."""
-        if self.drafter is None or self.features is not None:
-            return []
-        return [s for s in slots if self.drafted[s] < self.host_lengths[s] - CATCH_UP]
+        return [s for s in slots if self.missed(s) > 0]
 
     def missed(self, slot: int) -> int:
         """Committed tokens of `slot` its drafter was not fed and its catch-up will not feed (as of
         the last step collected; 0 for a head or no drafter)."""
-        return max(self.host_lengths[slot] - CATCH_UP - self.drafted[slot], 0) if self.lagging([slot]) else 0
+        if self.drafter is None or self.features is not None:
+            return 0
+        return max(self.host_lengths[slot] - CATCH_UP - self.drafted[slot], 0)
 
     @torch.inference_mode()
     def sync_drafter(self, slots: list[int], chunk: int) -> None:
