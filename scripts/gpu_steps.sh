@@ -9,7 +9,8 @@
 # $OUT/steps.tsv; what the steps write under $OUT/files/ (reports, traces, summaries) packed into
 # $OUT/files.tar when the steps end, so that a call brings back few files. Each line of a step's output is
 # stamped with the time it was printed. Steps: see `case` below
-# (GPU_TESTS: a pytest -k expression for the step gputests; BENCH_SET: a --set for the bench steps).
+# (GPU_TESTS: a pytest -k expression for the step gputests; BENCH_SET: a --set for the bench steps; LIMIT: each
+# step's limit in seconds in place of its own).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 deadline=$(( $(date +%s) + $1 - 15 ))
@@ -40,8 +41,8 @@ import specgraph.lower  # (whose compile_model installs its own brief message: t
 specgraph.lower.brief_lowering_errors = lambda: setattr(exc.OperatorIssue, "operator_str", staticmethod(operator_str))'
 sweep=(--prompts "$prompts" --max-new-tokens 128 --widen llama-3-8b --batch "$batches" ${BENCH_SET:+--set "$BENCH_SET"})
 
-run_step() {  # NAME LIMIT COMMAND...
-  local name=$1 limit=$2 left=$(( deadline - $(date +%s) ))
+run_step() {  # NAME LIMIT COMMAND... (LIMIT in the environment: every step's limit, for a call that runs two sets)
+  local name=$1 limit=${LIMIT:-$2} left=$(( deadline - $(date +%s) ))
   shift 2
   if [ "$left" -lt "$limit" ]; then
     printf '%s\tskipped (%s s left, needs %s)\n' "$name" "$left" "$limit" | tee -a "$OUT/steps.tsv"

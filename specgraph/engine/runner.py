@@ -421,21 +421,25 @@ class Runner:
             packed = None if budget is None else rows.numel() + min(budget, rows.numel() * drafter.nodes)
             draft = Draft.from_tensors(drafted, drafter.max_depth, packed)
         tree = self._roots(requests) if draft is None else draft.tree
-        result = self._settle(tree, drafter, draft, requests, sampling, draws, longest)
+        verifier = self.verifier
+        width = verifier.stage.width(longest, tree.size)
+        if self.features is None:
+            (logits, layout), features = verifier.score(tree, requests.rows, requests.lengths, width), None
+        else:
+            logits, features, layout = verifier.score_features(tree, requests.rows, requests.lengths, width)
+        result = self._settle(tree, logits, features, layout, drafter, draft, requests, sampling, draws)
         self.draws.counters.index_copy_(0, rows, draws.counters)
         self.lengths[self.padding].fill_(CATCH_UP)  # (the padding row's tokens stay where its next step needs them)
         return result
 
-    def _settle(self, tree: Tree, drafter: Drafter | None, draft: Draft | None, requests: Requests,
-                sampling: SamplingRows, draws: Draws, longest: int) -> torch.Tensor:
-        """The target's forward of the trees and what follows it: verdicts, both caches' commits and
-        the append -> [R, D + 2]: each request's count of new tokens, then the new tokens (padded)."""
+    def _settle(self, tree: Tree, logits: torch.Tensor, features: torch.Tensor | None, layout: Layout,
+                drafter: Drafter | None, draft: Draft | None, requests: Requests, sampling: SamplingRows,
+                draws: Draws) -> torch.Tensor:
+        """What follows the target's forward of the trees (logits [T, V], a head's features [T, C H]
+        or None): verdicts, both caches' commits and the append -> [R, D + 2]: each request's count
+        of new tokens, then the new tokens (padded). (Compiled apart from the forward, whose layers
+        are compiled each: a region around both would recompile the whole target per step shape.)"""
         verifier = self.verifier
-        width = verifier.stage.width(longest, tree.size)
-        if self.features is None:
-            logits, layout = verifier.score(tree, requests.rows, requests.lengths, width)
-        else:
-            logits, features, layout = verifier.score_features(tree, requests.rows, requests.lengths, width)
         verdict = verifier.verdict(tree, logits, layout, sampling, draws if verifier.draws else None)
         counts, new = verdict.accepted(tree)
         if self.features is not None and draft is None:  # a plain step's pair, after those not fed yet
