@@ -67,11 +67,14 @@ def sum_splits(part, bias, out, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.conste
     tl.store(out + o, acc.to(out.dtype.element_ty), mask=m)
 
 
-def tiling(n: int, k: int, itemsize: int = 2) -> tuple[int, int, int]:
+def tiling(n: int, k: int, itemsize: int = 2, interpreted: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, K splits) for an [n, k] weight of `itemsize`-byte elements: a function of
-    the weight alone, never of the row count (512-byte rows of K per tile, within shared memory). K is split where the outputs alone give fewer than ~384 programs (H200: 96 and
-    64 blocks of outputs ran fastest split 4 ways, 448 and more unsplit: scripts/bench_invariant.py)."""
-    block_n, block_k = 64, 512 // itemsize
+    the weight (and device) alone, never of the row count (512-byte rows of K per tile, within shared
+    memory). K is split where the outputs alone give fewer than ~384 programs (H200: 96 and 64
+    blocks of outputs ran fastest split 4 ways, 448 and more unsplit: scripts/bench_invariant.py).
+    `interpreted`: the CPU's interpreter, which runs programs one by one in Python: tiles 4x as wide
+    (the projections of a test program on the fixture models ran 2.5x faster)."""
+    block_n, block_k = 256 if interpreted else 64, 512 // itemsize
     splits = max(1, min(4, 384 // triton.cdiv(n, block_n), k // (2 * block_k)))
     return block_n, block_k, splits
 
@@ -83,7 +86,7 @@ def project_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     n, k = weight.shape
     if weight.stride() != (k, 1):
         raise ValueError("the row-invariant projection needs a contiguous [N, K] weight")
-    tiles = tiles or tiling(n, k, weight.element_size())
+    tiles = tiles or tiling(n, k, weight.element_size(), interpreted=not weight.is_cuda)
     block_n, block_k, _ = tiles
 
     def tile(grid, x2, m, chunk, block_m, part, bias, fused_bias, pdl):
