@@ -1,4 +1,4 @@
-"""The quantized projection at the Llama-3-8B layer shapes on a GPU, in one run: for 1, 4, 16 and 64 rows,
+"""The quantized projection at the Llama-3-8B layer shapes on a GPU, in one run: for 1 to 64 rows,
 microseconds per call of our int4 kernel (groups of 128; `qlinear`, specgraph/kernels/qlinear/triton.py), our fp8
 kernel, the bf16 path (`linear`: our one-token kernel, tiles to 16 rows, cuBLAS above) and tinygemm
 (`torch.ops.aten._weight_int4pack_mm`, groups of 128, the kernel gpt-fast and torchao use), each timed over
@@ -16,7 +16,7 @@ from specgraph.models.widen import SHAPES as WIDE
 from specgraph.quant.quantize import quantize_linear
 
 SHAPES = {name: nk for name, nk in WIDE["llama-3-8b"][0].projections().items() if name != "lm_head"}
-ROWS = (1, 4, 16, 64)
+ROWS = (1, 2, 4, 8, 16, 32, 64)
 L2_BYTES = 256 << 20  # cycle through at least this many bytes of weights
 
 device = torch.device("cuda")

@@ -90,7 +90,13 @@ sys.exit(pytest.main(["-v", "-o", "addopts=", "-p", "no:cacheprovider", "-o", "f
         --json "$OUT/files/llama-3-8b-policy.json" ;;
     profile-policy)  # traces of the policy's steady steps (its build times its modes first), batch 8 then 1
       run_step profile-policy 420 python3 scripts/profile_engine.py recipes/dynamic.yaml --systems specgraph \
-        --batches 8,1 --widen llama-3-8b --out "$OUT/files" ;;
+        --batches "${BATCHES:-8,1}" --widen llama-3-8b --out "$OUT/files" ;;
+    qlinear)  # the quantized projections (int4, fp8) against bf16 and tinygemm at the 8B shapes, 1-64 rows
+      run_step qlinear 150 python3 scripts/bench_qlinear.py ;;
+    quant)  # the policy recipe and ar with quantized weights (SCHEME: w4a16, w8a16 or fp8), batch 1 and 8 by default
+      run_step "quant-${SCHEME:-w4a16}" 420 python3 -m specgraph bench recipes/dynamic.yaml --prompts "$prompts" \
+        --max-new-tokens 128 --widen "llama-3-8b:${SCHEME:-w4a16}" --batch "${BATCHES:-1,8}" --baselines ar \
+        --json "$OUT/files/llama-3-8b-${SCHEME:-w4a16}-policy-ar.json" ;;
     few-rows)  # the tiles against cuBLAS from 2 to 64 rows: where FEW_ROWS should be
       run_step few-rows 150 python3 scripts/bench_few_rows.py --json "$OUT/files/few-rows.json" ;;
     sweep-dynamic)  # the policy (adaptive) against every step speculating, ar and transformers, every batch size
