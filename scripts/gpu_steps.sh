@@ -97,6 +97,9 @@ sys.exit(pytest.main(["-v", "-o", "addopts=", "-p", "no:cacheprovider", "-o", "f
       run_step "quant-${SCHEME:-w4a16}" 420 python3 -m specgraph bench recipes/dynamic.yaml --prompts "$prompts" \
         --max-new-tokens 128 --widen "llama-3-8b:${SCHEME:-w4a16}" --batch "${BATCHES:-1,8}" --baselines ar \
         --json "$OUT/files/llama-3-8b-${SCHEME:-w4a16}-policy-ar.json" ;;
+    profile-prompt)  # traces of the drafter's prompt forward at a 512- and a 2,048-token chunk (scripts/profile_prompt.py)
+      run_step profile-prompt 240 python3 scripts/profile_prompt.py recipes/dynamic.yaml --chunks 512,2048 \
+        --widen llama-3-8b --out "$OUT/files" ;;
     few-rows)  # the tiles against cuBLAS from 2 to 64 rows: where FEW_ROWS should be
       run_step few-rows 150 python3 scripts/bench_few_rows.py --json "$OUT/files/few-rows.json" ;;
     sweep-dynamic)  # the policy (adaptive) against every step speculating, ar and transformers, every batch size
