@@ -135,6 +135,17 @@ def _merge(part_o, part_m, part_l, o, i_kv, tok, g, m_rows, T, s_oh, s_ot,
     tl.store(p_o, out.to(o.dtype.element_ty), mask=m_rows[:, None] & m_d[None, :])
 
 
+def split_count(programs: int, width: int, device: torch.device) -> int:
+    """Splits of each row block's virtual slots, for a grid of `programs` row blocks: one per 256 of the
+    `width` slots a segment may see, at most 16, and on a GPU no more than bring the grid to about four
+    programs a multiprocessor (a decode step's few row blocks need splits; a prompt chunk's many fill the
+    GPU alone, and each split writes partials of its rows that the merge reads back)."""
+    most = max(1, min(16, width // 256))  # (width bounds the slots read, which are fewer: up to the last one seen)
+    if device.type != "cuda":
+        return most
+    return max(1, min(most, -(-4 * torch.cuda.get_device_properties(device).multi_processor_count // programs)))
+
+
 @torch.library.custom_op("specgraph::attention", mutates_args=())
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
               cu: torch.Tensor, starts: torch.Tensor, visible: torch.Tensor, grid: torch.Tensor, tickets: torch.Tensor,
@@ -154,14 +165,14 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
     group = h // h_kv
     segments = rows.numel()
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(group * g)))
-    splits = max(1, min(16, width // 256))  # (width bounds the slots read, which are fewer: up to the last one seen)
+    row_blocks = triton.cdiv(group * g, block_m)
+    splits = split_count(segments * h_kv * row_blocks, width, q.device)
     part_o = torch.empty(h_kv * splits * t * group, d, dtype=torch.float32, device=q.device)
     part_m = torch.empty(h_kv * splits * t * group, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     out = token_major_like(q)
     if padded:  # padding tokens: 0 (no program writes them)
         out.zero_()
-    row_blocks = triton.cdiv(group * g, block_m)
     assert tickets.numel() >= segments * h_kv * row_blocks, "tickets: Layout.attention_inputs(heads) sizes them"
     _step_attention[(segments * h_kv, row_blocks, splits)](
         q, k_cache, v_cache, table, rows, cu, starts, visible.view(torch.uint8), part_o, part_m, part_l, tickets,
