@@ -3,14 +3,25 @@
   python3 scripts/trace_summary.py TRACE.json[.gz] STEPS
 
 Over the span from the first to the last GPU kernel or copy: the time some kernel ran (intervals merged), the
-idle rest, the idle gaps longer than 20 us, kernels per step, and the ten costliest kernels by total time; and the
-host's mean `engine_step` time. Read on the CPU from a trace brought back from the GPU."""
+idle rest, the idle gaps longer than 20 us, kernels per step, the ten costliest kernels by total time, and the
+time of each class of kernel (projections, attention, norms, ...: `CLASSES`); and the host's mean `engine_step`
+time. (Kernels launched dependently (kernels/pdl.py) start while the one before drains and wait inside: profile
+with SPECGRAPH_PDL=0 for each kernel's own time.) Read on the CPU from a trace brought back from the GPU."""
 import gzip
 import json
+import re
 import sys
 from collections import defaultdict
 
 GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+CLASSES = (  # (class, kernel-name pattern): the first that matches names a kernel's class
+    ("projection", r"gemv|_project|sum_splits|qlinear|nvjet|gemm|cutlass|sm90_xmma|splitK"),
+    ("attention", r"attention|flash|_walk|gated_delta|_decode"),
+    ("norm", r"rmsnorm|norm"),
+    ("rope and cache write", r"rope"),
+    ("sampling and acceptance", r"accept|gumbel|argmax|topk|sort|softmax|verdict"),
+    ("copies", r"memcpy|memset|copy"),
+)
 
 
 def load(path: str) -> list[dict]:
@@ -41,11 +52,15 @@ def summarize(path: str, steps: int) -> dict:
         by_name[e["name"]][0] += e["dur"]
         by_name[e["name"]][1] += 1
     top = sorted(by_name.items(), key=lambda item: -item[1][0])[:10]
+    by_class = defaultdict(float)
+    for name, (total, _) in by_name.items():
+        by_class[next((c for c, pattern in CLASSES if re.search(pattern, name, re.I)), "other")] += total
     return {"steps": steps, "gpu_span_ms_per_step": span / steps / 1e3, "gpu_busy_ms_per_step": busy / steps / 1e3,
             "gpu_idle_ms_per_step": (span - busy) / steps / 1e3, "idle_gaps_over_20us_per_step":
             sum(g > 20 for g in gaps) / steps, "idle_in_gaps_over_20us_ms_per_step": sum(g for g in gaps if g > 20) / steps / 1e3,
             "kernels_per_step": len(kernels) / steps, "copies_per_step": sum(e["cat"] == "gpu_memcpy" for e in gpu) / steps,
             "host_step_ms": sum(host_steps) / len(host_steps) / 1e3 if host_steps else None,
+            "ms_per_step_by_class": {c: total / steps / 1e3 for c, total in sorted(by_class.items(), key=lambda i: -i[1])},
             "top_kernels": [{"name": name, "ms_per_step": total / steps / 1e3, "calls_per_step": calls / steps}
                             for name, (total, calls) in top]}
 

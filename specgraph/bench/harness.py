@@ -384,20 +384,23 @@ def _summary_line(name: str, result: dict) -> str:
 
 
 def _bandwidth_bound(program: Program, device: torch.device, encoded: list[list[int]], ar: dict) -> dict:
-    """Autoregressive decoding reads every weight once per token (of the embedding table, one row,
-    unless the head shares it), the KV of the context and, in a hybrid model, reads and writes the
-    DeltaNet states and conv windows."""
-    target = program.stages[program.graph.target]
-    model = target.model
+    mean_context = statistics.mean(len(ids) for ids in encoded) + ar["new_tokens"] / len(encoded) / 2
+    weight_bytes, state_bytes, kv_per_position = step_bytes(program)
+    bytes_per_token = weight_bytes + kv_per_position * mean_context + 2 * state_bytes
+    return bandwidth_bound(measure_copy_bandwidth(device), bytes_per_token, weight_bytes, ar)
+
+
+def step_bytes(program: Program) -> tuple[int, int, int]:
+    """What autoregressive decoding reads besides activations: (the bytes of every weight, read once
+    a step, of the embedding table one row unless the head shares it; of a request's cache besides
+    K/V (a hybrid's DeltaNet states and conv windows), read and written each token; of K/V a position
+    of its context)."""
+    model = program.stages[program.graph.target].model
     shape, itemsize = model.shape, model.embed_tokens.weight.element_size()
     weight_bytes = unique_bytes(model)
     if model.lm_head.weight is not model.embed_tokens.weight:
         weight_bytes -= (shape.vocab_size - 1) * shape.hidden_size * itemsize
-    kv_per_position = shape.kv_bytes_per_slot(itemsize)
-    mean_context = statistics.mean(len(ids) for ids in encoded) + ar["new_tokens"] / len(encoded) / 2
-    state_bytes = shape.cache_bytes(0, itemsize)  # what a cache holds besides K/V (a hybrid's states)
-    bytes_per_token = weight_bytes + kv_per_position * mean_context + 2 * state_bytes
-    return bandwidth_bound(measure_copy_bandwidth(device), bytes_per_token, weight_bytes, ar)
+    return weight_bytes, shape.cache_bytes(0, itemsize), shape.kv_bytes_per_slot(itemsize)
 
 
 def bandwidth_bound(bandwidth: float, bytes_per_token: float, weight_bytes: int, ar: dict) -> dict:
