@@ -97,6 +97,11 @@ sys.exit(pytest.main(["-v", "-o", "addopts=", "-p", "no:cacheprovider", "-o", "f
       run_step "quant-${SCHEME:-w4a16}" 420 python3 -m specgraph bench recipes/dynamic.yaml --prompts "$prompts" \
         --max-new-tokens 128 --widen "llama-3-8b:${SCHEME:-w4a16}" --batch "${BATCHES:-1,8}" --baselines ar \
         --json "$OUT/files/llama-3-8b-${SCHEME:-w4a16}-policy-ar.json" ;;
+    profile-kernels)  # each kernel's own time (dependent launches off) in steady steps of ar at batch 1 and 8 and of
+      # the recipe's tree at 8, by class, and ar's share of its floor (issue 57's first table)
+      run_step profile-kernels 420 env SPECGRAPH_PDL=0 python3 scripts/profile_engine.py recipes/dynamic.yaml \
+        --systems ar,specgraph --batches "${BATCHES:-1,8}" --set serving.speculation=always --widen llama-3-8b \
+        --out "$OUT/files" ;;
     profile-prompt)  # traces of the drafter's prompt forward at a 512- and a 2,048-token chunk (scripts/profile_prompt.py)
       run_step profile-prompt 240 python3 scripts/profile_prompt.py recipes/dynamic.yaml --chunks 512,2048 \
         --widen llama-3-8b --out "$OUT/files" ;;
