@@ -1,76 +1,88 @@
-"""Step attention (Triton) against PyTorch SDPA with an explicit mask, on a GPU, in one run.
-
-Shapes are Llama-3-8B's (32 query heads, 8 KV heads, head dim 128, bf16, batch 1): a draft tree of
-T nodes (random topology) after a committed prefix of P tokens, in a static cache of P + T + 64
-slots. Three ways: `sdpa-exact` (SDPA over exactly the P + T used slots, with the [T, P + T] mask:
-what an eager forward does), `sdpa-static` (SDPA over the whole cache under the step mask: what a
-CUDA-graph-captured forward does) and `triton` (kernels/attention/triton.py, whole-cache mask, reads
-slots up to the last written one). Each is timed over 200 CUDA-graph replays; outputs are checked
-against sdpa-exact in the same run.
-
-    python3 scripts/bench_attention.py [--json OUT.json]
-"""
-
-from __future__ import annotations
-
+"""The step attention (specgraph/kernels/attention/triton.py) on a GPU at the shapes the engine gives it, against
+PyTorch's fused attention (scaled_dot_product_attention: FlashAttention on these GPUs) where one applies: prompt
+chunks (R fresh prompts of P tokens in one forward, laid out as `Runner._prompt_chunks` lays them: each row's
+region as wide as the chunk's bucket) and decode steps (R requests of one token over a context of C slots), at the
+head layouts of the Llama-3.2-1B and Llama-3-8B shapes, for each row-block size of `--block-m`. Microseconds a
+call (one layer), over CUDA-graph replays; each variant first checked against the reference. Run from the
+repository root after scripts/gpu_setup.sh: `python3 scripts/bench_attention.py [--json OUT.json]`."""
 import argparse
 import json
-import sys
 
 import torch
+import torch.nn.functional as F
 
+import specgraph.kernels.attention.triton as step
 from specgraph.bench.timing import graph_time_us
 from specgraph.kernels.attention import attention_reference
-from specgraph.kernels.attention.triton import attention
-from specgraph.runtime.stage import step_mask
-from specgraph.tree import Tree
+from specgraph.layout import Layout
 
-H, H_KV, K = 32, 8, 128
+HEADS = {"llama-3.2-1b": (32, 8, 64), "llama-3-8b": (32, 8, 128)}  # query heads, KV heads, head dim
+BLOCK, CAPACITY = 64, 4096  # the engine's block size and a stage's virtual slots (the prompt forwards' width)
 
 
-def case(t: int, prefix: int, generator: torch.Generator) -> dict:
-    dev = torch.device("cuda")
-    slots_total = prefix + t + 64
-    parents = [-1] + [int(torch.randint(0, i, (), generator=generator)) for i in range(1, t)]
-    tree = Tree(torch.zeros(t, dtype=torch.long), torch.tensor(parents))
-    q = torch.randn(1, H, t, K, generator=generator).to(dev, torch.bfloat16)
-    k = torch.randn(1, H_KV, slots_total, K, generator=generator).to(dev, torch.bfloat16)
-    v = torch.randn(1, H_KV, slots_total, K, generator=generator).to(dev, torch.bfloat16)
-    start = torch.tensor(prefix, device=dev)
-    ancestors = tree.ancestors.to(dev)
-    slots = prefix + torch.arange(t, device=dev)
-    exact_mask = step_mask(start, ancestors, prefix + t)  # [T, P + T]
-    static_mask = step_mask(start, ancestors, slots_total)  # [T, S]
-    ways = {"sdpa-exact": lambda: attention_reference(q, k, v, exact_mask, slots),
-            "sdpa-static": lambda: attention_reference(q, k, v, static_mask, slots),
-            "triton": lambda: attention(q, k, v, static_mask, slots)}
-    expected = ways["sdpa-exact"]().float()
-    row = {"nodes": t, "prefix": prefix}
-    for name, fn in ways.items():
-        row[f"{name}_us"] = graph_time_us(fn)
-        row[f"{name}_max_err"] = float((fn().float() - expected).abs().max())
-    return row
+def prompt_layout(prompts: int, tokens: int, bucket: int, device) -> Layout:
+    """`prompts` fresh prompts of `tokens` tokens, each a region of `bucket` offsets (causal)."""
+    per_row = CAPACITY // BLOCK
+    table = (1 + torch.randperm(prompts * per_row)).view(prompts, per_row)
+    causal = torch.ones(tokens, bucket, dtype=torch.bool).tril()
+    visible = causal.repeat(prompts, 1)  # [R P, bucket]
+    offsets = torch.arange(tokens).repeat(prompts)
+    layout = Layout.build(table, BLOCK, torch.arange(prompts), torch.zeros(prompts, dtype=torch.long),
+                          torch.full((prompts,), tokens), offsets, visible, offsets.clone(), CAPACITY, False)
+    return layout.to(device)
+
+
+def decode_layout(requests: int, context: int, device) -> Layout:
+    """`requests` one-token steps, each over `context` committed slots."""
+    per_row = -(-(context + 1) // BLOCK)
+    table = (1 + torch.randperm(requests * per_row)).view(requests, per_row)
+    layout = Layout.build(table, BLOCK, torch.arange(requests), torch.full((requests,), context),
+                          torch.ones(requests, dtype=torch.long), torch.zeros(requests, dtype=torch.long),
+                          torch.ones(requests, 1, dtype=torch.bool), torch.full((requests,), context), per_row * BLOCK,
+                          False)
+    return layout.to(device)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write the rows here")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--block-m", default="32,64,128")
+    parser.add_argument("--json", help="also write the table here")
     args = parser.parse_args()
-    generator = torch.Generator().manual_seed(0)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    print(f"{torch.cuda.get_device_name()}; microseconds a layer's call")
+    print(f"{'shape':14s} {'case':28s} " + " ".join(f"{'block ' + b:>10s}" for b in args.block_m.split(","))
+          + f" {'sdpa':>8s}")
     rows = []
-    print(f"{'nodes':>5} {'prefix':>6} | {'sdpa-exact us':>13} {'sdpa-static us':>14} {'triton us':>9} | "
-          f"{'exact/triton':>12} {'static/triton':>13} | max err")
-    for t in (1, 16, 32, 64, 128):
-        for prefix in (256, 1024, 4096, 8192):
-            r = case(t, prefix, generator)
-            rows.append(r)
-            print(f"{t:>5} {prefix:>6} | {r['sdpa-exact_us']:>13.1f} {r['sdpa-static_us']:>14.1f} {r['triton_us']:>9.1f} | "
-                  f"{r['sdpa-exact_us'] / r['triton_us']:>11.2f}x {r['sdpa-static_us'] / r['triton_us']:>12.2f}x | "
-                  f"{max(r['sdpa-static_max_err'], r['triton_max_err']):.3g}", flush=True)
+    for shape, (h, h_kv, d) in HEADS.items():
+        cases = [(f"prompts {r}x{p} (bucket {b})", prompt_layout(r, p, b, device), (r, p))
+                 for r, p, b in ((2, 256, 512), (8, 256, 2048), (1, 512, 512))]
+        cases += [(f"decode {r} x context {c}", decode_layout(r, c, device), None) for r, c in ((1, 512), (32, 512),
+                                                                                              (64, 512))]
+        for name, layout, prompts in cases:
+            slots = int(layout.table.max() + 1) * BLOCK
+            q = torch.randn(1, h, layout.tokens, d, device=device, dtype=dtype)
+            k, v = (torch.randn(1, h_kv, slots, d, device=device, dtype=dtype) for _ in range(2))
+            inputs = (q, k, v, *layout.attention_inputs(h))
+            expected = attention_reference(*inputs).float()
+            times = []
+            for block_m in args.block_m.split(","):
+                step.MAX_BLOCK_M = int(block_m)
+                error = (step.attention(*inputs).float() - expected).abs().max().item()
+                assert error < 2e-2, (shape, name, block_m, error)
+                times.append(graph_time_us(lambda: step.attention(*inputs)))
+            sdpa = None
+            if prompts:  # each prompt's causal attention alone, its K and V contiguous (a lower bound on the work)
+                r, p = prompts
+                qs = q.view(1, h, r, p, d).transpose(1, 2).reshape(r, h, p, d)
+                ks, vs = (torch.randn(r, h_kv, p, d, device=device, dtype=dtype) for _ in range(2))
+                sdpa = graph_time_us(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True))
+            rows.append({"shape": shape, "case": name, "us_by_block_m": dict(zip(args.block_m.split(","), times)),
+                         "sdpa_us": sdpa})
+            print(f"{shape:14s} {name:28s} " + " ".join(f"{t:10.1f}" for t in times)
+                  + (f" {sdpa:8.1f}" if sdpa else ""), flush=True)
     if args.json:
-        meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "command": " ".join(sys.argv)}
         with open(args.json, "w") as f:
-            json.dump({**meta, "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,8 @@ sys.exit(pytest.main(["-v", "-o", "addopts=", "-p", "no:cacheprovider", "-o", "f
       run_step profile-kernels 420 env SPECGRAPH_PDL=0 python3 scripts/profile_engine.py recipes/dynamic.yaml \
         --systems ar,specgraph --batches "${BATCHES:-1,8}" --set serving.speculation=always --widen llama-3-8b \
         --out "$OUT/files" ;;
+    attention-kernel)  # the step attention at prompt-chunk and decode shapes, row blocks of 32, 64, 128, against SDPA
+      run_step attention-kernel 150 python3 scripts/bench_attention.py --json "$OUT/files/attention.json" ;;
     profile-prompt)  # traces of the drafter's prompt forward at a 512- and a 2,048-token chunk (scripts/profile_prompt.py)
       run_step profile-prompt 240 python3 scripts/profile_prompt.py recipes/dynamic.yaml --chunks 512,2048 \
         --widen llama-3-8b --out "$OUT/files" ;;
