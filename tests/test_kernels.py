@@ -81,6 +81,8 @@ def test_step_attention_needs_blocks_of_whole_key_tiles():
     (1, 1, 4, 2, 48, 12, True, torch.float32),  # Qwen3.5's attention: per-head norms, a quarter of each head rotated
     (2, 6, 2, 1, 64, 16, True, torch.bfloat16),
     (1, 3, 2, 2, 40, 40, True, torch.float32),  # Qwen3's: per-head norms, whole heads rotated
+    (2, 20, 10, 2, 32, 32, False, torch.float32),  # a prompt chunk (40 tokens): blocks of 8 heads, the last part empty
+    (1, 33, 3, 1, 64, 16, True, torch.bfloat16),  # a chunk with norms, fewer heads than a block
 ])
 def test_rope_write_matches_reference(b, t, h, hkv, d, rotary, norms, dtype):
     g = torch.Generator().manual_seed(t * 7 + d)
