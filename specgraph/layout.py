@@ -93,13 +93,17 @@ class Layout:
 
     def attention_inputs(self, heads: int) -> tuple:
         """What the attention kernels take of the layout, after q and the layer's cache, for a model
-        of `heads` query heads (at most: a rank of a split model has fewer): with a zeroed scratch of
-        int32 tickets [R (ceil(heads G / 16) + heads)], where the Triton kernel counts the split
-        programs of each row block (it leaves them zero, so one scratch serves every layer of a
+        of `heads` query heads (at most: a rank of a split model has fewer): with each token's reach
+        [T] int32 (1 + the last region offset it sees, 0 none: the Triton kernel reads keys no further,
+        and once a forward rather than scanning `visible` in every program of every layer), a zeroed
+        scratch of int32 tickets [R (ceil(heads G / 16) + heads)], where the Triton kernel counts the
+        split programs of each row block (it leaves them zero, so one scratch serves every layer of a
         forward, and a CUDA graph of the forward holds its own), and whether it may have padding tokens."""
-        tickets = torch.zeros(self.segments * (-(-heads * self.region // 16) + heads), dtype=torch.int32,
-                              device=self.rows.device)
-        return self.table, self.rows, self.cu, self.starts, self.visible, self.grid, tickets, self.block_size, self.padded
+        g = self.region
+        reach = (self.visible * torch.arange(1, g + 1, dtype=torch.int32, device=self.visible.device)).amax(1)
+        tickets = torch.zeros(self.segments * (-(-heads * g // 16) + heads), dtype=torch.int32, device=self.rows.device)
+        return (self.table, self.rows, self.cu, self.starts, self.visible, reach, self.grid, tickets, self.block_size,
+                self.padded)
 
     def token_segments(self) -> torch.Tensor:
         """[T] the segment of each packed token (padding: the last's)."""

@@ -59,7 +59,7 @@ def test_step_attention_matches_reference(h, hkv, d, counts, prefixes, chains, d
     attend = layout.attention_inputs(h)
     expected = attention_reference(q.float(), k.float(), v.float(), *attend)
     got = attention(q, k, v, *attend)
-    assert not attend[6].any()  # the split programs' tickets left zero for the next layer
+    assert not attend[7].any()  # the split programs' tickets left zero for the next layer
     assert got.dtype == dtype and got.shape == q.shape
     assert got.transpose(1, 2).is_contiguous()  # token-major: the output projection reads it without a copy
     torch.library.opcheck(attention, (q, k, v, *attend), test_utils=("test_faketensor",))  # compiled: the same layout

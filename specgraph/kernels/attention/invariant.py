@@ -215,9 +215,10 @@ def _merge(part_o, part_m, part_l, ends, o, cu, T, H_KV, SPLITS, s_oh, s_ot,
 @torch.library.custom_op("specgraph::attention_invariant", mutates_args=())
 def attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                         rows: torch.Tensor, cu: torch.Tensor, starts: torch.Tensor, visible: torch.Tensor,
-                        grid: torch.Tensor, tickets: torch.Tensor, block_size: int, padded: bool = True) -> torch.Tensor:
+                        reach: torch.Tensor, grid: torch.Tensor, tickets: torch.Tensor, block_size: int,
+                        padded: bool = True) -> torch.Tensor:
     """Same signature and result as attention_reference; each query's bits independent of its
-    forward (`grid` and `tickets` unused: a segment's tokens are cu[r]..cu[r + 1]; the table's width, the slots a
+    forward (`reach`, `grid` and `tickets` unused: its programs find their paths in `visible`; a segment's tokens are cu[r]..cu[r + 1]; the table's width, the slots a
     segment may see, only sizes the split count)."""
     _, h, t, d = q.shape
     h_kv, g = k_cache.shape[1], visible.shape[1]
@@ -252,5 +253,5 @@ def attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 @attention_invariant.register_fake
-def _(q, k_cache, v_cache, table, rows, cu, starts, visible, grid, tickets, block_size, padded=True):
+def _(q, k_cache, v_cache, table, rows, cu, starts, visible, reach, grid, tickets, block_size, padded=True):
     return token_major_like(q)

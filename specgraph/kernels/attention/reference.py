@@ -13,10 +13,11 @@ import torch.nn.functional as F
 
 def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                         rows: torch.Tensor, cu: torch.Tensor, starts: torch.Tensor, visible: torch.Tensor,
-                        grid: torch.Tensor, tickets: torch.Tensor, block_size: int, padded: bool = True) -> torch.Tensor:
+                        reach: torch.Tensor, grid: torch.Tensor, tickets: torch.Tensor, block_size: int,
+                        padded: bool = True) -> torch.Tensor:
     """q [1, H, T, K] (T packed tokens); k_cache, v_cache [1, Hkv, S, K] (S physical slots); the
-    layout's table [rows, M], rows [R], cu [R + 1], starts [R], visible [T, G], grid [R, G], tickets
-    (the Triton kernel's zeroed scratch: unused here), block size and whether padding tokens may be there
+    layout's table [rows, M], rows [R], cu [R + 1], starts [R], visible [T, G], reach [T] (the Triton
+    kernel's bound: unused here), grid [R, G], tickets (the Triton kernel's zeroed scratch: unused here), block size and whether padding tokens may be there
     (unused: they are zeroed here anyway) (Layout.attention_inputs). Returns [1, H, T, K] in q's dtype (padding tokens: 0), softmax scale
     1/sqrt(K)."""
     (r, g), (hkv, k) = grid.shape, k_cache.shape[1::2]

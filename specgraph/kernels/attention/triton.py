@@ -2,9 +2,10 @@
 
 Grid (R * Hkv, row blocks, splits). A program takes BLOCK_M rows of (token, query head in the
 group) of ONE segment r for one KV head, so each key/value tile is read once for the group and
-the segment's tokens, and one split of that segment's virtual slots [0, end): end = starts[r] + 1
-+ the last region offset its rows see, read on the device (no host length: nothing past what its
-rows can see is read, and an early row block of a prefill chunk stops before the later tokens).
+the segment's tokens, and one split of that segment's virtual slots [0, end): end = starts[r] + the
+largest reach (1 + the last region offset seen: Layout.attention_inputs) of its rows, read on the
+device (no host length: nothing past what its rows can see is read, and an early row block of a
+prefill chunk stops before the later tokens).
 Virtual slots are taken in tiles of BLOCK_N that lie in one block (block_size % BLOCK_N == 0), so
 a tile's physical rows cost one load of the block table. A (token, virtual slot) is seen below
 starts[r] (the segment's committed prefix: no mask is read there) and at the region offsets
@@ -32,25 +33,13 @@ from specgraph.kernels.pdl import launch
 # 0.26-0.33 ms faster a step, at the Qwen3.5-27B shape 0.11-0.18 ms).
 MAX_BLOCK_M = 32
 BLOCK_N = 32  # virtual slots per key tile: block sizes must be multiples of it
-BLOCK_C = 64  # region offsets per pass when finding the last one a program's rows see
 
 
 @triton.jit
-def _reach(visible, s_vt, tok, m_rows, G, BLOCK_C: tl.constexpr):
-    """1 + the last region offset that any of the rows' tokens `tok` [BM] sees (0: none)."""
-    reach = tl.zeros_like(tok)
-    for c0 in range(0, G, BLOCK_C):
-        j = c0 + tl.arange(0, BLOCK_C)
-        seen = tl.load(visible + tok[:, None] * s_vt + j[None, :], mask=m_rows[:, None] & (j < G)[None, :], other=0)
-        reach = tl.maximum(reach, tl.max(tl.where(seen != 0, j[None, :] + 1, 0), axis=1))
-    return tl.max(reach, axis=0)
-
-
-@triton.jit
-def _step_attention(q, k, v, table, seg_rows, cu, starts, visible, part_o, part_m, part_l, counters, o,
-                    T, G, H_KV, block_size, scale, s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_tr, s_vt, s_oh, s_ot,
+def _step_attention(q, k, v, table, seg_rows, cu, starts, visible, reach, part_o, part_m, part_l, counters, o,
+                    T, H_KV, block_size, scale, s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_tr, s_vt, s_oh, s_ot,
                     GROUP: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
                     PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -65,7 +54,7 @@ def _step_attention(q, k, v, table, seg_rows, cu, starts, visible, part_o, part_
         tok, g = first + rows // GROUP, rows % GROUP  # [BM] packed token index, head in the group
         start = tl.load(starts + i_r)  # the segment's region: virtual slots start + offset
         p_table = table + tl.load(seg_rows + i_r) * s_tr  # its request's row of the block table
-        end = start + _reach(visible, s_vt, tok, m_rows, G, BLOCK_C)  # past the last slot a row sees
+        end = start + tl.max(tl.load(reach + tok, mask=m_rows, other=0), axis=0)  # past the last slot a row sees
         chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N  # whole tiles: none straddles two blocks
         lo = i_s * chunk
         hi = tl.minimum(lo + chunk, end)
@@ -148,8 +137,8 @@ def split_count(programs: int, width: int, device: torch.device) -> int:
 
 @torch.library.custom_op("specgraph::attention", mutates_args=())
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
-              cu: torch.Tensor, starts: torch.Tensor, visible: torch.Tensor, grid: torch.Tensor, tickets: torch.Tensor,
-              block_size: int, padded: bool = True) -> torch.Tensor:
+              cu: torch.Tensor, starts: torch.Tensor, visible: torch.Tensor, reach: torch.Tensor, grid: torch.Tensor,
+              tickets: torch.Tensor, block_size: int, padded: bool = True) -> torch.Tensor:
     """Same signature and result as attention_reference (`grid` unused: a segment's tokens are
     cu[r]..cu[r + 1]; the table's width, the slots a segment may see, only sizes the split count).
     `tickets`: zeros, counted up by the split programs of each row block and left zero again (so
@@ -175,14 +164,14 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
         out.zero_()
     assert tickets.numel() >= segments * h_kv * row_blocks, "tickets: Layout.attention_inputs(heads) sizes them"
     _step_attention[(segments * h_kv, row_blocks, splits)](
-        q, k_cache, v_cache, table, rows, cu, starts, visible.view(torch.uint8), part_o, part_m, part_l, tickets,
-        out, t, g, h_kv, block_size, 1.0 / math.sqrt(d), q.stride(1), q.stride(2), k_cache.stride(1), k_cache.stride(2),
+        q, k_cache, v_cache, table, rows, cu, starts, visible.view(torch.uint8), reach, part_o, part_m, part_l, tickets,
+        out, t, h_kv, block_size, 1.0 / math.sqrt(d), q.stride(1), q.stride(2), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), table.stride(0), visible.stride(0), out.stride(1), out.stride(2),
-        GROUP=group, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, D=d,
+        GROUP=group, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)), PRECISION=dot_precision(q), **launch(q.device))
     return out
 
 
 @attention.register_fake
-def _(q, k_cache, v_cache, table, rows, cu, starts, visible, grid, tickets, block_size, padded=True):
+def _(q, k_cache, v_cache, table, rows, cu, starts, visible, reach, grid, tickets, block_size, padded=True):
     return token_major_like(q)
