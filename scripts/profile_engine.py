@@ -12,9 +12,7 @@ and each request's context, over the copy bandwidth measured first, and the shar
 reaches). Diagnostics, not benchmark figures: the profiler slows the host. SPECGRAPH_PDL=0 gives each kernel its
 own time (with dependent launches a kernel starts early and waits inside)."""
 import argparse
-import gzip
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import torch
 sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_summary import summarize  # noqa: E402
+from trace_summary import print_top_kernels, saved  # noqa: E402
 
 
 def main() -> None:
@@ -73,13 +71,7 @@ def profile(program, engine, prompts: list[str], steps: int, out: Path, name: st
         sync()
     for request in requests:
         engine.abort(request.id)
-    out.mkdir(parents=True, exist_ok=True)
-    raw = out / f"trace-{name}.json"
-    profiler.export_chrome_trace(str(raw))
-    with open(raw, "rb") as source, gzip.open(f"{raw}.gz", "wb", compresslevel=9) as sink:
-        shutil.copyfileobj(source, sink)
-    raw.unlink()
-    summary = summarize(f"{raw}.gz", steps)
+    summary = saved(profiler, out, name, steps)
     if bandwidth:
         from specgraph.bench.harness import step_bytes
 
@@ -89,8 +81,7 @@ def profile(program, engine, prompts: list[str], steps: int, out: Path, name: st
         summary |= {"floor_ms_per_step": 1e3 * floor, "share_of_floor": 1e3 * floor / summary["gpu_span_ms_per_step"]}
     (out / f"summary-{name}.json").write_text(json.dumps(summary, indent=1))
     print(name, json.dumps({k: v for k, v in summary.items() if k != "top_kernels"}), flush=True)
-    for row in summary["top_kernels"]:
-        print(f"   {row['ms_per_step']:8.3f} ms/step  {row['calls_per_step']:6.1f}x  {row['name'][:110]}", flush=True)
+    print_top_kernels(summary)
 
 if __name__ == "__main__":
     main()

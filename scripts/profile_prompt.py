@@ -11,16 +11,14 @@ One build (its prefill chunk the largest of --chunks, so that every chunk is a s
 `trace-prompt-CHUNK.json.gz` (a Chrome trace) and `summary-prompt-CHUNK.json` (scripts/trace_summary.py's
 reading of it, per forward). Diagnostics, not benchmark figures: the profiler slows the host."""
 import argparse
-import gzip
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_summary import summarize  # noqa: E402
+from trace_summary import print_top_kernels, saved  # noqa: E402
 
 FORWARDS = 5  # profiled forwards of each chunk
 
@@ -44,7 +42,6 @@ def main() -> None:
     chunks = [int(c) for c in args.chunks.split(",")]
     most = max(chunks)
     sets = [*args.set, f"serving.prefill_chunk={most}", f"serving.max_batch={max(1, most // args.prompt_tokens)}"]
-    args.out.mkdir(parents=True, exist_ok=True)
     with build_progress(), Program(plan(Recipe.from_yaml(args.recipe, sets)), widen=args.widen) as program:
         runner = program.executor.runner
         for chunk in chunks:
@@ -55,20 +52,13 @@ def main() -> None:
             with torch.profiler.profile(activities=activities) as profiler:
                 for _ in range(FORWARDS):
                     feed(runner, prompts, args.prompt_tokens, chunk)
-            raw = args.out / f"trace-prompt-{chunk}.json"
-            profiler.export_chrome_trace(str(raw))
-            with open(raw, "rb") as source, gzip.open(f"{raw}.gz", "wb", compresslevel=9) as sink:
-                shutil.copyfileobj(source, sink)
-            raw.unlink()
-            summary = summarize(f"{raw}.gz", FORWARDS)  # (per forward)
+            summary = saved(profiler, args.out, f"prompt-{chunk}", FORWARDS)  # (per forward)
             (args.out / f"summary-prompt-{chunk}.json").write_text(json.dumps(summary, indent=1))
             print(f"chunk {chunk}: {prompts} prompts of {args.prompt_tokens} tokens, the GPU busy "
                   f"{1e3 * summary['gpu_busy_ms_per_step'] / (prompts * args.prompt_tokens):.2f} us a prompt token "
                   f"(calibrated: {1e6 * calibrated:.2f} us, one prompt of {chunk})",
                   json.dumps({k: v for k, v in summary.items() if k != "top_kernels"}), flush=True)
-            for row in summary["top_kernels"]:
-                print(f"   {row['ms_per_step']:8.3f} ms/forward  {row['calls_per_step']:6.1f}x  {row['name'][:110]}",
-                      flush=True)
+            print_top_kernels(summary, "forward")
 
 
 def feed(runner, prompts: int, tokens: int, chunk: int) -> None:

@@ -10,8 +10,10 @@ with SPECGRAPH_PDL=0 for each kernel's own time.) Read on the CPU from a trace b
 import gzip
 import json
 import re
+import shutil
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 CLASSES = (  # (class, kernel-name pattern): the first that matches names a kernel's class
@@ -63,6 +65,23 @@ def summarize(path: str, steps: int) -> dict:
             "ms_per_step_by_class": {c: total / steps / 1e3 for c, total in sorted(by_class.items(), key=lambda i: -i[1])},
             "top_kernels": [{"name": name, "ms_per_step": total / steps / 1e3, "calls_per_step": calls / steps}
                             for name, (total, calls) in top]}
+
+
+def saved(profiler, out: Path, name: str, steps: int) -> dict:
+    """`profiler`'s Chrome trace written as out/trace-NAME.json.gz -> its summary over `steps` steps."""
+    out.mkdir(parents=True, exist_ok=True)
+    raw = out / f"trace-{name}.json"
+    profiler.export_chrome_trace(str(raw))
+    with open(raw, "rb") as source, gzip.open(f"{raw}.gz", "wb", compresslevel=9) as sink:
+        shutil.copyfileobj(source, sink)
+    raw.unlink()
+    return summarize(f"{raw}.gz", steps)
+
+
+def print_top_kernels(summary: dict, step: str = "step") -> None:
+    """The summary's costliest kernels, a line each (times per `step`: what its steps were)."""
+    for row in summary["top_kernels"]:
+        print(f"   {row['ms_per_step']:8.3f} ms/{step}  {row['calls_per_step']:6.1f}x  {row['name'][:110]}", flush=True)
 
 
 if __name__ == "__main__":
