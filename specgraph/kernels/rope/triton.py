@@ -92,7 +92,8 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     if (q_norm is None) != (k_norm is None) or any(w is not None and w.dtype != q.dtype for w in norms):
         raise ValueError("rope_write takes both per-head norm weights or neither, in q's dtype")
     out = torch.empty(b, h, t, d, dtype=q.dtype, device=q.device)
-    hb = HEADS_PER_PROGRAM if b * t >= MANY_TOKENS else 1
+    # (the CPU's interpreter, which runs programs one by one in Python, takes blocks of heads for any call)
+    hb = HEADS_PER_PROGRAM if b * t >= MANY_TOKENS or not q.is_cuda else 1
     _rope_write[(b * t, triton.cdiv(h, hb) + 2 * triton.cdiv(h_kv, hb))](
         q, k, v, cos, sin, slots, *(q if w is None else w for w in norms), out, keys, values, t, h, h_kv, eps,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

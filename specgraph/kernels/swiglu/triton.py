@@ -1,9 +1,10 @@
 """Triton SwiGLU of the gate/up projection.
 
-One token (decoding): a program projects the token on one gate row and its up row, walking all of
-K with fp32 accumulation, and stores silu(gate) * up, so the [2I] projection is never written and
-no elementwise kernel follows (H200, Llama-3-8B shape: 0.15 ms per token less than cuBLAS and a
-SwiGLU kernel, docs/benchmarks.md run 30). Launched dependently, its programs load their first
+One token (decoding): a program projects the token on one gate row and its up row (on a GPU; the
+CPU's interpreter, which runs programs one by one in Python, takes 64 of each), walking all of K
+with fp32 accumulation, and stores silu(gate) * up, so the [2I] projection is never written and no
+elementwise kernel follows (H200, Llama-3-8B shape: 0.15 ms per token less than cuBLAS and a SwiGLU
+kernel, docs/benchmarks.md run 30). Launched dependently, its programs load their first
 weight tiles before the token exists. Several tokens: cuBLAS projects, then one elementwise pass
 reads gate and up once. Both round like the reference: each projection, then silu, then the product.
 """
@@ -26,31 +27,33 @@ def _silu_mul(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _gemv_swiglu(x, w, bias, out, I, K, HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gemv_swiglu(x, w, bias, out, I, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    j = tl.program_id(0)  # gate row j, up row I + j
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows j, up rows I + j
+    m_rows = rows < I
     cols = tl.arange(0, BLOCK_K)
-    m = cols < K
-    b_gate = tl.load(w + j * K + cols, mask=m, other=0.0)  # weights: no wait
-    b_up = tl.load(w + (I + j) * K + cols, mask=m, other=0.0)
+    m = m_rows[:, None] & (cols < K)[None, :]
+    b_gate = tl.load(w + rows[:, None] * K + cols[None, :], mask=m, other=0.0)  # weights: no wait
+    b_up = tl.load(w + (I + rows[:, None]) * K + cols[None, :], mask=m, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()  # x is the kernel before's output
-    b_x = tl.load(x + cols, mask=m, other=0.0).to(tl.float32)  # [BK]
-    acc_gate = b_gate.to(tl.float32) * b_x
-    acc_up = b_up.to(tl.float32) * b_x
+    b_x = tl.load(x + cols, mask=cols < K, other=0.0).to(tl.float32)  # [BK]
+    acc_gate = b_gate.to(tl.float32) * b_x[None, :]  # [BN, BK]
+    acc_up = b_up.to(tl.float32) * b_x[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        m = cols < K
-        b_x = tl.load(x + cols, mask=m, other=0.0).to(tl.float32)
-        acc_gate += tl.load(w + j * K + cols, mask=m, other=0.0).to(tl.float32) * b_x
-        acc_up += tl.load(w + (I + j) * K + cols, mask=m, other=0.0).to(tl.float32) * b_x
-    gate, up = tl.sum(acc_gate, axis=0), tl.sum(acc_up, axis=0)
+        m = m_rows[:, None] & (cols < K)[None, :]
+        b_x = tl.load(x + cols, mask=cols < K, other=0.0).to(tl.float32)
+        acc_gate += tl.load(w + rows[:, None] * K + cols[None, :], mask=m, other=0.0).to(tl.float32) * b_x[None, :]
+        acc_up += tl.load(w + (I + rows[:, None]) * K + cols[None, :], mask=m, other=0.0).to(tl.float32) * b_x[None, :]
+    gate, up = tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1)  # [BN]
     if HAS_BIAS:
-        gate += tl.load(bias + j).to(tl.float32)
-        up += tl.load(bias + I + j).to(tl.float32)
+        gate += tl.load(bias + rows, mask=m_rows, other=0.0).to(tl.float32)
+        up += tl.load(bias + I + rows, mask=m_rows, other=0.0).to(tl.float32)
     dtype = out.dtype.element_ty
-    tl.store(out + j, _silu_mul(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype))
+    tl.store(out + rows, _silu_mul(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype), mask=m_rows)
 
 
 @triton.jit
@@ -75,9 +78,10 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         if weight.stride() != (k, 1):
             raise ValueError("the one-token SwiGLU projection needs a contiguous [2I, K] weight")
         out = torch.empty(i, dtype=x.dtype, device=x.device)
-        _gemv_swiglu[(i,)](x.contiguous(), weight, bias if bias is not None else out, out, i, k,
-                           HAS_BIAS=bias is not None, BLOCK_K=min(1024, triton.next_power_of_2(k)),
-                           **launch(x.device))
+        block_n = 1 if x.is_cuda else 64  # (as linear's one-token projection: the interpreter runs programs one by one)
+        _gemv_swiglu[(triton.cdiv(i, block_n),)](x.contiguous(), weight, bias if bias is not None else out, out, i, k,
+                                                 HAS_BIAS=bias is not None, BLOCK_N=block_n,
+                                                 BLOCK_K=min(1024, triton.next_power_of_2(k)), **launch(x.device))
         return out.view(*x.shape[:-1], i)
     return silu_mul_rows(F.linear(x, weight, bias))
 
