@@ -101,7 +101,8 @@ def _deterministic():
     torch.manual_seed(0)
 
 
-KERNEL_TESTS = ("tests/test_kernels.py", "tests/test_invariant_kernels.py")  # tests/test_kernels_compile.py
+KERNEL_TESTS = ("tests/test_invariant_kernels.py", "tests/test_kernels.py")  # tests/test_kernels_compile.py
+KERNEL_FILES = (*KERNEL_TESTS, "tests/test_kernels_compile.py")  # one process's, in this order (the compile last)
 KERNEL_LAUNCHES: dict[str, list[str]] = {}  # node id of a kernel test that passed in this session -> its launches
 
 
@@ -123,3 +124,17 @@ def pytest_sessionfinish(session):
     path = os.environ.get("SPECGRAPH_RECORD_LAUNCHES")  # set where test_kernels_compile.py started this session
     if path:
         Path(path).write_text("".join(f"{line}\n" for lines in KERNEL_LAUNCHES.values() for line in lines))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Where the suite runs in several processes (pyproject.toml: --dist=loadfile), a file's tests in one,
+    except that the kernel tests and the test that compiles their launches share one (which then compiles
+    the launches it recorded instead of running the kernel tests again)."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class KernelFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "kernel tests" if path in KERNEL_FILES else path
+
+    return KernelFilesTogether(config, log)
