@@ -72,20 +72,36 @@ def all_code_prompts() -> list[dict]:
 PROMPTS, NEW_TOKENS = 16, 128  # the greedy-equivalence tests: held-out code prompts x new tokens
 
 
+def once_per_run(tmp_path_factory, name: str, compute) -> list[tuple[list[int], list[int]]]:
+    """`compute()`'s [(prompt ids, new ids)], computed by one of the run's test processes and read by the
+    others (xdist's workers share their base folder's parent; a lock makes the others wait)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return compute()
+    from filelock import FileLock
+
+    path = tmp_path_factory.getbasetemp().parent / f"{name}.json"
+    with FileLock(f"{path}.lock"):
+        if not path.is_file():
+            path.write_text(json.dumps(compute()))
+        return [tuple(pair) for pair in json.loads(path.read_text())]
+
+
 @pytest.fixture(scope="session")
-def target_reference(code_prompts):
+def target_reference(code_prompts, tmp_path_factory):
     """transformers' greedy continuation (fp32) of the first prompts by the target fixture: [(prompt ids, new ids)]."""
     from helpers import hf_greedy
 
-    return hf_greedy(EMBEDDED / "target", code_prompts[:PROMPTS], NEW_TOKENS)
+    return once_per_run(tmp_path_factory, "target_reference",
+                        lambda: hf_greedy(EMBEDDED / "target", code_prompts[:PROMPTS], NEW_TOKENS))
 
 
 @pytest.fixture(scope="session")
-def hybrid_reference(code_prompts):
+def hybrid_reference(code_prompts, tmp_path_factory):
     """The same by the hybrid (Qwen3.5) fixture."""
     from helpers import hf_greedy
 
-    return hf_greedy(shared_model("hybrid"), code_prompts[:PROMPTS], NEW_TOKENS)
+    hybrid = shared_model("hybrid")
+    return once_per_run(tmp_path_factory, "hybrid_reference", lambda: hf_greedy(hybrid, code_prompts[:PROMPTS], NEW_TOKENS))
 
 
 @pytest.fixture(scope="session")
