@@ -73,8 +73,8 @@ def tiling(n: int, k: int, itemsize: int = 2, interpreted: bool = False) -> tupl
     memory). K is split where the outputs alone give fewer than ~384 programs (H200: 96 and 64
     blocks of outputs ran fastest split 4 ways, 448 and more unsplit: scripts/bench_invariant.py).
     `interpreted`: the CPU's interpreter, which runs programs one by one in Python: tiles 4x as wide
-    and 8x as deep (the projections of a test program on the fixture models ran 2.5x faster wide)."""
-    block_n, block_k = (256, 4096 // itemsize) if interpreted else (64, 512 // itemsize)
+    (the projections of a test program on the fixture models ran 2.5x faster)."""
+    block_n, block_k = 256 if interpreted else 64, 512 // itemsize
     splits = max(1, min(4, 384 // triton.cdiv(n, block_n), k // (2 * block_k)))
     return block_n, block_k, splits
 
