@@ -78,10 +78,12 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         if weight.stride() != (k, 1):
             raise ValueError("the one-token SwiGLU projection needs a contiguous [2I, K] weight")
         out = torch.empty(i, dtype=x.dtype, device=x.device)
-        block_n = 1 if x.is_cuda else 64  # (as linear's one-token projection: the interpreter runs programs one by one)
+        # A GPU: a row a program. The interpreter runs programs one by one: 64 rows of 128 columns (a tile
+        # tests/test_kernels_compile.py can still compile for Hopper in seconds; 64 x 1024 took minutes).
+        block_n, block_k = (1, 1024) if x.is_cuda else (64, 128)
         _gemv_swiglu[(triton.cdiv(i, block_n),)](x.contiguous(), weight, bias if bias is not None else out, out, i, k,
                                                  HAS_BIAS=bias is not None, BLOCK_N=block_n,
-                                                 BLOCK_K=min(1024, triton.next_power_of_2(k)), **launch(x.device))
+                                                 BLOCK_K=min(block_k, triton.next_power_of_2(k)), **launch(x.device))
         return out.view(*x.shape[:-1], i)
     return silu_mul_rows(F.linear(x, weight, bias))
 
