@@ -82,7 +82,6 @@ class Engine:
         self.prefill_share = min(prefill_chunk, *(stage.max_step_tokens for stage in runner.stages))
         self.region, self.sampling, self.budget, self.policy = region, sampling, budget, policy
         self.always = runner.modes[min(1, len(runner.modes) - 1)]  # without a policy: the recipe's tree, or plain
-        self.mode = self.always if policy is None else policy.current  # the last step's
         self._in_flight: InFlight | None = None
         self._collected_at: float | None = None  # when the last step was collected, while steps follow each other
         self._lived_at: float | None = None  # the same by the runner's clock (what the policy charges a step)
@@ -193,8 +192,9 @@ class Engine:
 
     def _prefill(self) -> bool:
         """Feed the newcomers a chunk of prompt tokens in all, earliest first (all but each prompt's
-        last token: the first step feeds it); their drafter only while the engine speculates ->
-        whether any prompt token was fed."""
+        last token: the first step feeds it); their drafter too where the engine speculates at the
+        batch it holds, newcomers included (else they catch up if a step speculates) -> whether any
+        prompt token was fed."""
         chunks, left = [], self.prefill_chunk  # (slot, start, end) of each newcomer fed; prompt tokens still to give
         for newcomer in self.scheduler.prefilling():
             if left == 0:
@@ -203,12 +203,22 @@ class Engine:
             chunks.append((newcomer.slot, newcomer.fed, end))
             left -= end - newcomer.fed
             newcomer.fed = end
-        self.runner.prefill(chunks, drafter=self.mode.drafter is not None)
+        self.runner.prefill(chunks, drafter=bool(chunks) and self._feeds_drafter())
         for newcomer in self.scheduler.prefilling():
             if newcomer.fed == len(newcomer.prompt) - 1:
                 newcomer.status = DECODE
                 newcomer.behind = bool(self.runner.lagging([newcomer.slot]))
         return any(end > start for _, start, end in chunks)
+
+    def _feeds_drafter(self) -> bool:
+        """Whether prompt forwards feed the drafter: with a policy, where it expects speculation to pay
+        for the requests the engine holds (at batch 64, where it decodes plainly, newcomers' prompts
+        would cost the drafter a forward for nothing: run 126); without, where every step speculates."""
+        if self.policy is None:
+            return self.always.drafter is not None
+        held = self.scheduler.decoding() + self.scheduler.prefilling()
+        feeds = sum(len(r.prompt) / r.output.budget for r in held) / max(len(held), 1)  # (policy.py's f_r)
+        return self.policy.pays_at(self.runner.step_rows(max(len(held), 1)), feeds)
 
     def _launch(self, running: list[Request], mode: Mode, in_flight: bool, prefilled: bool) -> None:
         rows = self.runner.step_rows(len(running))  # (a budget is that of the step's rows, padding among them)
@@ -217,7 +227,6 @@ class Engine:
         nodes = len(running) * mode.nodes  # (a budget's nodes go to live rows only, each at most its tree's)
         self._in_flight = InFlight(launched, running, nodes if budget is None else min(budget, nodes), prefilled,
                                    None if self.policy is None else self.policy.expected)
-        self.mode = mode
         if mode.drafter is None:
             for request in running:
                 request.behind = True

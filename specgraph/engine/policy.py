@@ -173,6 +173,12 @@ class Policy:
             seconds += self.prompt_token_seconds * sum(t * a.feeds_per_token for t, a in zip(tokens, acceptances))
         return sum(tokens) / max(seconds, 1e-9)
 
+    def pays_at(self, size: int, feeds_per_token: float) -> bool:
+        """Whether speculation is the best mode for `size` rows of requests of the batch's acceptance,
+        each charged `feeds_per_token` prompt tokens of the drafter's a token (policy.py's f_r)."""
+        alike = [Acceptance(self.depth, feeds_per_token=feeds_per_token)]  # (rates: one request's, same order)
+        return max(self.candidates(size), key=lambda m: self.rate(m, alike, size)).drafter is not None
+
     def candidates(self, size: int) -> list[Mode]:
         """The modes a step of `size` requests may run: plain decoding, and speculation that verifies nodes."""
         return [m for m in self.modes if m.drafter is None or self.budget is None or self.budget(size, m.nodes) > 0]
