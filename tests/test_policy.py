@@ -12,7 +12,7 @@ from helpers import (BUDGETS, Cycling, Ledger, decode_requests, decode_together,
 from specgraph.engine import runner as runner_module
 from specgraph.engine.policy import Acceptance, Policy, StepCosts, expected_tokens
 from specgraph.engine.runner import PLAIN, Mode
-from specgraph.engine.request import PREFILL
+from specgraph.engine.request import DECODE, PREFILL
 from specgraph.program import Program
 from specgraph.runtime.stage import Stage
 
@@ -407,32 +407,36 @@ def test_a_drafter_whose_prompts_cost_more_than_it_saves_is_not_run(priced, targ
         engine.totals.modes
 
 
-def test_newcomers_feed_the_drafter_only_where_speculation_pays_at_the_batch_they_join(priced, target_reference,
+@pytest.mark.parametrize("chunk", [512, 16])
+def test_newcomers_feed_the_drafter_only_where_speculation_pays_at_the_batch_they_join(chunk, priced, target_reference,
                                                                                       monkeypatch):
     """By the ledger: a target forward at 10 ms plus 1.5 ms a token, the drafter 0.1 ms a forward. A depth-1
     step (up to 4 tokens a request) expected to give 1.5 tokens (the policy's prior) pays for one request
     (1.5 x 11.5 ms > 10 + 4 x 1.5 + 0.1 ms) but not for five (1.5 x 17.5 ms < 10 + 20 x 1.5 ms). Five
-    requests admitted at once: their prompt forwards do not feed the drafter (run 126: at batch 64 that
-    was 4% of the run for nothing); one request alone: its prompt forward does. Tokens are transformers'."""
+    requests admitted at once: while all five are in the engine, their prompt forwards do not feed the
+    drafter (run 126: at batch 64 that was 4% of the run for nothing), nor, where prompts go in 16 tokens a
+    step, is it synced for the first request to decode while the rest go in (a step's mode is chosen for
+    the batch it heads to); one request alone: its prompt forward feeds it. Tokens are transformers'."""
     program = priced({"draft": (1e-4, 0.0), "target": (0.010, 1.5e-3)},
-                     serving={"max_batch": 5, "block_size": 16, "speculation": "adaptive"})
+                     serving={"max_batch": 5, "block_size": 16, "speculation": "adaptive", "prefill_chunk": chunk})
     engine, fed = program.executor, []
     feed = Stage.feed
     monkeypatch.setattr(Stage, "feed", lambda stage, tokens, layout: (
         fed.append(tokens.numel()) if stage.name == "draft" else None, feed(stage, tokens, layout))[1])
     assert engine.policy.pays_at(1, 0.0) and not engine.policy.pays_at(5, 0.0)
     requests = [{"prompt": ids, "new": 8} for ids, _ in target_reference[:5]]
-    def fed_once_prompts_are_in(handles):  # the drafter's tokens at the first step after every prompt went in
-        if not in_by and all(h.status != PREFILL for h in handles):
-            in_by.append(sum(fed))
+    def fed_while_shared(handles):  # the drafter's tokens fed in steps that began with all five in the engine
+        if held[-1] == len(requests):
+            shared.append(sum(fed))
+        held.append(sum(h.status in (PREFILL, DECODE) for h in handles))
 
-    in_by = []
-    handles = decode_requests(engine, requests, fed_once_prompts_are_in)
-    assert in_by == [0], in_by
+    held, shared = [len(requests)], []
+    handles = decode_requests(engine, requests, fed_while_shared)
+    assert shared and max(shared) == 0, shared
     assert [h.generation.output_ids for h in handles] == [new[:8] for _, new in target_reference[:5]]
-    fed.clear(), in_by.clear()
-    alone = decode_requests(engine, requests[:1], fed_once_prompts_are_in)
-    assert in_by[0] >= len(requests[0]["prompt"]) - 3, in_by  # (all but the last two, and the last: the first step's)
+    fed.clear()
+    alone = decode_requests(engine, requests[:1])
+    assert sum(fed) >= len(requests[0]["prompt"]) - 3, fed  # (all but the last two, and the last: the first step's)
     assert alone[0].generation.output_ids == target_reference[0][1][:8]
 
 

@@ -173,7 +173,10 @@ class Engine:
                 for request in running:  # (policy.py's f_r)
                     request.acceptance.feeds_per_token = max(len(request.prompt) / request.output.budget,
                                                              self.runner.missed(request.slot) / max(request.output.room, 1))
-            mode = self.always if self.policy is None else self.policy.choose([r.acceptance for r in running], rows)
+            # (chosen for the batch it is heading to, newcomers included: not a drafter synced for a few
+            # requests while the prompts of a batch that will decode plainly go in)
+            heading = self.runner.step_rows(len(running) + len(self.scheduler.prefilling()))
+            mode = self.always if self.policy is None else self.policy.choose([r.acceptance for r in running], heading)
             if mode.drafter is not None and self.budget is not None and self.budget(rows, mode.nodes) == 0:
                 mode = self.runner.modes[0]  # (a budget that verifies no node: nothing to draft for)
             if mode.drafter is not None and any(r.behind for r in running):  # its drafter first fed what it missed
