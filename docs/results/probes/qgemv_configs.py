@@ -1,6 +1,7 @@
 # One-off probe, kept for the record (docs/benchmarks.md, run 129): the int4 few-row kernel (`_qgemv`,
-# specgraph/kernels/qlinear/triton.py) at the Llama-3-8B projection shapes, 1 and 4 rows, over weight rows a
-# program and warps, against the tiles (`project_quantized`) and bf16 (`linear`); then the tiles against the
+# specgraph/kernels/qlinear/triton.py) at the Llama-3-8B projection shapes, 1 to 16 rows, over weight rows a
+# program and warps (also at 8 and 16 rows, beyond the rows it takes), against the tiles (`project_quantized`) and
+# bf16 (`linear`); then the tiles against the
 # dequantizing reference past qlinear's MAX_ROWS (a verification of 128-512 rows). us a call, CUDA-graph replays
 # cycling through weight copies (more bytes than the L2 holds). `python3 docs/results/probes/qgemv_configs.py`
 import torch
@@ -29,7 +30,7 @@ for name, (n, k) in WIDE["llama-3-8b"][0].projections().items():
         return layer.weight, layer.scales, layer.zeros, None, layer.format, layer.group
 
     bytes_int4 = layers[0].bytes
-    for rows in (1, 4):
+    for rows in (1, 4, 8, 16):
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
         expected = qlinear_reference(x.float(), *args(layers[0]))
         got = project_few(x, *args(layers[0]))
@@ -38,8 +39,8 @@ for name, (n, k) in WIDE["llama-3-8b"][0].projections().items():
                 "tiles": graph_time_us(lambda: project_quantized(x, *args(cycled(layers))))}
         line = [f"{name:13s} rows {rows}: bf16 {base['bf16']:6.1f} tiles {base['tiles']:6.1f} |"]
         best = None
-        for block_n in (1, 2, 4, 8, 16):
-            for warps in (1, 2, 4, 8):
+        for block_n in (1, 2, 4, 8, 16) if rows <= 4 else (1, 2, 4):
+            for warps in (1, 2, 4, 8) if rows <= 4 else (2, 4, 8):
                 if block_n * 1024 // warps > 4096:  # (over 128 values a thread)
                     continue
                 us = graph_time_us(lambda: project_few(x, *args(cycled(layers)), block_n=block_n, num_warps=warps))
