@@ -462,6 +462,7 @@ def test_quantized_projections_on_gpu_match_their_reference_and_keep_rows_invari
         assert ((got - expected).abs() / expected.abs().clamp(min=1)).max() < 2e-2, rows
     alone = qlinear_invariant(x[3:4], *args)
     assert all(torch.equal(qlinear_invariant(x[:rows], *args)[3:4], alone) for rows in (5, 16, 17, 64, 100))
+    assert torch.equal(qlinear(x, *args), qlinear_reference(x, *args))  # past the tiles: the reference's weight's bits
 
 
 def test_row_invariant_speculation_over_a_quantized_target_decodes_its_autoregressive_tokens(tmp_path, code_prompts):

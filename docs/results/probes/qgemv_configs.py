@@ -2,7 +2,8 @@
 # specgraph/kernels/qlinear/triton.py) at the Llama-3-8B projection shapes, 1 to 16 rows, over weight rows a
 # program and warps (also at 8 and 16 rows, beyond the rows it takes), against the tiles (`project_quantized`) and
 # bf16 (`linear`); then the tiles against the
-# dequantizing reference past qlinear's MAX_ROWS (a verification of 128-512 rows). us a call, CUDA-graph replays
+# dequantizing reference and qlinear (its weight dequantized by one kernel, then cuBLAS) past its MAX_ROWS (a
+# verification of 128-512 rows). us a call, CUDA-graph replays
 # cycling through weight copies (more bytes than the L2 holds). `python3 docs/results/probes/qgemv_configs.py`
 import torch
 import triton
@@ -11,7 +12,7 @@ import triton.language as tl
 from specgraph.bench.timing import graph_time_us
 from specgraph.kernels.linear.triton import linear
 from specgraph.kernels.qlinear import qlinear_reference
-from specgraph.kernels.qlinear.triton import project_few, project_quantized
+from specgraph.kernels.qlinear.triton import project_few, project_quantized, qlinear
 from specgraph.models.widen import SHAPES as WIDE
 from specgraph.quant.quantize import quantize_linear
 
@@ -104,5 +105,8 @@ for name, (n, k) in WIDE["llama-3-8b"][0].projections().items():
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
         tiles = graph_time_us(lambda: project_quantized(x, *args(cycled(layers))), replays=50)
         reference = graph_time_us(lambda: qlinear_reference(x, *args(cycled(layers))), replays=20)
+        same = torch.equal(qlinear(x, *args(layers[0])), qlinear_reference(x, *args(layers[0])))
+        ours = graph_time_us(lambda: qlinear(x, *args(cycled(layers))), replays=50)  # (_dequantize, then cuBLAS)
         bf16 = graph_time_us(lambda: linear(x, cycled(denses), None))
-        print(f"{name:13s} rows {rows}: tiles {tiles:7.1f} reference {reference:7.1f} bf16 {bf16:6.1f}", flush=True)
+        print(f"{name:13s} rows {rows}: tiles {tiles:7.1f} reference {reference:7.1f} qlinear {ours:7.1f} "
+              f"bf16 {bf16:6.1f} (qlinear's bits the reference's: {same})", flush=True)
