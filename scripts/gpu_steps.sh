@@ -91,8 +91,6 @@ sys.exit(pytest.main(["-v", "-o", "addopts=", "-p", "no:cacheprovider", "-o", "f
     profile-policy)  # traces of the policy's steady steps (its build times its modes first), batch 8 then 1
       run_step profile-policy 420 python3 scripts/profile_engine.py recipes/dynamic.yaml --systems specgraph \
         --batches "${BATCHES:-8,1}" --widen llama-3-8b --out "$OUT/files" ;;
-    qgemv)  # the int4 few-row kernel over weight rows a program and warps; the tiles past 64 rows (run 129's probe)
-      run_step qgemv 300 python3 docs/results/probes/qgemv_configs.py ;;
     qlinear)  # the quantized projections (int4, fp8) against bf16 and tinygemm at the 8B shapes, 1-64 rows
       run_step qlinear 150 python3 scripts/bench_qlinear.py ;;
     quant)  # the policy recipe and ar with quantized weights (SCHEME: w4a16, w8a16 or fp8), batch 1 and 8 by default

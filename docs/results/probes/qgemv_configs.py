@@ -4,7 +4,8 @@
 # bf16 (`linear`); then the tiles against the
 # dequantizing reference and qlinear (its weight dequantized by one kernel, then cuBLAS) past its MAX_ROWS (a
 # verification of 128-512 rows). us a call, CUDA-graph replays
-# cycling through weight copies (more bytes than the L2 holds). `python3 docs/results/probes/qgemv_configs.py`
+# cycling through weight copies (more bytes than the L2 holds). `python3 docs/results/probes/qgemv_configs.py` at
+# code `2bf3b56`, where `_qgemv` and `project_few` existed: slower than the tiles, they went after this run.
 import torch
 import triton
 import triton.language as tl

@@ -6,12 +6,7 @@ tensor cores; K is split over programs where the outputs alone give few (the spl
 fixed order by a second kernel). As in kernels/linear/invariant.py the tiling is a function of the
 weight alone (16-row blocks up to 16 rows, 32-row blocks above), so each row's bits do not depend on
 the row count: `qlinear_invariant` runs it for every row count (lowering.row_invariant), `qlinear`
-for up to MAX_ROWS, the dequantized weight through cuBLAS above (prefill).
-
-For one to GEMV_ROWS rows of int4 or int8 (decoding), `qlinear` takes `_qgemv` instead: a program reads a few
-weight rows' packed words along K as they lie (16-byte loads), unpacks them once in registers, and for each row
-of x sums q * x by group, the zero point and scale applied once a group (sum (q - z) s x = s (sum q x - z sum x)):
-no tensor-core tile of 16 rows for one, no K split, no second kernel."""
+for up to MAX_ROWS, the dequantized weight through cuBLAS above (prefill)."""
 
 from __future__ import annotations
 
@@ -22,12 +17,10 @@ import triton.language as tl
 
 from specgraph.kernels import interpreted
 from specgraph.kernels.linear.invariant import in_tiles
-from specgraph.kernels.pdl import launch
 from specgraph.kernels.qlinear.reference import qlinear_reference
 from specgraph.quant.linear import FORMATS
 
 MAX_ROWS = 64  # the most rows `qlinear` projects with these tiles
-GEMV_ROWS = 4  # the most rows `qlinear` projects with `_qgemv` (each weight unpacked once, multiplied per row)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -75,72 +68,6 @@ def _qproject(x, w, scales, zeros, bias, out, M, N, K, s_xm, s_w, s_s, CHUNK, GR
         acc += tl.load(bias + cols, mask=m_cols, other=0.0).to(tl.float32)[None, :]
     p_out = out + (i_s * M + rows[:, None]) * N + cols[None, :]
     tl.store(p_out, acc.to(out.dtype.element_ty), mask=m_rows[:, None] & m_cols[None, :])
-
-
-@triton.jit(do_not_specialize=["M"])
-def _qgemv(x, w, scales, zeros, bias, out, M, N, K, s_xm, s_w, s_s, GROUP: tl.constexpr, BITS: tl.constexpr,
-           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-           PDL: tl.constexpr):
-    """out[M, N] = x[M, K] @ dequantized w[N, K]^T (+ bias) for M <= BLOCK_M: BLOCK_N weight rows a program,
-    GROUPS groups of K an iteration."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    PER_WORD: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = GROUP // PER_WORD  # words a group
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows
-    m_cols = cols < N
-    rows = tl.arange(0, BLOCK_M)  # [BM] rows of x
-    o_g, o_w, o_j = tl.arange(0, GROUPS), tl.arange(0, WORDS), tl.arange(0, PER_WORD)
-    shifts = o_j * BITS  # [PW]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # x is the kernel before's output
-    for g0 in range(0, K // GROUP, GROUPS):
-        groups = g0 + o_g  # [G]
-        m_g = groups < K // GROUP
-        words = groups[:, None] * WORDS + o_w[None, :]  # [G, W]
-        b_words = tl.load(w + cols[:, None, None] * s_w + words[None, :, :],
-                          mask=m_cols[:, None, None] & m_g[None, :, None], other=0)  # [BN, G, W]
-        b_q = ((b_words[:, :, :, None] >> shifts[None, None, None, :]) & ((1 << BITS) - 1)).to(tl.float32)  # [BN, G, W, PW]
-        b_s = tl.load(scales + cols[:, None] * s_s + groups[None, :], mask=m_cols[:, None] & m_g[None, :],
-                      other=0.0).to(tl.float32)  # [BN, G]
-        b_z = tl.load(zeros + cols[:, None] * s_s + groups[None, :], mask=m_cols[:, None] & m_g[None, :],
-                      other=0).to(tl.float32)  # [BN, G]
-        ks = words[:, :, None] * PER_WORD + o_j[None, None, :]  # [G, W, PW]: weight k of each unpacked value
-        for r in tl.static_range(BLOCK_M):
-            b_x = tl.load(x + r * s_xm + ks, mask=(r < M) & m_g[:, None, None], other=0.0).to(tl.float32)  # [G, W, PW]
-            qx = tl.sum(tl.sum(b_q * b_x[None, :, :, :], axis=3), axis=2)  # [BN, G]
-            x_sum = tl.sum(tl.sum(b_x, axis=2), axis=1)  # [G]
-            part = tl.sum(b_s * (qx - b_z * x_sum[None, :]), axis=1)  # [BN]
-            acc = tl.where(rows[:, None] == r, acc + part[None, :], acc)
-    if HAS_BIAS:
-        acc += tl.load(bias + cols, mask=m_cols, other=0.0).to(tl.float32)[None, :]
-    tl.store(out + rows[:, None] * N + cols[None, :], acc.to(out.dtype.element_ty),
-             mask=(rows[:, None] < M) & m_cols[None, :])
-
-
-def project_few(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                bias: torch.Tensor | None, format: str, group: int, block_n: int | None = None,
-                **config) -> torch.Tensor | None:
-    """x [..., K] of at most GEMV_ROWS rows through `_qgemv` -> [..., N] in x's dtype; None where it does not
-    apply (fp8, a group that is not a power of two or is wider than 1,024). `block_n` (default: 4 weight rows
-    a program on a GPU, 64 on the CPU's interpreter) and `config` (num_warps, num_stages) for measurements."""
-    per_word = 32 // FORMATS[format]
-    if format == "fp8" or group & (group - 1) or not per_word <= group <= 1024:
-        return None
-    k, n = x.shape[-1], weight.shape[0]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    block_n = block_n or (4 if x.is_cuda else 64)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _qgemv[(triton.cdiv(n, block_n),)](
-        x2, weight, scales, zeros, bias if bias is not None else out, out, m, n, k, x2.stride(0), weight.stride(0),
-        scales.stride(0), GROUP=group, BITS=FORMATS[format], HAS_BIAS=bias is not None,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, GROUPS=min(1024 // group, 1 << (k // group).bit_length() - 1),
-        **launch(x.device), **({"num_warps": 4} | config))
-    return out.view(*x.shape[:-1], n)
 
 
 @triton.jit
@@ -216,16 +143,15 @@ def project_quantized(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
 @torch.library.custom_op("specgraph::qlinear", mutates_args=())
 def qlinear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
             bias: torch.Tensor | None, format: str, group: int) -> torch.Tensor:
-    """Same signature and result as qlinear_reference: `_qgemv` for up to GEMV_ROWS rows, the tiles for up to
-    MAX_ROWS, the weight dequantized by `_dequantize` (the reference's bits) through cuBLAS for more."""
+    """Same signature and result as qlinear_reference: the tiles for up to MAX_ROWS rows, the weight
+    dequantized by `_dequantize` (the reference's bits) through cuBLAS for more."""
     rows = x.numel() // x.shape[-1]
     if rows > MAX_ROWS:  # (the reference's dequantizing in torch's steps took 85 ms a depth-3 step at batch 8: run 128)
         weight_now = dequantized(weight, scales, zeros, format, group, x.shape[-1], x.dtype)
         if weight_now is None:
             return qlinear_reference(x, weight, scales, zeros, bias, format, group)
         return F.linear(x, weight_now, bias)
-    few = project_few(x, weight, scales, zeros, bias, format, group) if rows <= GEMV_ROWS else None
-    return few if few is not None else project_quantized(x, weight, scales, zeros, bias, format, group)
+    return project_quantized(x, weight, scales, zeros, bias, format, group)
 
 
 @qlinear.register_fake
