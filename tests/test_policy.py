@@ -425,6 +425,7 @@ def test_newcomers_feed_the_drafter_only_where_speculation_pays_at_the_batch_the
         fed.append(tokens.numel()) if stage.name == "draft" else None, feed(stage, tokens, layout))[1])
     assert engine.policy.pays_at(1, 0.0) and not engine.policy.pays_at(5, 0.0)
     requests = [{"prompt": ids, "new": 8} for ids, _ in target_reference[:5]]
+
     def fed_while_shared(handles):  # the drafter's tokens fed in steps that began with all five in the engine
         if held[-1] == len(requests):
             shared.append(sum(fed))
