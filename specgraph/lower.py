@@ -18,7 +18,7 @@ from specgraph.models.widen import draft_shape_for, widen, widened_shape
 from specgraph.draft import Drafter
 from specgraph.engine.budget import Budget, batch_sizes
 from specgraph.engine.calibrate import budget_table, prompt_shapes, prompt_token_seconds, step_costs, step_shapes, warm_up
-from specgraph.engine.saved import device_identity, remembered
+from specgraph.engine.saved import device_identity, remembered, weights_layout
 from specgraph.engine.engine import Engine
 from specgraph.engine.policy import Policy, StepCosts
 from specgraph.engine.pool import BlockPool
@@ -172,6 +172,7 @@ def build_engine(graph: SpecGraph, verifier: Verifier, drafter: Drafter | None, 
         if ranks.split(graph.target):
             return measure()
         identity = {**identity, "stages": {name: graph.node(name) for name in graph.stages()}, "sizes": sizes,
+                    "weights": {stage.name: weights_layout(stage.model) for stage in runner.stages},
                     "serving": serving, "context": context, "modes": [(m.name, m.nodes) for m in runner.modes],
                     **device_identity(runner.device)}
         return remembered(what, identity, measure)

@@ -5,6 +5,7 @@ too much under load to test a choice on), so what the policy should choose follo
 tokens are transformers' greedy ones whatever it chooses, and sampling keeps the target's law."""
 
 import pytest
+import torch
 from conftest import EMBEDDED
 from helpers import (BUDGETS, Cycling, Ledger, decode_requests, decode_together, law, seeded_generations,
                      total_variation, two_stage, two_token_law)
@@ -13,6 +14,7 @@ from specgraph.engine import runner as runner_module
 from specgraph.engine.policy import Acceptance, Policy, StepCosts, expected_tokens
 from specgraph.engine.runner import PLAIN, Mode
 from specgraph.engine.request import DECODE, PREFILL
+from specgraph.passes import plan
 from specgraph.program import Program
 from specgraph.runtime.stage import Stage
 
@@ -210,7 +212,6 @@ def test_a_steps_first_runs_and_its_capture_leave_the_costs(monkeypatch):
     """A shape's first run (eager, compiling) and the run that captures it cost far more than its
     replays: Replays says a key is ready only once it replays (or where nothing is captured), and a
     step timed before that (seconds None) leaves the policy's costs; its acceptance still counts."""
-    import torch
 
     from specgraph.runtime import graphs
 
@@ -484,10 +485,14 @@ def test_an_untimed_policy_keeps_its_measured_costs():
 def test_a_second_build_of_the_same_engine_reuses_its_step_costs(tmp_path, monkeypatch, caplog):
     """The policy's step costs are saved beside the compiled code (engine/saved.py): a second build
     of the same program here times nothing and weighs the first one's costs; another shape (a larger
-    batch) is timed anew, and a file that cannot be read is timed again and rewritten."""
+    batch) or other weights for the same recipe (its target quantized: runs 136's w8a16 and fp8 builds
+    weighed run 133's w4a16 costs) are timed anew, and a file that cannot be read is timed again and
+    rewritten."""
     import json
 
     from specgraph import lower
+    from specgraph.models.loader import load_model
+    from specgraph.models.widen import widen
 
     timed = []
 
@@ -495,10 +500,10 @@ def test_a_second_build_of_the_same_engine_reuses_its_step_costs(tmp_path, monke
         timed.append(sizes)
         return {mode.name: {size: 0.01 * (len(timed) + mode.depth) for size in sizes} for mode in modes}
 
-    def build(**serving) -> dict:
+    def build(models: dict | None = None, **serving) -> dict:
         recipe = two_stage(EMBEDDED / "target", EMBEDDED / "draft", DYNAMIC,
                            serving={"max_batch": 1, "speculation": "adaptive", **serving})
-        with Program.from_recipe(recipe) as program:
+        with Program(plan(recipe), models) as program:
             return program.executor.policy.costs.table
 
     monkeypatch.setattr(lower, "step_costs", step_costs)
@@ -506,10 +511,13 @@ def test_a_second_build_of_the_same_engine_reuses_its_step_costs(tmp_path, monke
     first = build()
     assert build() == first and len(timed) == 1 and first["depth 1"] == {1: 0.02}
     assert build(max_batch=2) != first and timed == [[1], [1, 2]]
+    target = load_model(EMBEDDED / "target", torch.float32, "cpu")
+    quantized = widen(target, target.shape, "cpu", torch.float32, quantize="w8a16")
+    assert build({"target": quantized}) != first and timed == [[1], [1, 2], [1]]
     saved = sorted(tmp_path.glob("step-costs-*.json"))
-    assert len(saved) == 2 and all(json.loads(path.read_text())["value"] for path in saved)
+    assert len(saved) == 3 and all(json.loads(path.read_text())["value"] for path in saved)
     for path in saved:
         path.write_text("{not json")
     with caplog.at_level("WARNING", "specgraph.build"):
-        assert build() != first and len(timed) == 3
-    assert "could not be read" in caplog.text and build() == build() and len(timed) == 3
+        assert build() != first and len(timed) == 4
+    assert "could not be read" in caplog.text and build() == build() and len(timed) == 4

@@ -1,5 +1,5 @@
 """Timings of a build kept for the next one: the step costs a policy weighs and a budget's table
-are measured once for a given (shapes, settings, device, code) and saved as JSON in a folder beside
+are measured once for a given (weights, shapes, settings, device, code) and saved as JSON in a folder beside
 Inductor's compiled code, so that a second start of the same program on the same machine skips the
 timing as it skips the compiling. SPECGRAPH_TIMINGS names another folder, or `0` to keep none;
 removing the folder (or a file) makes the next build time again. A file that cannot be read is
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+from torch import nn
 
 from specgraph.errors import SpecgraphError
 from specgraph.files import write_output
@@ -45,6 +46,15 @@ def code_version() -> str:
     package = Path(__file__).resolve().parent.parent
     for path in sorted(package.rglob("*.py")):
         digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def weights_layout(model: nn.Module) -> str:
+    """A digest of the name, shape and dtype of each of `model`'s tensors: a timing of other weights
+    (another shape, another quantization of the same recipe's models) is not reused."""
+    digest = hashlib.sha256()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
     return digest.hexdigest()[:16]
 
 
