@@ -92,15 +92,34 @@ def _dequantize(w, scales, zeros, out, N, K, s_w, s_s, GROUP: tl.constexpr, BITS
              mask=mask[:, :, None, None])
 
 
-def dequantized(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, format: str, group: int, k: int,
-                dtype: torch.dtype) -> torch.Tensor | None:
+@triton.jit
+def _dequantize_fp8(w, scales, out, N, K, s_w, s_s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[N, K] = fp8 weight * its row's scale, computed in fp32 and rounded once to out's dtype: a
+    [BLOCK_N, BLOCK_K] tile a program."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
+    mask = (cols < N)[:, None] & (ks < K)[None, :]  # [BN, BK]
+    b_q = tl.load(w + cols[:, None] * s_w + ks[None, :], mask=mask, other=0)  # [BN, BK] the fp8 values' bytes
+    b_s = tl.load(scales + cols * s_s, mask=cols < N, other=0.0).to(tl.float32)  # [BN]
+    b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_s[:, None]  # [BN, BK]
+    tl.store(out + cols[:, None].to(tl.int64) * K + ks[None, :], b_w.to(out.dtype.element_ty), mask=mask)
+
+
+def dequantized(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, format: str, group: int,
+                k: int, dtype: torch.dtype) -> torch.Tensor | None:
     """quant.linear.dequantize's weight [N, K] in `dtype` (rounded once from fp32: the same bits where `dtype` or
-    the scales are fp32 or bf16), in one pass over the packed words; None where it does not apply (fp8, a group
-    that is not a power of two or is wider than 1,024)."""
-    per_word = 32 // FORMATS[format]
-    if format == "fp8" or group & (group - 1) or not per_word <= group <= 1024:
-        return None
+    the scales are fp32 or bf16), in one pass over the packed words or fp8 bytes; None where it does not apply
+    (an int4/int8 group that is not a power of two or is wider than 1,024)."""
     n = weight.shape[0]
+    if format == "fp8":
+        out = torch.empty(n, k, dtype=dtype, device=weight.device)
+        block_n, block_k = (16, 256) if weight.is_cuda else (64, 1024)
+        _dequantize_fp8[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+            weight, scales, out, n, k, weight.stride(0), scales.stride(0), BLOCK_N=block_n, BLOCK_K=block_k)
+        return out
+    per_word = 32 // FORMATS[format]
+    if group & (group - 1) or not per_word <= group <= 1024:
+        return None
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
     block_n, groups = (4, max(1, 1024 // group)) if weight.is_cuda else (64, max(1, 4096 // group))
     _dequantize[(triton.cdiv(n, block_n), triton.cdiv(k // group, groups))](
