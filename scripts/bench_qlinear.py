@@ -1,6 +1,6 @@
-"""The quantized projection at the Llama-3-8B layer shapes on a GPU, in one run: for 1 to 64 rows,
-microseconds per call of our int4 kernel (groups of 128; `qlinear`, specgraph/kernels/qlinear/triton.py), our fp8
-kernel, the bf16 path (`linear`: our one-token kernel, tiles to 16 rows, cuBLAS above) and tinygemm
+"""The quantized projection at the Llama-3-8B layer shapes on a GPU, in one run: for 1 to 128 rows,
+microseconds per call of our int4 kernel (groups of 128; `qlinear`, specgraph/kernels/qlinear/triton.py: the tiles
+to 64 rows, the weight dequantized then cuBLAS above), our int8 (w8a16, a scale per row) and fp8 kernels, the bf16 path (`linear`: our one-token kernel, tiles to 16 rows, cuBLAS above) and tinygemm
 (`torch.ops.aten._weight_int4pack_mm`, groups of 128, the kernel gpt-fast and torchao use), each timed over
 CUDA-graph replays that cycle through copies of the weight (more bytes than the L2 holds, so every call reads
 HBM), with the bandwidth each reaches and our int4's speedup over bf16. Each of our kernels is first checked
@@ -16,27 +16,29 @@ from specgraph.models.widen import SHAPES as WIDE
 from specgraph.quant.quantize import quantize_linear
 
 SHAPES = {name: nk for name, nk in WIDE["llama-3-8b"][0].projections().items() if name != "lm_head"}
-ROWS = (1, 2, 4, 8, 16, 32, 64)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 L2_BYTES = 256 << 20  # cycle through at least this many bytes of weights
 
 device = torch.device("cuda")
 bandwidth = measure_copy_bandwidth(device)
 print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-print("shape          rows  bf16 us  int4 us  fp8 us  tinygemm us  int4/bf16  int4 TB/s  tinygemm TB/s")
+print("shape          rows  bf16 us  int4 us  int8 us  fp8 us  tinygemm us  int4/bf16  int4 TB/s  tinygemm TB/s")
 for name, (n, k) in SHAPES.items():
     dense = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
-    int4, fp8 = quantize_linear(dense, "w4a16", 128), quantize_linear(dense, "fp8")
+    int4, int8, fp8 = (quantize_linear(dense, "w4a16", 128), quantize_linear(dense, "w8a16"),
+                       quantize_linear(dense, "fp8"))
     q = torch.randint(0, 16, (n, k), device=device, dtype=torch.int32)
     tiny = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8)
     tiny_scales = torch.rand(k // 128, n, 2, device=device, dtype=torch.bfloat16)
     copies = max(1, -(-L2_BYTES // (n * k // 2)))
     weights = {"bf16": [dense.weight.clone() for _ in range(max(1, -(-L2_BYTES // (n * k * 2))))],
                "int4": [quantize_linear(dense, "w4a16", 128) for _ in range(copies)],
+               "int8": [quantize_linear(dense, "w8a16") for _ in range(-(-L2_BYTES // (n * k)))],
                "fp8": [quantize_linear(dense, "fp8") for _ in range(-(-L2_BYTES // (n * k)))],
                "tinygemm": [tiny.clone() for _ in range(copies)]}
     for rows in ROWS:
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-        for layer in (int4, fp8):
+        for layer in (int4, int8, fp8):
             args = (layer.weight, layer.scales, layer.zeros, None, layer.format, layer.group)
             expected = qlinear_reference(x.float(), layer.weight, layer.scales.float(), layer.zeros, None, layer.format,
                                          layer.group)
@@ -53,11 +55,12 @@ for name, (n, k) in SHAPES.items():
             return qlinear(x, layer.weight, layer.scales, layer.zeros, None, layer.format, layer.group)
 
         times = {"bf16": graph_time_us(lambda: linear(x, cycled("bf16"), None)),
-                 "int4": graph_time_us(lambda: quantized("int4")), "fp8": graph_time_us(lambda: quantized("fp8")),
+                 "int4": graph_time_us(lambda: quantized("int4")), "int8": graph_time_us(lambda: quantized("int8")),
+                 "fp8": graph_time_us(lambda: quantized("fp8")),
                  "tinygemm": graph_time_us(lambda: torch.ops.aten._weight_int4pack_mm(x, cycled("tinygemm"), 128,
                                                                                       tiny_scales))}
         int4_bytes = int4.bytes + rows * k * 2 + rows * n * 2
         tiny_bytes = n * k // 2 + tiny_scales.numel() * 2 + rows * k * 2 + rows * n * 2
-        print(f"{name:14s} {rows:4d} {times['bf16']:8.1f} {times['int4']:8.1f} {times['fp8']:7.1f} "
+        print(f"{name:14s} {rows:4d} {times['bf16']:8.1f} {times['int4']:8.1f} {times['int8']:8.1f} {times['fp8']:7.1f} "
               f"{times['tinygemm']:12.1f} {times['bf16'] / times['int4']:9.2f}x {int4_bytes / times['int4'] / 1e6:9.2f} "
               f"{tiny_bytes / times['tinygemm'] / 1e6:13.2f}", flush=True)
