@@ -57,7 +57,7 @@ def test_invariant_projection_matches_reference_and_each_row_its_bits_alone(op, 
     assert got.shape == expected.shape and (got.double() - expected).abs().max() < 1e-4
     assert all(torch.equal(got[i], op(x[i], weight, b)) for i in range(rows))
     if k == 4200:
-        assert tiling(n, k, 4)[2] > 1
+        assert tiling(n, k, 4, interpreted=True)[2] > 1  # (the tiles this run used)
 
 
 def pool_for(layout: Layout, hkv: int, d: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
