@@ -49,9 +49,13 @@ def code_version() -> str:
     return digest.hexdigest()[:16]
 
 
-def weights_layout(model: nn.Module) -> str:
+def weights_layout(model: nn.Module | object) -> str:
     """A digest of the name, shape and dtype of each of `model`'s tensors: a timing of other weights
-    (another shape, another quantization of the same recipe's models) is not reused."""
+    (another shape, another quantization of the same recipe's models) is not reused. A model that is
+    no module (an exported package, its weights inside it: export.py's ExportedModel): its kind,
+    shape and dtype."""
+    if not isinstance(model, nn.Module):
+        return f"{type(model).__name__} {model.shape} {model.dtype}"
     digest = hashlib.sha256()
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
