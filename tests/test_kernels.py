@@ -28,6 +28,7 @@ from specgraph.kernels.qlinear import qlinear_reference
 from specgraph.kernels.qlinear.invariant import qlinear_invariant
 from specgraph.kernels.qlinear.triton import dequantized, qlinear
 from specgraph.kernels.rope import rope_write_reference
+from specgraph.kernels.rope import triton as rope_triton
 from specgraph.kernels.rope.triton import rope_write
 from specgraph.kernels.swiglu import swiglu_reference
 from specgraph.kernels.swiglu.triton import swiglu
@@ -84,7 +85,9 @@ def test_step_attention_needs_blocks_of_whole_key_tiles():
     (2, 20, 10, 2, 32, 32, False, torch.float32),  # a prompt chunk (40 tokens): blocks of 8 heads, the last part empty
     (1, 33, 3, 1, 64, 16, True, torch.bfloat16),  # a chunk with norms, fewer heads than a block
 ])
-def test_rope_write_matches_reference(b, t, h, hkv, d, rotary, norms, dtype):
+@pytest.mark.parametrize("tokens", [1, 16], ids=["a token a program", "16 tokens a program"])  # (a GPU's; the CPU's)
+def test_rope_write_matches_reference(b, t, h, hkv, d, rotary, norms, dtype, tokens, monkeypatch):
+    monkeypatch.setattr(rope_triton, "INTERPRETED_TOKENS", tokens)
     g = torch.Generator().manual_seed(t * 7 + d)
     qkv = torch.randn(b, t, (2 * h + 2 * hkv) * d, generator=g).to(dtype)  # the projection's output
     q_gate, k, v = qkv.split([2 * h * d, hkv * d, hkv * d], dim=-1)
