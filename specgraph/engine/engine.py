@@ -161,8 +161,7 @@ class Engine:
             if self.policy is not None:
                 request.acceptance = Acceptance(self.policy.depth)
         prefilled = self._prefill()
-        heading = self._heading()
-        running = [r for r in heading if r.status == DECODE]
+        running = self._running()  # (in admission order)
         previous, self._in_flight = self._in_flight, None
         if prefilled and previous is not None:  # (its collection comes after that prompt forward: on a CPU, behind it)
             previous.prefilled = True
@@ -175,8 +174,8 @@ class Engine:
                                                              self.runner.missed(request.slot) / max(request.output.room, 1))
             # (chosen for the batch it is heading to, newcomers included: not a drafter synced for a few
             # requests while the prompts of a batch that will decode plainly go in)
-            mode = self.always if self.policy is None else self.policy.choose([r.acceptance for r in running],
-                                                                               self.runner.step_rows(len(heading)))
+            heading = self.runner.step_rows(len(running) + len(self.scheduler.prefilling()))
+            mode = self.always if self.policy is None else self.policy.choose([r.acceptance for r in running], heading)
             if mode.drafter is not None and self.budget is not None and self.budget(rows, mode.nodes) == 0:
                 mode = self.runner.modes[0]  # (a budget that verifies no node: nothing to draft for)
             if mode.drafter is not None and any(r.behind for r in running):  # its drafter first fed what it missed
@@ -219,15 +218,14 @@ class Engine:
         would cost the drafter a forward for nothing: run 126); without, where every step speculates."""
         if self.policy is None:
             return self.always.drafter is not None
-        held = self._heading()
+        held = self._running() + self.scheduler.prefilling()  # (the batch ahead, as a step's mode counts it)
         feeds = sum(len(r.prompt) / r.output.budget for r in held) / max(len(held), 1)  # (policy.py's f_r)
         return self.policy.pays_at(self.runner.step_rows(max(len(held), 1)), feeds)
 
-    def _heading(self) -> list[Request]:
-        """The requests the next steps are for: those decoding, less those the step in flight ends (its
-        budget's last token), then the newcomers; one count for a step's mode and for feeding the drafter."""
+    def _running(self) -> list[Request]:
+        """The requests decoding, less those the step in flight ends (its budget's last token)."""
         ending = set() if self._in_flight is None else {r.id for r in self._in_flight.requests if r.output.room <= 1}
-        return [r for r in self.scheduler.decoding() if r.id not in ending] + self.scheduler.prefilling()
+        return [r for r in self.scheduler.decoding() if r.id not in ending]
 
     def _launch(self, running: list[Request], mode: Mode, in_flight: bool, prefilled: bool) -> None:
         rows = self.runner.step_rows(len(running))  # (a budget is that of the step's rows, padding among them)
