@@ -1,6 +1,7 @@
 """The quantized projection at the Llama-3-8B layer shapes on a GPU, in one run: for 1 to 128 rows,
 microseconds per call of our int4 kernel (groups of 128; `qlinear`, specgraph/kernels/qlinear/triton.py: the tiles
-to 64 rows, the weight dequantized then cuBLAS above), our int8 (w8a16, a scale per row) and fp8 kernels, the bf16 path (`linear`: our one-token kernel, tiles to 16 rows, cuBLAS above) and tinygemm
+to 64 rows, the weight dequantized then cuBLAS above), our int8 (w8a16, a scale per row) and fp8 kernels, the
+bf16 path (`linear`: our one-token kernel, tiles to 16 rows, cuBLAS above) and tinygemm
 (`torch.ops.aten._weight_int4pack_mm`, groups of 128, the kernel gpt-fast and torchao use), each timed over
 CUDA-graph replays that cycle through copies of the weight (more bytes than the L2 holds, so every call reads
 HBM), with the bandwidth each reaches and our int4's speedup over bf16. Each of our kernels is first checked
@@ -61,6 +62,6 @@ for name, (n, k) in SHAPES.items():
                                                                                       tiny_scales))}
         int4_bytes = int4.bytes + rows * k * 2 + rows * n * 2
         tiny_bytes = n * k // 2 + tiny_scales.numel() * 2 + rows * k * 2 + rows * n * 2
-        print(f"{name:14s} {rows:4d} {times['bf16']:8.1f} {times['int4']:8.1f} {times['int8']:8.1f} {times['fp8']:7.1f} "
-              f"{times['tinygemm']:12.1f} {times['bf16'] / times['int4']:9.2f}x {int4_bytes / times['int4'] / 1e6:9.2f} "
-              f"{tiny_bytes / times['tinygemm'] / 1e6:13.2f}", flush=True)
+        print(f"{name:14s} {rows:4d} {times['bf16']:8.1f} {times['int4']:8.1f} {times['int8']:8.1f} "
+              f"{times['fp8']:7.1f} {times['tinygemm']:12.1f} {times['bf16'] / times['int4']:9.2f}x "
+              f"{int4_bytes / times['int4'] / 1e6:9.2f} {tiny_bytes / times['tinygemm'] / 1e6:13.2f}", flush=True)

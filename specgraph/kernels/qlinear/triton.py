@@ -110,17 +110,16 @@ def dequantized(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
     """quant.linear.dequantize's weight [N, K] in `dtype` (rounded once from fp32: the same bits where `dtype` or
     the scales are fp32 or bf16), in one pass over the packed words or fp8 bytes; None where it does not apply
     (an int4/int8 group that is not a power of two or is wider than 1,024)."""
+    per_word = 32 // FORMATS[format]
+    if format != "fp8" and (group & (group - 1) or not per_word <= group <= 1024):
+        return None
     n = weight.shape[0]
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
     if format == "fp8":
-        out = torch.empty(n, k, dtype=dtype, device=weight.device)
         block_n, block_k = (16, 256) if weight.is_cuda else (64, 1024)
         _dequantize_fp8[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
             weight, scales, out, n, k, weight.stride(0), scales.stride(0), BLOCK_N=block_n, BLOCK_K=block_k)
         return out
-    per_word = 32 // FORMATS[format]
-    if group & (group - 1) or not per_word <= group <= 1024:
-        return None
-    out = torch.empty(n, k, dtype=dtype, device=weight.device)
     block_n, groups = (4, max(1, 1024 // group)) if weight.is_cuda else (64, max(1, 4096 // group))
     _dequantize[(triton.cdiv(n, block_n), triton.cdiv(k // group, groups))](
         weight, scales, zeros, out, n, k, weight.stride(0), scales.stride(0), GROUP=group, BITS=FORMATS[format],
