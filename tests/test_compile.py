@@ -12,14 +12,11 @@ def test_compiled_and_eager_programs_give_identical_greedy_tokens():
     """Also a program compiled after another in the process: compiled code is shared by every
     program, and one whose KV pool has another size recompiles it; its kernels that write the cache
     (rotary + cache write, in Triton: the interpreter here) must still write each layer's slice
-    (they wrote every layer's into layer 0's when the pool's size was left symbolic: GPU runs 99-100)."""
-    def program(lowering: dict, tree: dict = {"shape": "chain", "length": 3}, eager: tuple[str, ...] = (),
-                **fields) -> Program:
-        graph = plan(two_stage(EMBEDDED / "target", EMBEDDED / "draft", tree, max_new_tokens=24, lowering=lowering,
-                               **fields))
-        for name in eager:  # (stages left uncompiled: a compile costs this CPU tens of seconds a shape)
-            graph.node(name)["compile"] = False
-        return Program(graph)
+    (they wrote every layer's into layer 0's when the pool's size was left symbolic: GPU runs 99-100).
+    (A compiled drafter's exact tokens: test_a_compiled_sampling_program_draws_the_eager_tokens.)"""
+    def recipe(lowering: dict, **fields):
+        return two_stage(EMBEDDED / "target", EMBEDDED / "draft", {"shape": "static", "branching": [2, 1]},
+                         max_new_tokens=24, lowering=lowering, **fields)
 
     def compiled_regions(program: Program) -> list[bool]:
         """Which of the layers, the stem, the logits head, the verifier's placement and the work
@@ -29,22 +26,22 @@ def test_compiled_and_eager_programs_give_identical_greedy_tokens():
                 *(hasattr(fn, "_torchdynamo_orig_callable")
                   for fn in (model.stem, model.logits, runner.verifier.placement, runner._settle))]
 
-    compiled, eager = program({"compile": True}), program({"compile": False})
-    assert [compiled.graph.node(s)["compile"] for s in ("draft", "target")] == [True, True]
-    assert compiled_regions(compiled) == [True] * 5 and compiled_regions(eager) == [False] * 5
-    expected = {}
-    for text in ("import os\nimport sys\n", "def parse(path):\n    with open(path) as f:\n"):
-        ids = compiled.encode(text)
-        result = compiled.generate(ids)
-        expected[text] = eager.generate(ids).output_ids
-        assert result.output_ids == expected[text]
-        assert max(result.accepted_lengths) > 1
-    length = compiled.recipe.max_seq_len
-    for max_seq_len in (2 * length, length // 2):  # pools of two other sizes, the second with the first's kernels
-        after = program({"compile": True, "kernels": {"rope_write": "triton"}}, {"shape": "static", "branching": [2, 1]},
-                        eager=("draft",), max_seq_len=max_seq_len)  # (a target writing one layer's slice: other tokens)
-        assert compiled_regions(after) == [True] * 5
-        assert after.generate(after.encode(text)).output_ids == expected[text]  # (greedy: the target's own tokens)
+    planned = plan(recipe({"compile": True}))
+    assert [planned.node(s)["compile"] for s in ("draft", "target")] == [True, True]
+    eager = Program(plan(recipe({"compile": False})))
+    assert compiled_regions(eager) == [False] * 5
+    texts = ("import os\nimport sys\n", "def parse(path):\n    with open(path) as f:\n")
+    expected = {text: eager.generate(eager.encode(text)).output_ids for text in texts}
+    length = eager.recipe.max_seq_len
+    for max_seq_len in (2 * length, length // 2):  # pools of two sizes, the second with the first's kernels
+        graph = plan(recipe({"compile": True, "kernels": {"rope_write": "triton"}}, max_seq_len=max_seq_len))
+        graph.node("draft")["compile"] = False  # (the target's compile is what is tested: a compile costs this CPU
+        compiled = Program(graph)                # tens of seconds a shape)
+        assert compiled_regions(compiled) == [True] * 5
+        for text in texts:  # (a target writing one layer's slice gives other tokens)
+            result = compiled.generate(compiled.encode(text))
+            assert result.output_ids == expected[text]
+            assert max(result.accepted_lengths) > 1
 
 
 def test_a_failed_lowering_names_its_arguments_without_printing_their_ir():
