@@ -1,29 +1,32 @@
-"""The quantized projection at the Llama-3-8B layer shapes on a GPU, in one run: for 1 to 128 rows,
+"""The quantized projection at the Llama-3-8B layer shapes on a GPU, in one run: for 1 to 256 rows,
 microseconds per call of our int4 kernel (groups of 128; `qlinear`, specgraph/kernels/qlinear/triton.py: the tiles
 to 64 rows, the weight dequantized then cuBLAS above), our int8 (w8a16, a scale per row) and fp8 kernels, the
 bf16 path (`linear`: our one-token kernel, tiles to 16 rows, cuBLAS above) and tinygemm
 (`torch.ops.aten._weight_int4pack_mm`, groups of 128, the kernel gpt-fast and torchao use), each timed over
 CUDA-graph replays that cycle through copies of the weight (more bytes than the L2 holds, so every call reads
 HBM), with the bandwidth each reaches and our int4's speedup over bf16. Each of our kernels is first checked
-against its reference. Run from the repository root after scripts/gpu_setup.sh: `python3 scripts/bench_qlinear.py`."""
+against its reference. Past MAX_ROWS the tiles (`project_quantized`) are timed beside qlinear's dequantizing path,
+to place MAX_ROWS (run 139: fp8's dequantizing at 128 rows 2.5x slower than bf16). Run from the repository root
+after scripts/gpu_setup.sh: `python3 scripts/bench_qlinear.py`."""
 import torch
 
 from specgraph.bench.harness import measure_copy_bandwidth
 from specgraph.bench.timing import graph_time_us
 from specgraph.kernels.linear.triton import linear
 from specgraph.kernels.qlinear import qlinear_reference
-from specgraph.kernels.qlinear.triton import qlinear
+from specgraph.kernels.qlinear.triton import MAX_ROWS, project_quantized, qlinear
 from specgraph.models.widen import SHAPES as WIDE
 from specgraph.quant.quantize import quantize_linear
 
 SHAPES = {name: nk for name, nk in WIDE["llama-3-8b"][0].projections().items() if name != "lm_head"}
-ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 L2_BYTES = 256 << 20  # cycle through at least this many bytes of weights
 
 device = torch.device("cuda")
 bandwidth = measure_copy_bandwidth(device)
 print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-print("shape          rows  bf16 us  int4 us  int8 us  fp8 us  tinygemm us  int4/bf16  int4 TB/s  tinygemm TB/s")
+print("shape          rows  bf16 us  int4 us  int8 us  fp8 us  tinygemm us  int4/bf16  int4 TB/s  tinygemm TB/s  "
+      "tiles past MAX_ROWS: int4 us  int8 us  fp8 us")
 for name, (n, k) in SHAPES.items():
     dense = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     int4, int8, fp8 = (quantize_linear(dense, "w4a16", 128), quantize_linear(dense, "w8a16"),
@@ -51,17 +54,21 @@ for name, (n, k) in SHAPES.items():
             turn[key] = (turn[key] + 1) % len(weights[key])
             return weights[key][turn[key]]
 
-        def quantized(key):
+        def quantized(key, through=qlinear):
             layer = cycled(key)
-            return qlinear(x, layer.weight, layer.scales, layer.zeros, None, layer.format, layer.group)
+            return through(x, layer.weight, layer.scales, layer.zeros, None, layer.format, layer.group)
 
         times = {"bf16": graph_time_us(lambda: linear(x, cycled("bf16"), None)),
                  "int4": graph_time_us(lambda: quantized("int4")), "int8": graph_time_us(lambda: quantized("int8")),
                  "fp8": graph_time_us(lambda: quantized("fp8")),
                  "tinygemm": graph_time_us(lambda: torch.ops.aten._weight_int4pack_mm(x, cycled("tinygemm"), 128,
                                                                                       tiny_scales))}
+        past = rows > MAX_ROWS  # (where qlinear dequantizes and calls cuBLAS: the tiles beside it)
+        tiles = "  ".join(f"{graph_time_us(lambda: quantized(key, project_quantized)):7.1f}"
+                          for key in ("int4", "int8", "fp8")) if past else ""
         int4_bytes = int4.bytes + rows * k * 2 + rows * n * 2
         tiny_bytes = n * k // 2 + tiny_scales.numel() * 2 + rows * k * 2 + rows * n * 2
         print(f"{name:14s} {rows:4d} {times['bf16']:8.1f} {times['int4']:8.1f} {times['int8']:8.1f} "
               f"{times['fp8']:7.1f} {times['tinygemm']:12.1f} {times['bf16'] / times['int4']:9.2f}x "
-              f"{int4_bytes / times['int4'] / 1e6:9.2f} {tiny_bytes / times['tinygemm'] / 1e6:13.2f}", flush=True)
+              f"{int4_bytes / times['int4'] / 1e6:9.2f} {tiny_bytes / times['tinygemm'] / 1e6:13.2f}  {tiles}",
+              flush=True)
