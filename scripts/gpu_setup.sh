@@ -16,6 +16,7 @@ for archive in build/carry.tar.xz .cache/hybrid/carry.tar.xz; do  # (whichever t
     python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(filter='data')" "$archive"
   fi
 done
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}:/tmp/site  # (before the check: a warm machine has /tmp/site already)
 missing=()
 for module in pydantic rich pytest starlette uvicorn httpx compressed_tensors; do
   python3 -c "import $module" 2>/dev/null || missing+=("$module")
@@ -24,6 +25,5 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "installing from .whl/ (missing: ${missing[*]})"
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}:/tmp/site
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name(0))"
 sg() { python3 -m specgraph "$@"; }
