@@ -9,6 +9,8 @@ import sys
 from contextlib import contextmanager
 
 import torch
+import torch._inductor.config
+import torch._inductor.exc
 from tqdm import tqdm
 from torch import nn
 
@@ -60,8 +62,6 @@ def compile_model(model: nn.Module) -> None:
     of Triton tilings is turned off: torch 2.11's fails an assertion on the verification step's fused
     kernels (pytorch/pytorch#197077, `get_pw_red_splits`; GPU run 113), and that is its workaround.
     A failed lowering's message names its arguments by type and size (`brief_lowering_errors`)."""
-    import torch._inductor.config  # (here, not at the top: Inductor's import costs a process that compiles nothing ~1 s)
-
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     torch._inductor.config.triton.coalesce_tiling_analysis = False
     brief_lowering_errors()
@@ -85,8 +85,6 @@ def brief_lowering_errors() -> None:
             except Exception:  # noqa: BLE001 - not an IR node with a size: its type says enough
                 return type(arg).__name__
         return f"  target: {target}, args: {', '.join(brief(arg) for arg in args)}"
-
-    import torch._inductor.exc
 
     torch._inductor.exc.OperatorIssue.operator_str = staticmethod(operator_str)
 

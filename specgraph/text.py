@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from specgraph.errors import CheckpointError, PromptError
 
 
 class Tokenizer:
     def __init__(self, checkpoint: Path):
-        from transformers import AutoTokenizer  # (here: its import costs ~1 s, in processes that tokenize nothing too)
-
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False)
         except Exception:  # (no tokenizer files, or damaged ones: transformers and tokenizers raise all kinds)
