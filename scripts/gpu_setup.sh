@@ -2,7 +2,8 @@
 #   .fixtures/  what they need of ../shared/fixtures (mid/, hybrid/, prompts_code.jsonl; target and draft are embedded)
 #   .whl/       wheels of what the machine may lack (pydantic and its needs: ../shared/wheels-gpu; compressed-tensors,
 #               loguru and psutil for quantized checkpoints and --widen SHAPE:SCHEME; for
-#               `serve` and `loadgen`: starlette, uvicorn, httpx and theirs, for its Python)
+#               `serve` and `loadgen`: starlette, uvicorn, httpx and theirs, for its Python; gemlite, the Triton
+#               low-bit GEMM scripts/bench_qlinear.py times beside ours)
 #   or both in build/carry.tar.xz (`tar cf - .fixtures .whl | xz -9 > build/carry.tar.xz`: about a
 #   quarter smaller, for when the repository plus both pass the device's 64 MiB), extracted here; the hybrid
 #   fixture does not fit beside mid/ in one call's carry: .cache/hybrid/carry.tar.xz holds it with the prompts and
@@ -18,7 +19,7 @@ for archive in build/carry.tar.xz .cache/hybrid/carry.tar.xz; do  # (whichever t
 done
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}:/tmp/site  # (before the check: a warm machine has /tmp/site already)
 missing=()
-for module in pydantic rich pytest starlette uvicorn httpx compressed_tensors; do
+for module in pydantic rich pytest starlette uvicorn httpx compressed_tensors gemlite; do
   python3 -c "import $module" 2>/dev/null || missing+=("$module")
 done
 if [ ${#missing[@]} -gt 0 ]; then
