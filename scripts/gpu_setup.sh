@@ -7,8 +7,9 @@
 #   or both in build/carry.tar.xz (`tar cf - .fixtures .whl | xz -9 > build/carry.tar.xz`: about a
 #   quarter smaller, for when the repository plus both pass the device's 64 MiB), extracted here; the hybrid
 #   fixture does not fit beside mid/ in one call's carry: .cache/hybrid/carry.tar.xz holds it with the prompts and
-#   wheels (`tar cf - .fixtures/hybrid .fixtures/prompts_code.jsonl .whl | xz -9 > .cache/hybrid/carry.tar.xz`,
-#   carry [".cache/hybrid"] for the hybrid GPU tests), extracted here too
+#   pydantic's wheels (`.whl/` holding only pydantic*, annotated_types*, typing_*: `tar cf - .fixtures/hybrid
+#   .fixtures/prompts_code.jsonl .whl | xz -9e > .cache/hybrid/carry.tar.xz`: 22 MB, the repository 43),
+#   carry [".cache/hybrid"] for the hybrid GPU tests and gpu_steps.sh's hybrid-batch), extracted here too
 # Installs from .whl/ whatever does not import, keeps NVLink multicast off, and prints the versions.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-150}
 export SPECGRAPH_PROGRESS=1  # the build's steps in the logs (cli.py's build_progress)

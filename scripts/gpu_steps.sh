@@ -69,6 +69,12 @@ step() {
     hybrid)  # the hybrid fixture's GPU tests (carry [".cache/hybrid"]: the fixture, prompts and wheels, gpu_setup.sh)
       run_step hybrid-tests 330 python3 -m pytest -v -o addopts= -p no:cacheprovider -rfE --durations=10 tests/test_gpu.py \
         -k "hybrid or gated_delta" ;;
+    hybrid-batch)  # issue 58 step 5: the hybrid recipe (its dynamic tree under the policy) against ar and every step
+      # speculating (the fixed tree), at the Qwen3.5 shape SHAPE (default qwen3.5-9b; carry [".cache/hybrid"])
+      run_step "hybrid-batch-${SHAPE:-qwen3.5-9b}" 540 python3 -m specgraph bench recipes/hybrid.yaml \
+        --set models.target.path=../.fixtures/hybrid --prompts "$prompts" --max-new-tokens 128 \
+        --widen "${SHAPE:-qwen3.5-9b}" --batch "${BATCHES:-4,8}" --baselines ar,always \
+        --json "$OUT/files/${SHAPE:-qwen3.5-9b}-hybrid-batch.json" ;;
     quant-hang)  # the quantized row-invariant test that ran past every limit (runs 114, 117: Inductor formatted a failed
       # lowering's nested IR for minutes; lower.brief_lowering_errors now names its arguments briefly): which lowering
       # fails, its error and the frames around it, every stack at 200 s
