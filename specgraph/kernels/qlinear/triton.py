@@ -48,11 +48,12 @@ def _qproject(x, w, scales, zeros, bias, out, M, N, K, s_xm, s_w, s_s, CHUNK, GR
             b_q = tl.load(w + cols[None, :] * s_w + ks[:, None], mask=m_k[:, None] & m_cols[None, :], other=0)  # [BK, BN]
             b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
-            # each word loaded once per value it packs (the loads of one word coalesce), so that row j of the tile
-            # is weight k0 + j with no reshape of the unpacked values
             PER_WORD: tl.constexpr = 32 // BITS
-            b_words = tl.load(w + cols[None, :] * s_w + (ks // PER_WORD)[:, None], mask=m_cols[None, :], other=0)
-            b_q = (b_words >> ((ks % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)  # [BK, BN]
+            words = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)  # [BK / PER_WORD]
+            b_words = tl.load(w + cols[None, :] * s_w + words[:, None], mask=m_cols[None, :], other=0)  # [BK/PW, BN]
+            shifts = tl.arange(0, PER_WORD) * BITS  # [PW]
+            b_q = (b_words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [BK/PW, PW, BN]
+            b_q = tl.reshape(b_q, [BLOCK_K, BLOCK_N])  # row k0 + j: weight k0 + j
             g = k0 // GROUP  # one group per tile (GROUP % BLOCK_K == 0)
             b_z = tl.load(zeros + cols * s_s + g, mask=m_cols, other=0).to(tl.int32)  # [BN]
             b_s = tl.load(scales + cols * s_s + g, mask=m_cols, other=0.0).to(tl.float32)  # [BN]
