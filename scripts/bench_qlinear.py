@@ -1,14 +1,14 @@
 """The quantized projection at the Llama-3-8B layer shapes on a GPU, in one run: for 1 to 256 rows,
 microseconds per call of our int4 kernel (groups of 128; `qlinear`, specgraph/kernels/qlinear/triton.py: the tiles
-to 64 rows, the weight dequantized then cuBLAS above), our int8 (w8a16, a scale per row) and fp8 kernels, the
+to MAX_ROWS, the weight dequantized then cuBLAS above), our int8 (w8a16, a scale per row) and fp8 kernels, the
 bf16 path (`linear`: our one-token kernel, tiles to 16 rows, cuBLAS above) and tinygemm
 (`torch.ops.aten._weight_int4pack_mm`, groups of 128, the kernel gpt-fast and torchao use), each timed over
 CUDA-graph replays that cycle through copies of the weight (more bytes than the L2 holds, so every call reads
 HBM), with the bandwidth each reaches and our int4's speedup over bf16; where gemlite imports (a Triton low-bit GEMM
 library, carried as a wheel: issue 57 asks for it side by side), its int4 kernels on the same weights (groups of 128,
 bf16; its configs for an H100, loaded on any Hopper card so that it does not autotune for minutes). Each of our kernels is first checked
-against its reference. Past MAX_ROWS the tiles (`project_quantized`) are timed beside qlinear's dequantizing path,
-to place MAX_ROWS (run 139: fp8's dequantizing at 128 rows 2.5x slower than bf16). Run from the repository root
+against its reference. Past the least of MAX_ROWS the tiles (`project_quantized`) are timed beside qlinear (which
+dequantizes past its format's MAX_ROWS), to place MAX_ROWS (run 143). Run from the repository root
 after scripts/gpu_setup.sh: `python3 scripts/bench_qlinear.py`."""
 from pathlib import Path
 
@@ -44,7 +44,7 @@ def gemlite_int4(layer):
     linear = gemlite.GemLiteLinear(4, group_size=layer.group, in_features=k, out_features=n,
                                    input_dtype=gemlite.DType.BF16, output_dtype=gemlite.DType.BF16)
     linear.pack(unpack(layer.weight, 4, k).to(torch.uint8), layer.scales.to(torch.bfloat16),
-                layer.zeros.to(torch.bfloat16), None)
+                layer.zeros.to(torch.bfloat16), None, fma_mode=False)  # (its default folds -z * s in bf16: run 143)
     return linear
 
 
@@ -99,7 +99,7 @@ for name, (n, k) in SHAPES.items():
                  "fp8": graph_time_us(lambda: quantized("fp8")),
                  "tinygemm": graph_time_us(lambda: torch.ops.aten._weight_int4pack_mm(x, cycled("tinygemm"), 128,
                                                                                       tiny_scales))}
-        past = rows > MAX_ROWS  # (where qlinear dequantizes and calls cuBLAS: the tiles beside it)
+        past = rows > min(MAX_ROWS.values())  # (where qlinear may dequantize and call cuBLAS: the tiles beside it)
         tiles = "  ".join(f"{graph_time_us(lambda: quantized(key, project_quantized)):7.1f}"
                           for key in ("int4", "int8", "fp8")) if past else " " * 25
         if gemlite is not None:

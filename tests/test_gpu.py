@@ -445,23 +445,23 @@ def test_row_invariant_requests_decode_the_same_tokens_alone_and_in_a_batch(code
 @pytest.mark.parametrize("scheme", ["w4a16", "w8a16", "fp8"])
 def test_quantized_projections_on_gpu_match_their_reference_and_keep_rows_invariant(scheme):
     """At the Llama-3-8B o_proj shape in bf16: the quantized tiles within two bf16 ulps of the
-    reference for 1 to 64 rows, and a row's bits the same in any row count (qlinear_invariant)."""
+    reference for 1 to MAX_ROWS rows, and a row's bits the same in any row count (qlinear_invariant)."""
     from specgraph.kernels.qlinear import qlinear_reference
     from specgraph.kernels.qlinear.invariant import qlinear_invariant
-    from specgraph.kernels.qlinear.triton import qlinear
+    from specgraph.kernels.qlinear.triton import MAX_ROWS, qlinear
     from specgraph.quant.quantize import quantize_linear
 
     torch.manual_seed(0)
     layer = quantize_linear(torch.nn.Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16), scheme)
     args = (layer.weight, layer.scales, layer.zeros, None, layer.format, layer.group)
-    x = torch.randn(100, 4096, device="cuda", dtype=torch.bfloat16)
-    for rows in (1, 4, 16, 17, 64):
+    x = torch.randn(MAX_ROWS[layer.format] + 36, 4096, device="cuda", dtype=torch.bfloat16)
+    for rows in (1, 4, 16, 17, 64, MAX_ROWS[layer.format]):
         expected = qlinear_reference(x[:rows].float(), layer.weight, layer.scales.float(), layer.zeros, None,
                                      layer.format, layer.group)
         got = qlinear(x[:rows], *args).float()
         assert ((got - expected).abs() / expected.abs().clamp(min=1)).max() < 2e-2, rows
     alone = qlinear_invariant(x[3:4], *args)
-    assert all(torch.equal(qlinear_invariant(x[:rows], *args)[3:4], alone) for rows in (5, 16, 17, 64, 100))
+    assert all(torch.equal(qlinear_invariant(x[:rows], *args)[3:4], alone) for rows in (5, 16, 17, 64, len(x)))
     assert torch.equal(qlinear(x, *args), qlinear_reference(x, *args))  # past the tiles: the reference's weight's bits
 
 

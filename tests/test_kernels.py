@@ -26,7 +26,7 @@ from specgraph.kernels.norm import add_rmsnorm_reference
 from specgraph.kernels.norm.triton import add_rmsnorm
 from specgraph.kernels.qlinear import qlinear_reference
 from specgraph.kernels.qlinear.invariant import qlinear_invariant
-from specgraph.kernels.qlinear.triton import dequantized, qlinear
+from specgraph.kernels.qlinear.triton import MAX_ROWS, dequantized, qlinear
 from specgraph.kernels.rope import rope_write_reference
 from specgraph.kernels.rope import triton as rope_triton
 from specgraph.kernels.rope.triton import rope_write
@@ -426,12 +426,13 @@ def test_quantized_projection_kernels_match_the_reference_and_keep_rows_invarian
     g = torch.Generator().manual_seed(n + k)
     layer = random_quantized(n, k, format, group, g)
     args = (layer.weight, layer.scales.to(dtype), layer.zeros, layer.bias.data.to(dtype), format, group)
-    x = torch.randn(70, k, generator=g).to(dtype)
+    past = MAX_ROWS[format] + 6  # past qlinear's tiles for the format (the invariant kernel's still)
+    x = torch.randn(past, k, generator=g).to(dtype)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-    for rows in (1, 5, 17, 64, 70):  # 70: past qlinear's tiles (the invariant kernel's still)
+    for rows in (1, 5, 17, MAX_ROWS[format], past):
         expected = qlinear_reference(x[:rows].float(), *(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point()
                                                          else a for a in args))
-        for kernel in (qlinear, qlinear_invariant) if rows <= 64 else (qlinear_invariant,):
+        for kernel in (qlinear, qlinear_invariant) if rows <= MAX_ROWS[format] else (qlinear_invariant,):
             got = kernel(x[:rows], *args)
             assert got.dtype == dtype and got.shape == (rows, n)
             assert ((got.float() - expected).abs() / expected.abs().clamp(min=1)).max() < tolerance, (kernel, rows)
@@ -445,7 +446,7 @@ def test_quantized_projection_kernels_match_the_reference_and_keep_rows_invarian
         reference = dequantize(layer.weight, args[1], layer.zeros, format, group, k, dtype).to(dtype).float()
         assert ((weight.float() - reference).abs() <= reference.abs() * 2.0 ** -7).all()
     alone = qlinear_invariant(x[3:4], *args)
-    for rows in (5, 17, 64, 70):
+    for rows in (5, 17, MAX_ROWS[format], past):
         assert torch.equal(qlinear_invariant(x[:rows], *args)[3:4], alone), rows  # the same bits in any row count
 
 

@@ -1,12 +1,12 @@
 """Triton projection through a quantized weight (specgraph/quant/linear.py's layout) for the row
-counts decoding and speculation use (1 to MAX_ROWS): each program dequantizes a [BLOCK_K, BLOCK_N]
+counts decoding and speculation use (1 to MAX_ROWS[format]): each program dequantizes a [BLOCK_K, BLOCK_N]
 tile of the weight in registers (int4/int8 words unpacked by shifts, less the group's zero point,
 times its scale; fp8 bytes bitcast, times the row's scale) and multiplies it with its rows on the
 tensor cores; K is split over programs where the outputs alone give few (the split sums added in a
 fixed order by a second kernel). As in kernels/linear/invariant.py the tiling is a function of the
 weight alone (16-row blocks up to 16 rows, 32-row blocks above), so each row's bits do not depend on
 the row count: `qlinear_invariant` runs it for every row count (lowering.row_invariant), `qlinear`
-for up to MAX_ROWS, the dequantized weight through cuBLAS above (prefill)."""
+for up to MAX_ROWS[format], the dequantized weight through cuBLAS above (prefill)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,10 @@ from specgraph.kernels.linear.invariant import in_tiles
 from specgraph.kernels.qlinear.reference import qlinear_reference
 from specgraph.quant.linear import FORMATS
 
-MAX_ROWS = 64  # the most rows `qlinear` projects with these tiles
+# the most rows `qlinear` projects with these tiles, by format: where they stop beating the weight dequantized then
+# cuBLAS on an H100 at the 8B shapes (run 143: at 128 rows int8's tiles 1.7-1.9x faster, fp8's 1.1-1.5x on three
+# of four shapes, int4's even; at 256 rows each slower)
+MAX_ROWS = {"int4": 64, "int8": 128, "fp8": 128}
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -161,10 +164,10 @@ def project_quantized(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
 @torch.library.custom_op("specgraph::qlinear", mutates_args=())
 def qlinear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
             bias: torch.Tensor | None, format: str, group: int) -> torch.Tensor:
-    """Same signature and result as qlinear_reference: the tiles for up to MAX_ROWS rows, the weight
+    """Same signature and result as qlinear_reference: the tiles for up to MAX_ROWS[format] rows, the weight
     dequantized by `_dequantize` (the reference's bits) through cuBLAS for more."""
     rows = x.numel() // x.shape[-1]
-    if rows > MAX_ROWS:  # (the reference's dequantizing in torch's steps took 85 ms a depth-3 step at batch 8: run 128)
+    if rows > MAX_ROWS[format]:  # (the reference's dequantizing in torch's steps took 85 ms a depth-3 step at batch 8: run 128)
         weight_now = dequantized(weight, scales, zeros, format, group, x.shape[-1], x.dtype)
         if weight_now is None:
             return qlinear_reference(x, weight, scales, zeros, bias, format, group)
