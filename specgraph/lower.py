@@ -29,6 +29,7 @@ from specgraph.graph import SpecGraph
 from specgraph.growing import GrowingDrafter
 from specgraph.head import HeadDrafter
 from specgraph.kernels import Kernels
+from specgraph.kernels.qlinear.tinygemm import use_tinygemm
 from specgraph.models.eagle import Eagle3Head
 from specgraph.models.loader import is_head, load_embedding, load_model
 from specgraph.parallel import shard_model
@@ -112,6 +113,8 @@ def load_stage(graph: SpecGraph, name: str, model: nn.Module | None = None, rank
         model = _load(name, node, ranks)
     if hasattr(model, "use_kernels"):  # (an exported package has its ops built in)
         model.use_kernels(Kernels.select(node["kernels"]))
+        if node["kernels"]["qlinear"] == "triton":
+            use_tinygemm(model)
     if node["compile"]:
         compile_model(model)
     return stage_over(graph, name, model)

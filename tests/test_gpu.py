@@ -465,6 +465,33 @@ def test_quantized_projections_on_gpu_match_their_reference_and_keep_rows_invari
     assert torch.equal(qlinear(x, *args), qlinear_reference(x, *args))  # past the tiles: the reference's weight's bits
 
 
+def test_an_int4_stage_projects_up_to_eight_rows_through_tinygemm_within_the_reference():
+    """A Triton-kernel stage's int4 projections get tinygemm copies (lower.load_stage -> use_tinygemm, which checks
+    the layout on this torch): 1 to 8 bf16 rows go through tinygemm within 2e-2 of the reference, 9 through qlinear."""
+    from specgraph.kernels import Kernels
+    from specgraph.kernels.qlinear import qlinear_reference
+    from specgraph.kernels.qlinear.tinygemm import TINYGEMM_ROWS, use_tinygemm
+    from specgraph.kernels.qlinear.triton import qlinear
+    from specgraph.quant.quantize import quantize_linear
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(quantize_linear(torch.nn.Linear(4096, 4096, device="cuda", dtype=torch.bfloat16),
+                                                "w4a16", 128))
+    use_tinygemm(model)
+    layer = model[0]
+    assert layer.tinygemm_weight is not None and "tinygemm_weight" not in layer.state_dict()
+    kernels = Kernels.select({"qlinear": "triton"})
+    x = torch.randn(TINYGEMM_ROWS + 1, 4096, device="cuda", dtype=torch.bfloat16)
+    args = (layer.weight, layer.scales, layer.zeros, layer.bias, layer.format, layer.group)
+    for rows in (1, 2, TINYGEMM_ROWS):
+        expected = qlinear_reference(x[:rows].float(), layer.weight, layer.scales.float(), layer.zeros,
+                                     layer.bias.float(), "int4", 128)
+        got = kernels.project(x[:rows], layer)
+        assert not torch.equal(got, qlinear(x[:rows], *args)), rows  # (another kernel's sums)
+        assert ((got.float() - expected).abs() / expected.abs().clamp(min=1)).max() < 2e-2, rows
+    assert torch.equal(kernels.project(x, layer), qlinear(x, *args))
+
+
 def test_row_invariant_speculation_over_a_quantized_target_decodes_its_autoregressive_tokens(tmp_path, code_prompts):
     """bf16, lowering.row_invariant, an int4 target (written by `specgraph quantize`): greedy tokens
     of a dynamic tree equal the quantized target's own one-token-at-a-time greedy tokens."""

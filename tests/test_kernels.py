@@ -450,6 +450,24 @@ def test_quantized_projection_kernels_match_the_reference_and_keep_rows_invarian
         assert torch.equal(qlinear_invariant(x[:rows], *args)[3:4], alone), rows  # the same bits in any row count
 
 
+def test_tinygemms_layout_of_an_int4_weight_projects_as_the_reference():
+    """kernels/qlinear/tinygemm.py's conversion of QuantLinear's zero points and scales to tinygemm's
+    (q - 8) * s + offset, through torch's CPU variant of its layout (on a GPU, use_tinygemm checks the CUDA one);
+    a format or group tinygemm lacks gets none."""
+    from specgraph.kernels.qlinear.tinygemm import project_tinygemm, tinygemm_layout
+
+    g = torch.Generator().manual_seed(7)
+    layer = random_quantized(48, 256, "int4", 32, g)
+    x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
+    packed, scales_and_zeros = tinygemm_layout(layer)
+    got = project_tinygemm(x, packed, scales_and_zeros, 32, layer.bias.data.to(torch.bfloat16)).float()
+    expected = qlinear_reference(x.float(), layer.weight, layer.scales, layer.zeros, layer.bias.data, "int4", 32)
+    assert ((got - expected).abs() / expected.abs().clamp(min=1)).max() < 2e-2
+    assert tinygemm_layout(random_quantized(48, 256, "int8", 64, g)) is None
+    assert tinygemm_layout(random_quantized(48, 512, "int4", 512, g)) is None
+    assert tinygemm_layout(random_quantized(40, 256, "int4", 32, g)) is None  # (N: tiles of 16)
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_the_fused_gumbel_kernel_picks_what_the_reference_picks(k):
     """The sampling rule's perturbed top-k (kernels/gumbel, tests/test_seeded.py uses it): Two blocks of the vocabulary, a row at temperature 0, filtered rows, huge seeds and positions."""

@@ -22,6 +22,7 @@ from specgraph.kernels.kv_move import kv_move_reference
 from specgraph.kernels.linear import linear_reference
 from specgraph.kernels.norm import add_rmsnorm_reference, rmsnorm_reference
 from specgraph.kernels.qlinear import qlinear_reference
+from specgraph.kernels.qlinear.tinygemm import TINYGEMM_ROWS, project_tinygemm
 from specgraph.kernels.rope import rope_write_reference
 from specgraph.kernels.swiglu import swiglu_reference
 from specgraph.quant.linear import QuantLinear
@@ -70,8 +71,12 @@ class Kernels:
     gated_delta_commit: Callable = gated_delta_commit_reference
 
     def project(self, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
-        """x [..., K] through `module`, an nn.Linear or a QuantLinear (its weight quantized) -> [..., N]."""
+        """x [..., K] through `module`, an nn.Linear or a QuantLinear (its weight quantized; a few bf16 rows through
+        its tinygemm copy where it has one) -> [..., N]."""
         if isinstance(module, QuantLinear):
+            if (module.tinygemm_weight is not None and x.numel() <= TINYGEMM_ROWS * x.shape[-1]
+                    and x.dtype == torch.bfloat16):
+                return project_tinygemm(x, module.tinygemm_weight, module.tinygemm_scales, module.group, module.bias)
             return self.qlinear(x, module.weight, module.scales, module.zeros, module.bias, module.format, module.group)
         return self.linear(x, module.weight, module.bias)
 

@@ -40,6 +40,10 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales", torch.empty(out_features, in_features // group, dtype=scale_dtype))
             self.register_buffer("zeros", torch.empty(out_features, in_features // group, dtype=torch.uint8))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # int4 on a GPU: the weight again in the layout of torch's tinygemm kernel, for a few rows
+        # (kernels/qlinear/tinygemm.py), not saved
+        self.register_buffer("tinygemm_weight", None, persistent=False)
+        self.register_buffer("tinygemm_scales", None, persistent=False)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.format}, group {self.group}"
