@@ -420,7 +420,7 @@ def random_quantized(n: int, k: int, format: str, group: int, generator) -> Quan
 
 
 @pytest.mark.parametrize("format, group, n, k", [("int4", 32, 72, 256), ("int4", 128, 40, 384), ("int8", 64, 24, 256),
-                                                 ("fp8", 512, 56, 512), ("int4", 512, 8, 512)])
+                                                 ("fp8", 512, 56, 512), ("int4", 512, 8, 512), ("int8", 384, 16, 384)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_projection_kernels_match_the_reference_and_keep_rows_invariant(format, group, n, k, dtype):
     g = torch.Generator().manual_seed(n + k)
@@ -441,10 +441,9 @@ def test_quantized_projection_kernels_match_the_reference_and_keep_rows_invarian
     # conversion truncates where a GPU rounds to nearest: each weight within its last bit
     if dtype == torch.float32:
         assert torch.equal(qlinear(x, *args), qlinear_reference(x, *args))
-    weight = dequantized(layer.weight, args[1], layer.zeros, format, group, k, dtype)
-    if weight is not None:
-        reference = dequantize(layer.weight, args[1], layer.zeros, format, group, k, dtype).to(dtype).float()
-        assert ((weight.float() - reference).abs() <= reference.abs() * 2.0 ** -7).all()
+    weight = dequantized(layer.weight, args[1], layer.zeros, format, group, k, dtype)  # (any group of whole words)
+    reference = dequantize(layer.weight, args[1], layer.zeros, format, group, k, dtype).to(dtype).float()
+    assert ((weight.float() - reference).abs() <= reference.abs() * 2.0 ** -7).all()
     alone = qlinear_invariant(x[3:4], *args)
     for rows in (5, 17, MAX_ROWS[format], past):
         assert torch.equal(qlinear_invariant(x[:rows], *args)[3:4], alone), rows  # the same bits in any row count

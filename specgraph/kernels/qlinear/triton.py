@@ -95,24 +95,25 @@ def _qproject(x, w, scales, zeros, bias, out, M, N, K, s_xm, s_w, s_s, CHUNK, GR
 
 @triton.jit
 def _dequantize(w, scales, zeros, out, N, K, s_w, s_s, GROUP: tl.constexpr, BITS: tl.constexpr,
-                BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[N, K] = (q - zeros) * scales of an int4/int8 weight, computed in fp32 and rounded once to out's
-    dtype: BLOCK_N rows and GROUPS groups of K a program."""
+    dtype: a [BLOCK_N, BLOCK_K] tile a program, each word's group looked up (any group of whole words)."""
     PER_WORD: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = GROUP // PER_WORD
+    WORDS: tl.constexpr = BLOCK_K // PER_WORD
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows
-    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # [G]
-    mask = (cols < N)[:, None] & (groups < K // GROUP)[None, :]  # [BN, G]
-    o_w, o_j = tl.arange(0, WORDS), tl.arange(0, PER_WORD)
-    words = groups[:, None] * WORDS + o_w[None, :]  # [G, W]
-    b_words = tl.load(w + cols[:, None, None] * s_w + words[None, :, :], mask=mask[:, :, None], other=0)  # [BN, G, W]
-    b_q = ((b_words[:, :, :, None] >> (o_j * BITS)[None, None, None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-    b_z = tl.load(zeros + cols[:, None] * s_s + groups[None, :], mask=mask, other=0).to(tl.float32)  # [BN, G]
-    b_s = tl.load(scales + cols[:, None] * s_s + groups[None, :], mask=mask, other=0.0).to(tl.float32)  # [BN, G]
-    b_w = (b_q - b_z[:, :, None, None]) * b_s[:, :, None, None]  # [BN, G, W, PW]
-    ks = words[:, :, None] * PER_WORD + o_j[None, None, :]  # [G, W, PW]
-    tl.store(out + cols[:, None, None, None].to(tl.int64) * K + ks[None, :, :, :], b_w.to(out.dtype.element_ty),
-             mask=mask[:, :, None, None])
+    words = tl.program_id(1) * WORDS + tl.arange(0, WORDS)  # [W]
+    m_cols = cols < N
+    mask = m_cols[:, None] & (words * PER_WORD < K)[None, :]  # [BN, W]
+    b_words = tl.load(w + cols[:, None] * s_w + words[None, :], mask=mask, other=0)  # [BN, W]
+    groups = words * PER_WORD // GROUP  # [W] each word's group (GROUP % PER_WORD == 0)
+    b_z = tl.load(zeros + cols[:, None] * s_s + groups[None, :], mask=mask, other=0).to(tl.float32)  # [BN, W]
+    b_s = tl.load(scales + cols[:, None] * s_s + groups[None, :], mask=mask, other=0.0).to(tl.float32)  # [BN, W]
+    o_j = tl.arange(0, PER_WORD)
+    b_q = ((b_words[:, :, None] >> (o_j * BITS)[None, None, :]) & ((1 << BITS) - 1)).to(tl.float32)  # [BN, W, PW]
+    b_w = (b_q - b_z[:, :, None]) * b_s[:, :, None]  # [BN, W, PW]
+    ks = words[:, None] * PER_WORD + o_j[None, :]  # [W, PW]
+    tl.store(out + cols[:, None, None].to(tl.int64) * K + ks[None, :, :], b_w.to(out.dtype.element_ty),
+             mask=m_cols[:, None, None] & (ks < K)[None, :, :])
 
 
 @triton.jit
@@ -132,9 +133,8 @@ def dequantized(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
                 k: int, dtype: torch.dtype) -> torch.Tensor | None:
     """quant.linear.dequantize's weight [N, K] in `dtype` (rounded once from fp32: the same bits where `dtype` or
     the scales are fp32 or bf16), in one pass over the packed words or fp8 bytes; None where it does not apply
-    (an int4/int8 group that is not a power of two or is wider than 1,024)."""
-    per_word = 32 // FORMATS[format]
-    if format != "fp8" and (group & (group - 1) or not per_word <= group <= 1024):
+    (an int4/int8 group of part of a word)."""
+    if format != "fp8" and group % (32 // FORMATS[format]):
         return None
     n = weight.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
@@ -143,10 +143,10 @@ def dequantized(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
         _dequantize_fp8[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
             weight, scales, out, n, k, weight.stride(0), scales.stride(0), BLOCK_N=block_n, BLOCK_K=block_k)
         return out
-    block_n, groups = (4, max(1, 1024 // group)) if weight.is_cuda else (64, max(1, 4096 // group))
-    _dequantize[(triton.cdiv(n, block_n), triton.cdiv(k // group, groups))](
+    block_n, block_k = (4, 1024) if weight.is_cuda else (64, 4096)
+    _dequantize[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         weight, scales, zeros, out, n, k, weight.stride(0), scales.stride(0), GROUP=group, BITS=FORMATS[format],
-        BLOCK_N=block_n, GROUPS=groups)
+        BLOCK_N=block_n, BLOCK_K=block_k)
     return out
 
 
