@@ -69,12 +69,13 @@ class Kernels:
     perturbed_top: Callable = perturbed_top_reference
     gated_delta_step: Callable = gated_delta_step_reference
     gated_delta_commit: Callable = gated_delta_commit_reference
+    tinygemm: bool = False  # a few bf16 rows through an int4 QuantLinear's tinygemm copy (with Triton's qlinear)
 
     def project(self, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
         """x [..., K] through `module`, an nn.Linear or a QuantLinear (its weight quantized; a few bf16 rows through
         its tinygemm copy where it has one) -> [..., N]."""
         if isinstance(module, QuantLinear):
-            if (module.tinygemm_weight is not None and x.numel() <= TINYGEMM_ROWS * x.shape[-1]
+            if (self.tinygemm and module.tinygemm_weight is not None and 0 < x.numel() <= TINYGEMM_ROWS * x.shape[-1]
                     and x.dtype == torch.bfloat16):
                 return project_tinygemm(x, module.tinygemm_weight, module.tinygemm_scales, module.group, module.bias)
             return self.qlinear(x, module.weight, module.scales, module.zeros, module.bias, module.format, module.group)
@@ -97,4 +98,4 @@ class Kernels:
                 module, name = TRITON[op]
                 name = name if kind == "triton" else f"{op}_invariant"
                 fast[op] = getattr(importlib.import_module(f"specgraph.kernels.{module}.{kind}"), name)
-        return cls(**fast)
+        return cls(**fast, tinygemm=choice.get("qlinear") == "triton")

@@ -2,8 +2,9 @@
 decoding. On an H100 at the Llama-3-8B shapes it ran 1.8-2.4x bf16 at 1 row and ahead of our int4 tiles to 8 rows,
 behind them from 16 (scripts/bench_qlinear.py, runs 139 and 143). It reads a layout of its own: `use_tinygemm` gives
 each int4 QuantLinear of a stage whose qlinear kernel is Triton (not row-invariant: tinygemm's sums depend on its
-own tiling) a copy of its weight in that layout, as much memory again as the packed weight, and checks the first
-against the reference on this machine; `Kernels.project` sends up to TINYGEMM_ROWS rows of bf16 through it."""
+own tiling) a copy of its weight in that layout, as much memory again as the packed weight, once a copy of each
+group size projects as the reference on this machine; `Kernels.project` sends 1 to TINYGEMM_ROWS rows of bf16
+through it under Kernels made for Triton's qlinear (not an exported program's plain PyTorch)."""
 
 from __future__ import annotations
 
@@ -43,34 +44,54 @@ def tinygemm_layout(module: QuantLinear) -> tuple[torch.Tensor, torch.Tensor] | 
 def project_tinygemm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] bf16 through a weight in tinygemm's layout -> [..., N]."""
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
     if packed.is_cuda:
         out = torch.ops.aten._weight_int4pack_mm(rows, packed, group, scales_and_zeros)
     else:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group, scales_and_zeros)
     if bias is not None:
-        out = out + bias
+        out = out + bias.to(out.dtype)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def use_tinygemm(model: nn.Module) -> None:
-    """Give each int4 QuantLinear of `model` (on a GPU, in bf16) its weight in tinygemm's layout, once the first
-    projects within 2e-2 of the reference on this machine (else none, with a warning: a torch whose layout differs)."""
+    """Give each int4 QuantLinear of `model` on a GPU its weight in tinygemm's layout, where tinygemm applies and,
+    checked once per group size on this machine, projects within 2e-2 of the reference (else a warning: a torch
+    whose layout or kernel differs, or refuses)."""
     modules = [m for m in model.modules() if isinstance(m, QuantLinear) and m.weight.is_cuda]
-    layouts = [(m, layout) for m in modules if (layout := tinygemm_layout(m)) is not None]
-    if not layouts:
-        return
-    first, (packed, scales_and_zeros) = layouts[0]
-    x = torch.randn(3, first.in_features, device=packed.device, dtype=torch.bfloat16,
+    works: dict[int, bool] = {}
+    copies = 0
+    for module in modules:
+        if works.get(module.group) is False:
+            continue
+        try:
+            layout = tinygemm_layout(module)
+            if layout is None:
+                continue
+            if module.group not in works:
+                works[module.group] = _projects_as_the_reference(module, *layout)
+                if not works[module.group]:
+                    continue
+        except RuntimeError as error:  # (a torch whose tinygemm refuses these shapes)
+            log.warning("tinygemm's int4 kernel is not used for groups of %d: %s", module.group,
+                        str(error).splitlines()[0])
+            works[module.group] = False
+            continue
+        module.tinygemm_weight, module.tinygemm_scales = layout
+        copies += sum(t.numel() * t.element_size() for t in layout)
+    if copies:
+        log.info("tinygemm copies of int4 projections (%.2f GB) for up to %d rows", copies / 1e9, TINYGEMM_ROWS)
+
+
+def _projects_as_the_reference(module: QuantLinear, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> bool:
+    """Whether tinygemm's projection of a few bf16 rows through this layout is within 2e-2 of the reference."""
+    x = torch.randn(3, module.in_features, device=packed.device, dtype=torch.bfloat16,
                     generator=torch.Generator(packed.device).manual_seed(0))
-    expected = qlinear_reference(x.float(), first.weight, first.scales.float(), first.zeros, None, "int4", first.group)
-    got = project_tinygemm(x, packed, scales_and_zeros, first.group, None).float()
+    expected = qlinear_reference(x.float(), module.weight, module.scales.float(), module.zeros, None, "int4",
+                                 module.group)
+    got = project_tinygemm(x, packed, scales_and_zeros, module.group, None).float()
     error = float(((got - expected).abs() / expected.abs().clamp(min=1)).max())
     if error > 2e-2:
-        log.warning("tinygemm's int4 projection is off by %.3g of the reference on this torch: not used", error)
-        return
-    for module, (packed, scales_and_zeros) in layouts:
-        module.tinygemm_weight, module.tinygemm_scales = packed, scales_and_zeros
-    log.info("tinygemm copies of %d int4 projections (%.2f GB) for up to %d rows", len(layouts),
-             sum(p.numel() * p.element_size() + s.numel() * s.element_size() for _, (p, s) in layouts) / 1e9,
-             TINYGEMM_ROWS)
+        log.warning("tinygemm's int4 projection is off by %.3g of the reference on this torch for groups of %d: "
+                    "not used", error, module.group)
+    return error <= 2e-2

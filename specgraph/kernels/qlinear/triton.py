@@ -5,8 +5,9 @@ times its scale; fp8 bytes bitcast, times the row's scale) and multiplies it wit
 tensor cores; K is split over programs where the outputs alone give few (the split sums added in a
 fixed order by a second kernel). As in kernels/linear/invariant.py the tiling is a function of the
 weight alone (16-row blocks up to 16 rows, 32-row blocks above), so each row's bits do not depend on
-the row count: `qlinear_invariant` runs it for every row count (lowering.row_invariant), `qlinear`
-for up to MAX_ROWS[format], the dequantized weight through cuBLAS above (prefill)."""
+the row count: `qlinear_invariant` runs it for every row count (lowering.row_invariant). `qlinear` runs
+it for up to MAX_ROWS[format] (int8's first 8 rows with a product per place in its words: other bits,
+faster), the dequantized weight through cuBLAS above (prefill)."""
 
 from __future__ import annotations
 
