@@ -27,6 +27,15 @@ from specgraph.quant.linear import FORMATS
 MAX_ROWS = {"int4": 64, "int8": 128, "fp8": 128}
 
 
+@triton.jit
+def _dot(b_x, b_w, acc, DOT_F32: tl.constexpr):
+    """acc + b_x [BM, BK] @ b_w [BK, BN] (fp32 weights): full-precision products for fp32 activations (and the
+    CPU's interpreter, whose bf16 dot is wrong), else on the tensor cores in the activations' dtype."""
+    if DOT_F32:
+        return tl.dot(b_x.to(tl.float32), b_w, acc, input_precision="ieee")
+    return tl.dot(b_x, b_w.to(b_x.dtype), acc)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _qproject(x, w, scales, zeros, bias, out, M, N, K, s_xm, s_w, s_s, CHUNK, GROUP: tl.constexpr,
               BITS: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -49,43 +58,29 @@ def _qproject(x, w, scales, zeros, bias, out, M, N, K, s_xm, s_w, s_s, CHUNK, GR
     for k0 in range(i_s * CHUNK, tl.minimum(i_s * CHUNK + CHUNK, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         m_k = ks < K
-        if FP8 or not BY_PLACE:
-            b_x = tl.load(x + rows[:, None] * s_xm + ks[None, :], mask=m_rows[:, None] & m_k[None, :], other=0.0)
         if FP8:
+            b_x = tl.load(x + rows[:, None] * s_xm + ks[None, :], mask=m_rows[:, None] & m_k[None, :], other=0.0)
             b_q = tl.load(w + cols[None, :] * s_w + ks[:, None], mask=m_k[:, None] & m_cols[None, :], other=0)  # [BK, BN]
-            b_w = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        elif BY_PLACE:  # a product per place j in the words: rows k0 + PER_WORD * i + j against those columns of x
-            PER_WORD: tl.constexpr = 32 // BITS
-            words = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)  # [BK / PER_WORD]
-            b_words = tl.load(w + cols[None, :] * s_w + words[:, None], mask=m_cols[None, :], other=0)  # [BK/PW, BN]
-            g = k0 // GROUP  # one group per tile (GROUP % BLOCK_K == 0)
-            b_z = tl.load(zeros + cols * s_s + g, mask=m_cols, other=0).to(tl.int32)  # [BN]
-            b_s = tl.load(scales + cols * s_s + g, mask=m_cols, other=0.0).to(tl.float32)  # [BN]
-            for j in tl.static_range(PER_WORD):
-                b_q = (b_words >> (j * BITS)) & ((1 << BITS) - 1)  # [BK/PW, BN]
-                b_w = (b_q - b_z[None, :]).to(tl.float32) * b_s[None, :]
-                b_xj = tl.load(x + rows[:, None] * s_xm + (words * PER_WORD + j)[None, :], mask=m_rows[:, None],
-                               other=0.0)  # [BM, BK/PW]
-                if DOT_F32:
-                    acc = tl.dot(b_xj.to(tl.float32), b_w, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(b_xj, b_w.to(b_xj.dtype), acc)
+            acc = _dot(b_x, b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32), acc, DOT_F32)
         else:
             PER_WORD: tl.constexpr = 32 // BITS
             words = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)  # [BK / PER_WORD]
             b_words = tl.load(w + cols[None, :] * s_w + words[:, None], mask=m_cols[None, :], other=0)  # [BK/PW, BN]
-            shifts = tl.arange(0, PER_WORD) * BITS  # [PW]
-            b_q = (b_words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [BK/PW, PW, BN]
-            b_q = tl.reshape(b_q, [BLOCK_K, BLOCK_N])  # row k0 + j: weight k0 + j
             g = k0 // GROUP  # one group per tile (GROUP % BLOCK_K == 0)
             b_z = tl.load(zeros + cols * s_s + g, mask=m_cols, other=0).to(tl.int32)  # [BN]
             b_s = tl.load(scales + cols * s_s + g, mask=m_cols, other=0.0).to(tl.float32)  # [BN]
-            b_w = (b_q - b_z[None, :]).to(tl.float32) * b_s[None, :]  # [BK, BN]
-        if FP8 or not BY_PLACE:
-            if DOT_F32:  # fp32 activations (and the CPU's interpreter, whose bf16 dot is wrong): full-precision products
-                acc = tl.dot(b_x.to(tl.float32), b_w, acc, input_precision="ieee")
+            if BY_PLACE:  # a product per place j in the words: rows k0 + PER_WORD * i + j against those columns of x
+                for j in tl.static_range(PER_WORD):
+                    b_q = (b_words >> (j * BITS)) & ((1 << BITS) - 1)  # [BK/PW, BN]
+                    b_x = tl.load(x + rows[:, None] * s_xm + (words * PER_WORD + j)[None, :], mask=m_rows[:, None],
+                                  other=0.0)  # [BM, BK/PW]
+                    acc = _dot(b_x, (b_q - b_z[None, :]).to(tl.float32) * b_s[None, :], acc, DOT_F32)
             else:
-                acc = tl.dot(b_x, b_w.to(b_x.dtype), acc)
+                b_x = tl.load(x + rows[:, None] * s_xm + ks[None, :], mask=m_rows[:, None] & m_k[None, :], other=0.0)
+                shifts = tl.arange(0, PER_WORD) * BITS  # [PW]
+                b_q = (b_words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [BK/PW, PW, BN]
+                b_q = tl.reshape(b_q, [BLOCK_K, BLOCK_N])  # row k0 + j: weight k0 + j
+                acc = _dot(b_x, (b_q - b_z[None, :]).to(tl.float32) * b_s[None, :], acc, DOT_F32)  # [BK, BN] weights
     if FP8:
         acc = acc * row_scale[None, :]
     if HAS_BIAS:
