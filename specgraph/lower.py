@@ -112,8 +112,9 @@ def load_stage(graph: SpecGraph, name: str, model: nn.Module | None = None, rank
                  node["device"])
         model = _load(name, node, ranks)
     if hasattr(model, "use_kernels"):  # (an exported package has its ops built in)
-        model.use_kernels(Kernels.select(node["kernels"]))
-        if node["kernels"]["qlinear"] == "triton":
+        kernels = Kernels.select(node["kernels"])
+        model.use_kernels(kernels)
+        if kernels.tinygemm:  # (the Kernels that route a few rows through the copies it makes)
             use_tinygemm(model)
     if node["compile"]:
         compile_model(model)
