@@ -13,6 +13,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # one of several test processes (pyproj
     os.environ["OMP_NUM_THREADS"] = "1"  # (and the processes tests start)
     torch.set_num_threads(1)
 
+import inspect  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import NoReturn  # noqa: E402
@@ -134,6 +135,29 @@ def pytest_runtest_call(item):
         result = yield  # (raises where the test failed)
     KERNEL_LAUNCHES[item.nodeid] = lines
     return result
+
+
+def on_a_stack_chunk_of_its_own(call):
+    """call(), its Python frames in one large chunk of the interpreter's frame stack. CPython 3.11 keeps
+    frames in 16 KB chunks and frees a chunk as its first frame returns, so a hot call that lands first
+    in a chunk maps and unmaps memory on every call (python/cpython#142183, fixed from 3.13): in xdist's
+    worker, whose tests run deeper than under a plain pytest, the Triton interpreter's calls of
+    test_fused_program.py did, taking 2.4x their time (half of it in the kernel). This frame reserves
+    more slots than a 16 KB chunk holds (co_stacksize, below), so it starts a chunk of its own (4 MB)
+    and the test's frames follow it there, far from the chunk's end."""
+    return call()
+
+
+on_a_stack_chunk_of_its_own.__code__ = on_a_stack_chunk_of_its_own.__code__.replace(co_stacksize=300_000)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """Each test function called as pytest calls it, on a stack chunk of its own."""
+    test = pyfuncitem.obj
+    arguments = {name: pyfuncitem.funcargs[name] for name in inspect.signature(test).parameters}
+    on_a_stack_chunk_of_its_own(lambda: test(**arguments))
+    return True
 
 
 def pytest_sessionfinish(session):
