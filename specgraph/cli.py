@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 from specgraph.errors import RecipeWarning, SpecgraphError
+from specgraph.stack import on_a_stack_chunk_of_its_own
 
 TUNE_NEW_TOKENS, BOLE_EPSILON = 64, 0.1  # tune's defaults: new tokens per prompt, bole's budget
 DEFAULT_BASELINES = "hf,hf-assisted,ar"  # bench's (with --batch: ar,hf)
@@ -807,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
             if not debug:  # (transformers' advice to its own users, not to ours)
                 transformers_logging.set_verbosity_error()
             try:
-                return commands[args.command](args) or 0
+                return on_a_stack_chunk_of_its_own(lambda: commands[args.command](args)) or 0
             finally:
                 transformers_logging.set_verbosity(verbosity)
     except SpecgraphError as exc:

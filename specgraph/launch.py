@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 
 from specgraph.errors import SpecgraphError
 from specgraph.watchdog import PROGRESS
+from specgraph.stack import on_a_stack_chunk_of_its_own
 from specgraph.worker import LaunchSpec, Worker
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -125,10 +126,7 @@ def _rank_main(rank: int, world: int, devices: list[str], names: list[str], port
     status = 0
     try:
         worker = _init(rank, world, devices[rank], spec)
-        if rank == 0:
-            _serve_client(worker, conn)
-        else:
-            worker.serve()
+        on_a_stack_chunk_of_its_own(lambda: _serve_client(worker, conn) if rank == 0 else worker.serve())
     except BaseException as exc:  # noqa: BLE001 - every failure ends the run, reported as one line
         if os.environ.get("SPECGRAPH_DEBUG"):
             traceback.print_exc()

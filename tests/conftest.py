@@ -20,6 +20,8 @@ from typing import NoReturn  # noqa: E402
 
 import pytest  # noqa: E402
 
+from specgraph.stack import on_a_stack_chunk_of_its_own  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDED = REPO / "recipes" / "models"  # the demo pair: target + draft, shipped in the repository
 SHARED = REPO.parent / "shared" / "fixtures"  # mid, hybrid and the whole prompt file live only here
@@ -137,23 +139,11 @@ def pytest_runtest_call(item):
     return result
 
 
-def on_a_stack_chunk_of_its_own(call):
-    """call(), its Python frames in one large chunk of the interpreter's frame stack. CPython 3.11 keeps
-    frames in 16 KB chunks and frees a chunk as its first frame returns, so a hot call that lands first
-    in a chunk maps and unmaps memory on every call (python/cpython#142183, fixed from 3.13): in xdist's
-    worker, whose tests run deeper than under a plain pytest, the Triton interpreter's calls of
-    test_fused_program.py did, taking 2.4x their time (half of it in the kernel). This frame reserves
-    more slots than a 16 KB chunk holds (co_stacksize, below), so it starts a chunk of its own (4 MB)
-    and the test's frames follow it there, far from the chunk's end."""
-    return call()
-
-
-on_a_stack_chunk_of_its_own.__code__ = on_a_stack_chunk_of_its_own.__code__.replace(co_stacksize=300_000)
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
-    """Each test function called as pytest calls it, on a stack chunk of its own."""
+    """Each test function called as pytest calls it, on a frame-stack chunk of its own (specgraph/stack.py): in
+    xdist's workers, whose tests run deeper than under a plain pytest, the Triton interpreter's calls of
+    test_fused_program.py landed first in a chunk and took 2.4x their time."""
     test = pyfuncitem.obj
     arguments = {name: pyfuncitem.funcargs[name] for name in inspect.signature(test).parameters}
     on_a_stack_chunk_of_its_own(lambda: test(**arguments))

@@ -23,6 +23,7 @@ from specgraph.program import Program
 from specgraph.recipe import SamplingSpec
 from specgraph.runtime.executor import Generation
 from specgraph.serve.metrics import Metrics
+from specgraph.stack import on_a_stack_chunk_of_its_own
 
 log = logging.getLogger("specgraph.serve")
 
@@ -175,7 +176,8 @@ class EngineLoop:
         self._jobs: dict[str, Job] = {}  # those in the backend, by id (the engine thread's alone)
         self._stopping = threading.Event()
         self._entry = threading.Lock()  # orders jobs and the stop in the inbox
-        self.thread = threading.Thread(target=self._run, name="specgraph-engine", daemon=True)
+        self.thread = threading.Thread(target=on_a_stack_chunk_of_its_own, args=(self._run,), name="specgraph-engine",
+                                       daemon=True)
 
     def start(self) -> None:
         self.thread.start()
