@@ -41,8 +41,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from specgraph.errors import SpecgraphError
-from specgraph.watchdog import PROGRESS
 from specgraph.stack import on_a_stack_chunk_of_its_own
+from specgraph.watchdog import PROGRESS
 from specgraph.worker import LaunchSpec, Worker
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
