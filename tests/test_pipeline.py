@@ -44,7 +44,8 @@ def pipeline(models: list, chain: int = 3, synchronous: bool = False, tree: dict
 DYNAMIC = {"shape": "dynamic", "width": 3, "depth": 4, "nodes": 10}
 PIPELINES = {
     "2-stage": (["draft", "target"], False, None),
-    "3-stage": (["draft", "mid", "target"], False, None),
+    # (no asynchronous draft -> mid -> target chain of its own: hybrid-last is that chain over another last stage,
+    # 3-stage-tree-first those models with a tree first, 3-stage-synchronous those models and chain in lockstep)
     "3-stage-synchronous": (["draft", "mid", "target"], True, None),  # (4 prompts: the ablation's mode, same code)
     "3-stage-tree-first": (["draft", "mid", "target"], False, DYNAMIC),
     "hybrid-last": (["draft", "mid", "hybrid"], False, None),
