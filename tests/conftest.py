@@ -156,15 +156,27 @@ def pytest_sessionfinish(session):
         Path(path).write_text("".join(f"{line}\n" for lines in KERNEL_LAUNCHES.values() for line in lines))
 
 
+# the files that take minutes on the 2-core CPU machine (--durations), longest first: handed out first, so that
+# the short ones even out the processes' ends (xdist hands files out by their count of tests)
+LONGEST_FILES = ("tests/test_disaggregated.py", "tests/test_pipeline.py", "tests/test_compile.py",
+                 "tests/test_quant.py", "tests/test_hybrid.py", "tests/test_docs.py")
+
+
 def pytest_xdist_make_scheduler(config, log):
     """Where the suite runs in several processes (pyproject.toml: --dist=loadfile), a file's tests in one,
     except that the kernel tests and the test that compiles their launches share one (which then compiles
-    the launches it recorded instead of running the kernel tests again)."""
+    the launches it recorded instead of running the kernel tests again); LONGEST_FILES first."""
     from xdist.scheduler import LoadFileScheduling
 
     class KernelFilesTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
             return "kernel tests" if path in KERNEL_FILES else path
+
+        def _assign_work_unit(self, node) -> None:
+            for path in reversed(LONGEST_FILES):  # (each to the front of the queue: the first ends up first)
+                if path in self.workqueue:
+                    self.workqueue.move_to_end(path, last=False)
+            super()._assign_work_unit(node)
 
     return KernelFilesTogether(config, log)
