@@ -159,7 +159,8 @@ def pytest_sessionfinish(session):
 # the files that take minutes on the 2-core CPU machine (--durations), longest first: handed out first, so that
 # the short ones even out the processes' ends (xdist hands files out by their count of tests)
 LONGEST_FILES = ("tests/test_disaggregated.py", "tests/test_pipeline.py", "tests/test_compile.py",
-                 "tests/test_quant.py", "tests/test_hybrid.py", "tests/test_docs.py")
+                 "tests/test_quant.py", "tests/test_hybrid.py", "tests/test_greedy_equivalence.py", "tests/test_docs.py",
+                 "tests/test_fused_program.py")
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -7,6 +7,7 @@ reference output (1e-4 fp32, 2e-2 bf16)."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import gated_delta_layer, random_layout, random_tree
 
 from specgraph.kernels.accept import accept_greedy_reference
@@ -260,6 +261,23 @@ def test_projection_matches_reference(rows, k, n, bias, dtype, monkeypatch):
     got = linear(x, weight, b)
     assert got.shape == (1, rows, n) and close(got, linear_reference(x, weight, b))
     assert len(tiled) == (2 <= rows <= linear_triton.FEW_ROWS)  # the path its row count chooses
+
+
+@pytest.mark.parametrize("rows, k, n, bias, strided", [(1, 37, 19, False, False), (4, 384, 3072, True, False),
+                                                      (256, 96, 70, True, True)])
+def test_the_cpu_reference_projection_is_the_fp64_product_up_to_fp32_rounding(rows, k, n, bias, strided):
+    """linear_reference in fp32 on the CPU, under inference_mode (oneDNN's products) and with gradients
+    (F.linear's), for a bias or none, a transposed input and a weight of every other column (a shard's view)."""
+    g = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(1, k, rows, generator=g).transpose(1, 2) if strided else torch.randn(1, rows, k, generator=g)
+    weight = (torch.randn(n, 2 * k, generator=g)[:, ::2] if strided else torch.randn(n, k, generator=g)) / k ** 0.5
+    b = torch.randn(n, generator=g) if bias else None
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())  # [1, rows, n]
+    with torch.inference_mode():
+        served = linear_reference(x, weight, b)
+    for got in (served, linear_reference(x, weight, b)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
 
 
 def sequential_gated_delta(q, k, v, g, beta, state, parents):

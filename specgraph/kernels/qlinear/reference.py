@@ -1,10 +1,10 @@
-"""Reference quantized projection: the weight dequantized, then nn.Linear's function."""
+"""Reference quantized projection: the weight dequantized, then the reference projection (kernels/linear)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from specgraph.kernels.linear.reference import linear_reference
 from specgraph.quant.linear import dequantize
 
 
@@ -12,4 +12,4 @@ def qlinear_reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
                       bias: torch.Tensor | None, format: str, group: int) -> torch.Tensor:
     """x [..., K]; a QuantLinear's weight, scales, zeros (None for fp8), bias, format and group ->
     [..., N] in x's dtype."""
-    return F.linear(x, dequantize(weight, scales, zeros, format, group, x.shape[-1], x.dtype).to(x.dtype), bias)
+    return linear_reference(x, dequantize(weight, scales, zeros, format, group, x.shape[-1], x.dtype).to(x.dtype), bias)
