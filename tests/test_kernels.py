@@ -467,6 +467,21 @@ def test_quantized_projection_kernels_match_the_reference_and_keep_rows_invarian
         assert torch.equal(qlinear_invariant(x[:rows], *args)[3:4], alone), rows  # the same bits in any row count
 
 
+def test_a_quantized_linears_fp32_bias_is_added_in_the_rows_dtype_on_every_path():
+    """A QuantLinear keeps its bias in fp32: the reference, qlinear's tiles and its dequantized path past them
+    each add it to bf16 rows in bf16 (the reference and the dequantized path added it as fp32, which F.linear
+    refuses: found by the first GPU run of tinygemm's rows, run 147)."""
+    g = torch.Generator().manual_seed(0)
+    layer = random_quantized(24, 256, "int4", 64, g)
+    args = (layer.weight, layer.scales.to(torch.bfloat16), layer.zeros, layer.bias, "int4", 64)
+    assert layer.bias.dtype == torch.float32
+    x = torch.randn(MAX_ROWS["int4"] + 1, 256, generator=g).to(torch.bfloat16)
+    for rows in (1, MAX_ROWS["int4"] + 1):  # the tiles, then the dequantized weight through F.linear
+        expected, got = qlinear_reference(x[:rows], *args), qlinear(x[:rows], *args)
+        assert expected.dtype == got.dtype == torch.bfloat16
+        assert ((got.float() - expected.float()).abs() / expected.float().abs().clamp(min=1)).max() < 2e-2, rows
+
+
 def test_tinygemms_layout_of_an_int4_weight_projects_as_the_reference():
     """kernels/qlinear/tinygemm.py's conversion of QuantLinear's zero points and scales to tinygemm's
     (q - 8) * s + offset, through torch's CPU variant of its layout (on a GPU, use_tinygemm checks the CUDA one);

@@ -192,7 +192,7 @@ def qlinear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: 
         weight_now = dequantized(weight, scales, zeros, format, group, x.shape[-1], x.dtype)
         if weight_now is None:
             return qlinear_reference(x, weight, scales, zeros, bias, format, group)
-        return F.linear(x, weight_now, bias)
+        return F.linear(x, weight_now, None if bias is None else bias.to(x.dtype))  # (as the tiles add it)
     return project_quantized(x, weight, scales, zeros, bias, format, group, by_place=format == "int8" and rows <= 8)
 
 
