@@ -89,11 +89,25 @@ def markov_engine(target: torch.Tensor, draft: torch.Tensor | None = None, plan=
 
 @torch.no_grad()
 def hf_greedy(checkpoint: Path, prompts: list[dict], new_tokens: int) -> list[tuple[list[int], list[int]]]:
-    """transformers' greedy continuation (fp32) of each prompt's text: [(prompt ids, new ids)]."""
+    """transformers' greedy continuation (fp32) of each prompt's text: [(prompt ids, new ids)], all
+    prompts in one `generate` (left-padded, masked: 5-6x faster on the CPU than one at a time, and the
+    same tokens for the fixtures' 16 code prompts x 128, target and hybrid), each cut after its first
+    end-of-sequence token as a generation of its own ends there."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
     encoded = [tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] for row in prompts]
-    return [(ids, hf_continuation(hf, ids, new_tokens)) for ids in encoded]
+    width = max(map(len, encoded))
+    eos = hf.generation_config.eos_token_id
+    ends = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    pad = next(iter(ends), 0)  # (padding is masked out; after an end it is cut off below)
+    ids = torch.tensor([[pad] * (width - len(row)) + row for row in encoded])  # [prompts, width]
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in encoded])  # [prompts, width]
+    new = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)[:, width:]
+    continuations = []
+    for row in new.tolist():
+        end = next((i for i, token in enumerate(row) if token in ends), len(row) - 1)
+        continuations.append(row[:end + 1])
+    return list(zip(encoded, continuations))
 
 
 @torch.no_grad()
