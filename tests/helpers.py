@@ -87,6 +87,12 @@ def markov_engine(target: torch.Tensor, draft: torch.Tensor | None = None, plan=
                   capacity - max_seq_len, 64, sampling)
 
 
+def end_ids(hf: nn.Module) -> tuple[int, ...]:
+    """The end-of-sequence ids of a transformers model's generation config (one, several or none)."""
+    eos = hf.generation_config.eos_token_id
+    return tuple(eos) if isinstance(eos, list) else () if eos is None else (eos,)
+
+
 @torch.no_grad()
 def hf_greedy(checkpoint: Path, prompts: list[dict], new_tokens: int) -> list[tuple[list[int], list[int]]]:
     """transformers' greedy continuation (fp32) of each prompt's text: [(prompt ids, new ids)], all
@@ -97,9 +103,8 @@ def hf_greedy(checkpoint: Path, prompts: list[dict], new_tokens: int) -> list[tu
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
     encoded = [tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] for row in prompts]
     width = max(map(len, encoded))
-    eos = hf.generation_config.eos_token_id
-    ends = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    pad = next(iter(ends), 0)  # (padding is masked out; after an end it is cut off below)
+    ends = end_ids(hf)
+    pad = ends[0] if ends else 0  # (padding is masked out; after an end it is cut off below)
     ids = torch.tensor([[pad] * (width - len(row)) + row for row in encoded])  # [prompts, width]
     mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in encoded])  # [prompts, width]
     new = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)[:, width:]
@@ -664,8 +669,7 @@ class Alone:
     def __init__(self, checkpoint: Path):
         self.model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
-        eos = self.model.generation_config.eos_token_id
-        self.eos = tuple(eos) if isinstance(eos, list) else (eos,)  # what ends a request that names no stops
+        self.eos = end_ids(self.model)  # what ends a request that names no stops
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
